@@ -1,0 +1,36 @@
+"""Hygiene for every test: no process group, environment or child process outlives a test."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch.distributed as dist
+
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "UNISON_SPAWNED")
+
+
+@pytest.fixture(autouse=True)
+def _clean_distributed_state():
+    """Restores the environment, destroys a leaked process group, and fails on leftover children."""
+    saved_env = dict(os.environ)
+    for key in _LAUNCHER_VARS:
+        os.environ.pop(key, None)
+    before = {p.pid for p in multiprocessing.active_children()}
+    yield
+    leaked_group = dist.is_available() and dist.is_initialized()
+    if leaked_group:
+        import ignite.distributed as idist
+
+        idist.finalize()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved_env)
+    leftovers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    for proc in leftovers:
+        proc.kill()
+        proc.join(timeout=5)
+    assert not leaked_group, "the test left a torch.distributed process group behind"
+    assert not leftovers, f"the test left child processes running: {[p.pid for p in leftovers]}"

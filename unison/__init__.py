@@ -1,0 +1,17 @@
+"""unison: distributed PyTorch training in which every rank moves in unison."""
+
+from unison.distributed import launch, prepare_loaders, prepare_model
+from unison.engine import Engine, Events, create_evaluator, create_trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Engine",
+    "Events",
+    "__version__",
+    "create_evaluator",
+    "create_trainer",
+    "launch",
+    "prepare_loaders",
+    "prepare_model",
+]

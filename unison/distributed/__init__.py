@@ -1,0 +1,43 @@
+"""Launching ranks, the collectives unison relies on, samplers and loaders."""
+
+from unison.distributed.env import default_backend, detect_launcher, find_free_port
+from unison.distributed.launch import DEFAULT_TIMEOUT, RankFailedError, launch
+from unison.distributed.loaders import prepare_loaders, split_dataset
+from unison.distributed.model import model_device, prepare_model, unwrap_model
+from unison.distributed.primitives import (
+    all_reduce_sum,
+    broadcast_object,
+    device,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    rank_zero_only,
+    sync_bool,
+)
+from unison.distributed.samplers import EvalSampler, TrainSampler
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "EvalSampler",
+    "RankFailedError",
+    "TrainSampler",
+    "all_reduce_sum",
+    "broadcast_object",
+    "default_backend",
+    "detect_launcher",
+    "device",
+    "find_free_port",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "launch",
+    "model_device",
+    "prepare_loaders",
+    "prepare_model",
+    "rank_zero_only",
+    "split_dataset",
+    "sync_bool",
+    "unwrap_model",
+]

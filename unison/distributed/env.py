@@ -1,0 +1,106 @@
+"""What launched this process, and which device and backend each rank should use."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Launcher = Literal["torchrun", "slurm", "spawn", "none"]
+
+# torchrun (torch.distributed.run) always exports these three to every worker.
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+# srun exports these to every task of a job step.
+_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+# Set on processes that unison's own launch() spawned.
+SPAWNED_VAR = "UNISON_SPAWNED"
+
+
+@dataclass(frozen=True)
+class LauncherInfo:
+    """The launcher that started this process and the placement it gave it."""
+
+    kind: Launcher
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return "no launcher"
+        return f"{self.kind} (RANK={self.rank}, LOCAL_RANK={self.local_rank}, WORLD_SIZE={self.world_size})"
+
+
+def detect_launcher(environ: os._Environ[str] | dict[str, str] | None = None) -> LauncherInfo:
+    """Reports which launcher, if any, started this process, from its environment variables.
+
+    torchrun wins over SLURM when both are present (torchrun started inside an sbatch job):
+    torchrun's variables then describe the process, SLURM's the allocation.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(SPAWNED_VAR) == "1" and all(k in env for k in _TORCHRUN_VARS):
+        return LauncherInfo(
+            "spawn", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+        )
+    if all(k in env for k in _TORCHRUN_VARS):
+        return LauncherInfo(
+            "torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+        )
+    # srun sets SLURM_STEP_ID; the batch script itself (SLURM_JOB_ID only) is one process
+    # that has not been placed by srun, and treating it as a rank would hang the job.
+    if all(k in env for k in _SLURM_VARS) and "SLURM_STEP_ID" in env:
+        return LauncherInfo(
+            "slurm",
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_LOCALID"]),
+            int(env["SLURM_NTASKS"]),
+        )
+    return LauncherInfo("none")
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def device_for_local_rank(local_rank: int) -> torch.device:
+    """The device a rank should compute on: ``cuda:LOCAL_RANK`` on GPUs, else the CPU.
+
+    When the launcher binds one GPU per task (SLURM's ``--gpus-per-task=1`` or a per-rank
+    ``CUDA_VISIBLE_DEVICES``), each process sees a single device, which is ``cuda:0``
+    whatever its local rank.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this process sees only {count} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}). "
+            "Start at most one process per visible GPU, or make every GPU of the node visible."
+        )
+    return torch.device("cuda", local_rank)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now, chosen by the kernel."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind ``host:port`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True

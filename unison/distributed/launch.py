@@ -1,0 +1,298 @@
+"""Start a function on every rank: spawned locally, under torchrun, or under SLURM."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+import torch.multiprocessing as mp
+
+from unison.distributed.env import (
+    SPAWNED_VAR,
+    default_backend,
+    detect_launcher,
+    device_for_local_rank,
+    find_free_port,
+)
+from unison.utils.logging import setup_logging
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""Process-group timeout: how long a collective may wait for a missing rank before failing."""
+
+
+class RankFailedError(RuntimeError):
+    """A spawned rank raised or died; the message holds its rank and traceback."""
+
+    def __init__(self, rank: int, world_size: int, detail: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        super().__init__(f"rank {rank} of {world_size} failed:\n{detail}")
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc_per_node: int | None = None,
+    backend: str | None = None,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    start_method: str = "spawn",
+    deadline: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Runs ``fn(*args, **kwargs)`` on every rank of a process group, through ``idist.Parallel``.
+
+    Three situations, told apart by the environment:
+
+    - ``nproc_per_node=N`` and no launcher: spawns N local processes, with a free port
+      chosen for the rendezvous unless ``master_port`` is given.
+    - Started by torchrun or by srun (SLURM): this process is one rank; the process group is
+      made from the launcher's variables. ``nproc_per_node`` must then be left out: the
+      launcher has already started the processes.
+    - Neither: runs ``fn`` once in this process, with no process group (world size 1).
+
+    Every rank gets logging prefixed with its rank, and on GPUs its own ``cuda:LOCAL_RANK``
+    device (see :func:`unison.distributed.device`).
+
+    Args:
+        fn: the function every rank runs. When spawning it must be importable by name
+            (defined at the top level of a module) and its arguments picklable.
+        *args: positional arguments for ``fn``.
+        nproc_per_node: how many processes to spawn on this machine.
+        backend: ``"nccl"`` or ``"gloo"``; default nccl when CUDA is available, else gloo.
+        timeout: how long a collective may wait for the other ranks before it fails, as a
+            ``timedelta`` or seconds. The default is 10 minutes, not torch's 30.
+        master_addr: rendezvous address when spawning.
+        master_port: rendezvous port when spawning; default, a free port.
+        start_method: multiprocessing start method when spawning: ``"spawn"`` (safe
+            everywhere) or ``"forkserver"`` (faster repeated starts).
+        deadline: when spawning, seconds after which a rank that has not finished prints the
+            stacks of all its threads and exits, failing the job. Meant for tests.
+        **kwargs: keyword arguments for ``fn``.
+
+    Returns:
+        The return values of the ranks that ran in this process tree, in local-rank order:
+        all N when spawning, else a one-element list with this process's result.
+
+    Raises:
+        RuntimeError: when asked to spawn inside torchrun or SLURM (processes would be
+            duplicated), with what to run instead.
+        RankFailedError: when a spawned rank raised or died; names the rank and carries
+            its traceback.
+
+    Example:
+        >>> from unison.distributed import launch, get_rank
+        >>> def work(x):
+        ...     return x + get_rank()
+        >>> launch(work, 1)  # no launcher, no nproc_per_node: one process
+        [1]
+
+    Distributed:
+        Call it on every process a launcher started, or once from the main process when
+        spawning. The process group exists on every rank before ``fn`` runs.
+    """
+    if not callable(fn):
+        raise TypeError(f"launch(fn=...) needs a callable, got {type(fn).__name__}: {fn!r}")
+    if nproc_per_node is not None and (
+        isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1
+    ):
+        raise ValueError(
+            f"launch(nproc_per_node=...) must be a positive int or None, got {nproc_per_node!r}."
+        )
+    if backend is None:
+        backend = default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"launch(backend=...) must be 'gloo' or 'nccl', got {backend!r}.")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "launch(backend='nccl') needs CUDA, and torch.cuda.is_available() is False here. "
+            "Use backend='gloo' (or leave backend unset) to run on CPU."
+        )
+    timeout = _as_timedelta(timeout)
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(
+            f"launch(start_method=...) must be 'spawn' or 'forkserver', got {start_method!r}: "
+            "'fork' is unsafe once torch has started its thread pools."
+        )
+    if deadline is not None and deadline <= 0:
+        raise ValueError(f"launch(deadline=...) must be a positive number of seconds, got {deadline!r}.")
+
+    # ignite's launcher logs its parameters at INFO through a handler of its own unless its
+    # logger already exists; unison logs what matters itself.
+    logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
+    info = detect_launcher()
+    if nproc_per_node is not None:
+        if info.kind != "none":
+            raise RuntimeError(
+                f"launch(nproc_per_node={nproc_per_node}) was called in a process that {info.describe()} "
+                "already started. Spawning here would start extra processes with duplicate ranks. "
+                + _nested_fix(info.kind)
+            )
+        if idist.get_world_size() > 1:
+            raise RuntimeError(
+                f"launch(nproc_per_node={nproc_per_node}) was called inside a process group of "
+                f"{idist.get_world_size()} ranks. Call fn directly instead."
+            )
+        return _spawn(
+            fn, args, kwargs, nproc_per_node, backend, timeout, master_addr, master_port, start_method, deadline
+        )
+    return [_run_in_process(fn, args, kwargs, backend, timeout, launched=info.kind != "none")]
+
+
+def _nested_fix(kind: str) -> str:
+    if kind == "torchrun":
+        return "Leave nproc_per_node out (drop --nproc from the command line) when running under torchrun."
+    if kind == "slurm":
+        return (
+            "Under srun, each task is already one rank: leave nproc_per_node out, and ask SLURM for "
+            "more tasks (--ntasks-per-node) instead."
+        )
+    return "Call fn directly: this process is already one rank of a spawned job."
+
+
+def _as_timedelta(timeout: timedelta | float) -> timedelta:
+    if isinstance(timeout, timedelta):
+        value = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = timedelta(seconds=float(timeout))
+    else:
+        raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}: {timeout!r}")
+    if value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value}.")
+    return value
+
+
+def _run_in_process(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    backend: str,
+    timeout: timedelta,
+    launched: bool,
+) -> Any:
+    """Runs fn in this process: one rank of a torchrun/SLURM job, or a single process."""
+    created_group = False
+    if launched and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        # idist.Parallel(backend) would create the group without a timeout; create it
+        # ourselves, then let Parallel run in the existing context.
+        idist.initialize(backend, timeout=timeout)
+        created_group = True
+    result: list[Any] = []
+    try:
+        _configure_rank()
+        with idist.Parallel(backend=None) as parallel:
+            parallel.run(_call_into, fn, args, kwargs, result)
+    finally:
+        if created_group:
+            idist.finalize()
+    return result[0]
+
+
+def _call_into(local_rank: int, fn: Callable[..., Any], args: tuple, kwargs: dict, out: list) -> None:
+    out.append(fn(*args, **kwargs))
+
+
+def _configure_rank() -> None:
+    """Per-process set-up every rank does before user code: logging and the device."""
+    # Resolving rank and world size here runs idist's one-time context sync on every rank
+    # at the same moment, instead of at the first rank-conditional idist call.
+    rank, world_size = idist.get_rank(), idist.get_world_size()
+    setup_logging(rank=rank, world_size=world_size)
+    device = device_for_local_rank(idist.get_local_rank())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nproc: int,
+    backend: str,
+    timeout: timedelta,
+    master_addr: str,
+    master_port: int | None,
+    start_method: str,
+    deadline: float | None,
+) -> list[Any]:
+    port = master_port if master_port is not None else find_free_port(master_addr)
+    if start_method == "forkserver":
+        # The fork server imports these once; each rank then starts in a fraction of a second.
+        mp.get_context("forkserver").set_forkserver_preload(["torch", "ignite.engine", "unison"])
+    with tempfile.TemporaryDirectory(prefix="unison-launch-") as tmp:
+        results = Path(tmp)
+        started = time.monotonic()
+        try:
+            with idist.Parallel(
+                backend=backend,
+                nproc_per_node=nproc,
+                master_addr=master_addr,
+                master_port=port,
+                timeout=timeout,
+                start_method=start_method,
+            ) as parallel:
+                parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline)
+        except mp.ProcessRaisedException as err:
+            raise RankFailedError(err.error_index, nproc, err.msg) from None
+        except mp.ProcessExitedException as err:
+            elapsed = time.monotonic() - started
+            if deadline is not None and elapsed >= deadline:
+                detail = (
+                    f"it did not finish within deadline={deadline:g} s; the stacks of all its threads "
+                    "were printed to stderr above."
+                )
+            else:
+                how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
+                detail = f"the process died with {how} before returning (see its stderr above)."
+            raise RankFailedError(err.error_index, nproc, detail) from None
+        out = []
+        for rank in range(nproc):
+            with open(results / f"rank-{rank}.pkl", "rb") as fh:
+                out.append(pickle.load(fh))
+        return out
+
+
+def _spawned_rank(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    result_dir: str,
+    nproc: int,
+    deadline: float | None,
+) -> None:
+    """Entry point of each spawned process; the process group already exists."""
+    os.environ[SPAWNED_VAR] = "1"
+    if deadline is not None:
+        faulthandler.dump_traceback_later(deadline, exit=True)
+    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+        # N ranks on one CPU: give each its share of the cores instead of N x all cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        _configure_rank()
+        result = fn(*args, **kwargs)
+        path = Path(result_dir) / f"rank-{local_rank}.pkl"
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as fh:
+                pickle.dump(result, fh, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            raise TypeError(
+                f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__} that cannot be "
+                f"pickled back to the launching process ({err}). Return plain data or tensors."
+            ) from err
+        os.replace(tmp, path)
+    finally:
+        if deadline is not None:
+            faulthandler.cancel_dump_traceback_later()

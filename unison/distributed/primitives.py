@@ -1,0 +1,134 @@
+"""Rank helpers and the few collectives unison is built on.
+
+Vocabulary: a decorator (:func:`rank_zero_only`) means "only this rank does it"; every
+function that is a collective says so in the first line of its docstring, and must be
+called by every rank, in the same order, or the job hangs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, cast
+
+import ignite.distributed as idist
+import torch
+import torch.distributed as dist
+
+from unison.distributed.env import device_for_local_rank
+
+F = TypeVar("F", bound=Callable[..., Any])
+SyncMode = Literal["any", "all", "rank_zero"]
+
+
+def get_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return idist.get_rank()
+
+
+def get_world_size() -> int:
+    """The number of ranks (1 without a process group)."""
+    return idist.get_world_size()
+
+
+def get_local_rank() -> int:
+    """This process's rank on its machine (0 without a process group)."""
+    return idist.get_local_rank()
+
+
+def device() -> torch.device:
+    """The device this rank computes on: ``cuda:LOCAL_RANK`` on GPUs, else the CPU."""
+    return device_for_local_rank(get_local_rank())
+
+
+def is_distributed() -> bool:
+    """Whether a process group of more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_zero_only(fn: F) -> F:
+    """Decorator: the function runs on rank 0 only; other ranks get ``None``.
+
+    For side effects alone (writing a file, printing). A function that is or calls a
+    collective must never be wrapped: the other ranks would wait for rank 0 forever.
+    Exceptions on rank 0 propagate, they are never swallowed.
+
+    Example:
+        >>> @rank_zero_only
+        ... def report(msg):
+        ...     print(msg)
+        >>> report("hello")
+        hello
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if get_rank() == 0:
+            return fn(*args, **kwargs)
+        return None
+
+    return cast(F, wrapper)
+
+
+def _comm_device() -> torch.device:
+    """Where tensors must live for the backend's collectives."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return device()
+    return torch.device("cpu")
+
+
+def sync_bool(flag: bool, mode: SyncMode = "any") -> bool:
+    """Collective: call on every rank. Agrees on one boolean across all ranks.
+
+    Args:
+        flag: this rank's opinion.
+        mode: ``"any"``: True if any rank says True; ``"all"``: True if every rank does;
+            ``"rank_zero"``: rank 0's value, for all.
+
+    Returns:
+        The same value on every rank.
+    """
+    if mode not in ("any", "all", "rank_zero"):
+        raise ValueError(f"sync_bool(mode=...) must be 'any', 'all' or 'rank_zero', got {mode!r}.")
+    if not is_distributed():
+        return bool(flag)
+    if mode == "rank_zero":
+        return bool(broadcast_object(bool(flag), src=0))
+    votes = torch.tensor([1.0 if flag else 0.0], device=_comm_device())
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+    count = int(votes.item())
+    return count > 0 if mode == "any" else count == dist.get_world_size()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Collective: call on every rank. Returns rank ``src``'s ``obj`` on every rank.
+
+    The object is pickled: send small things (a decision, a path, a config), not tensors
+    of model size.
+    """
+    if not is_distributed():
+        return obj
+    holder = [obj if get_rank() == src else None]
+    dist.broadcast_object_list(holder, src=src, device=_comm_device())
+    return holder[0]
+
+
+def all_reduce_sum(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Collective: call on every rank. Sums several 1-D tensors across ranks in one all-reduce.
+
+    The tensors are flattened into one float64 buffer, reduced once, and split back, so
+    the number of collectives does not grow with the number of tensors. Each rank must
+    pass tensors of the same sizes in the same order.
+
+    Returns:
+        New float64 tensors on the CPU, one per input, holding the sums over all ranks.
+    """
+    sizes = [int(t.numel()) for t in tensors]
+    if not sizes:
+        return []
+    comm = _comm_device()
+    flat = torch.cat([t.detach().reshape(-1).to(device=comm, dtype=torch.float64) for t in tensors])
+    if is_distributed():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat = flat.cpu()
+    return list(torch.split(flat, sizes))

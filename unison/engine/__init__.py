@@ -1,0 +1,20 @@
+"""The Engine, its events, and the training and evaluation step factories."""
+
+from ignite.engine import Events, State
+
+from unison.engine.engine import Engine
+from unison.engine.steps import EvalStep, TrainStep, create_evaluator, create_trainer, prepare_batch
+from unison.engine.sync import SyncContributor, SyncPoint
+
+__all__ = [
+    "Engine",
+    "EvalStep",
+    "Events",
+    "State",
+    "SyncContributor",
+    "SyncPoint",
+    "TrainStep",
+    "create_evaluator",
+    "create_trainer",
+    "prepare_batch",
+]

@@ -1,0 +1,380 @@
+"""Training and evaluation steps, and the engines built around them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from ignite.engine import Events
+from ignite.metrics import Metric
+from ignite.utils import convert_tensor
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from unison.distributed.model import model_device, unwrap_model
+from unison.engine.engine import Engine
+from unison.handlers.epoch_average import EpochAverage
+from unison.metrics.base import SumMetric
+from unison.metrics.group import MetricGroup
+
+AmpMode = Literal["bf16", "fp16"]
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -> tuple[Any, Any]:
+    """Splits a batch into ``(inputs, targets)`` and copies both to ``device``.
+
+    Accepts a ``(x, y)`` pair (what a DataLoader over a ``TensorDataset`` yields) or a
+    mapping with ``"x"``/``"y"`` or ``"input"``/``"target"`` keys. Nested lists, tuples and
+    dicts of tensors are copied as well. Copies are ``non_blocking``: with pinned memory a
+    host-to-GPU copy overlaps with compute.
+    """
+    if isinstance(batch, Mapping):
+        for xk, yk in (("x", "y"), ("input", "target"), ("inputs", "targets")):
+            if xk in batch and yk in batch:
+                x, y = batch[xk], batch[yk]
+                break
+        else:
+            raise ValueError(
+                f"prepare_batch got a mapping with keys {sorted(batch)}; expected 'x'/'y' or 'input'/'target'. "
+                "Pass prepare_batch=your_function(batch, device, non_blocking) -> (x, y) for other layouts."
+            )
+    elif isinstance(batch, Sequence) and len(batch) == 2:
+        x, y = batch
+    else:
+        raise ValueError(
+            f"prepare_batch got a {type(batch).__name__} batch; expected an (inputs, targets) pair. Pass "
+            "prepare_batch=your_function(batch, device, non_blocking) -> (x, y) for other layouts."
+        )
+    return (
+        convert_tensor(x, device=device, non_blocking=non_blocking),
+        convert_tensor(y, device=device, non_blocking=non_blocking),
+    )
+
+
+def _check_device(model: nn.Module, device: torch.device | str | None, fn: str) -> torch.device:
+    actual = model_device(model)
+    if device is None:
+        return actual
+    wanted = torch.device(device)
+    if wanted.type == "cuda" and wanted.index is None:
+        wanted = torch.device("cuda", torch.cuda.current_device())
+    if wanted != actual:
+        raise ValueError(
+            f"{fn}(device={str(device)!r}) but the model's parameters are on {actual}. Move the model first "
+            "(unison.distributed.prepare_model(model) puts it on this rank's device), then build the "
+            "optimizer and the engine; or leave device unset to use the model's device."
+        )
+    return wanted
+
+
+def _check_amp(amp: str | None, fn: str) -> torch.dtype | None:
+    if amp is None or amp == "none":
+        return None
+    if amp not in _AMP_DTYPES:
+        raise ValueError(f"{fn}(amp={amp!r}) is not a known mode; use 'bf16', 'fp16' or None.")
+    return _AMP_DTYPES[amp]
+
+
+class TrainStep:
+    """One training iteration: forward, backward, and every ``accumulation_steps`` an update.
+
+    Returned by :func:`create_trainer` as the engine's process function. It keeps the
+    loss on the device: no ``.item()``, ``.cpu()`` or other host synchronisation happens
+    in it (except inside ``GradScaler.step`` with fp16, which reads the overflow flag).
+
+    Gradient accumulation splits an update over ``k`` consecutive iterations (micro-
+    batches). DDP all-reduces gradients only on the last micro-batch of each window
+    (``no_sync`` on the others). Windows restart at every epoch; when the epoch length
+    is not a multiple of ``k``, the last, shorter window still ends with a synchronised
+    update, and its loss is averaged over its own length.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        device: torch.device,
+        amp_dtype: torch.dtype | None,
+        scaler: torch.amp.GradScaler | None,
+        accumulation_steps: int,
+        clip_grad_norm: float | None,
+        prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]],
+        non_blocking: bool,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device = device
+        self.amp_dtype = amp_dtype
+        self.scaler = scaler
+        self.accumulation_steps = accumulation_steps
+        self.clip_grad_norm = clip_grad_norm
+        self.prepare_batch = prepare_batch
+        self.non_blocking = non_blocking
+        self.grad_norm: torch.Tensor | None = None
+        """Total gradient norm before clipping at the last update (a device tensor)."""
+
+    def _window(self, engine: Engine) -> tuple[int, bool]:
+        """(length of the current accumulation window, whether this iteration ends it)."""
+        k = self.accumulation_steps
+        if k == 1:
+            return 1, True
+        epoch_length = engine.state.epoch_length
+        if epoch_length is None:
+            raise ValueError(
+                f"create_trainer(accumulation_steps={k}) needs a known epoch length to close the last "
+                "window of an epoch; the data has no len(). Pass epoch_length to engine.run(...)."
+            )
+        position = (engine.state.iteration - 1) % epoch_length  # 0-based, within the epoch
+        window_start = position - position % k
+        length = min(k, epoch_length - window_start)
+        return length, position - window_start == length - 1
+
+    def __call__(self, engine: Engine, batch: Any) -> torch.Tensor:
+        window, is_last = self._window(engine)
+        x, y = self.prepare_batch(batch, self.device, self.non_blocking)
+        sync_ctx = (
+            self.model.no_sync()
+            if not is_last and isinstance(self.model, DistributedDataParallel)
+            else contextlib.nullcontext()
+        )
+        with sync_ctx:
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                y_pred = self.model(x)
+                loss = self.loss_fn(y_pred, y)
+            scaled = loss / window if window > 1 else loss
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
+        if is_last:
+            if self.clip_grad_norm is not None:
+                if self.scaler is not None:
+                    self.scaler.unscale_(self.optimizer)
+                self.grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm).detach()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def create_trainer(
+    model: nn.Module,
+    optimizer: Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    device: torch.device | str | None = None,
+    amp: AmpMode | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    accumulation_steps: int = 1,
+    clip_grad_norm: float | None = None,
+    prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]] = prepare_batch,
+    non_blocking: bool = True,
+    track_loss: bool = True,
+) -> Engine:
+    """Builds a training :class:`~unison.engine.Engine` around a :class:`TrainStep`.
+
+    Each iteration returns the batch's loss as a detached device tensor. The model is put
+    in training mode at every epoch start (not every iteration). With ``track_loss`` the
+    epoch's mean loss over all ranks is in ``engine.state.metrics["loss"]`` after the
+    epoch's sync point.
+
+    Args:
+        model: the model, already on its device (see
+            :func:`~unison.distributed.prepare_model`), plain or wrapped in DDP.
+        optimizer: the optimizer over the model's parameters.
+        loss_fn: ``loss_fn(y_pred, y) -> scalar tensor``, a mean over the batch.
+        device: where batches go; default, the model's device. Given, it must match it.
+        amp: ``"bf16"`` or ``"fp16"`` autocast; None for full precision. fp16 uses a
+            ``GradScaler`` (one is made unless ``scaler`` is given).
+        scaler: a ``torch.amp.GradScaler`` for fp16.
+        accumulation_steps: micro-batches per optimizer update, >= 1.
+        clip_grad_norm: clip the total gradient norm to this value (after unscaling).
+        prepare_batch: ``fn(batch, device, non_blocking) -> (x, y)``.
+        non_blocking: copy batches to the device asynchronously.
+        track_loss: keep the epoch's mean loss (one sum on the device per iteration).
+
+    Returns:
+        The trainer. Its process function is the :class:`TrainStep`
+        (``trainer._process_function``), which holds model, optimizer and scaler.
+
+    Example:
+        >>> import torch
+        >>> from unison.engine import create_trainer
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> trainer = create_trainer(model, opt, torch.nn.functional.mse_loss)
+        >>> data = [(torch.ones(4, 2), torch.zeros(4, 1))] * 3
+        >>> state = trainer.run(data, max_epochs=2)
+        >>> state.iteration, "loss" in state.metrics
+        (6, True)
+
+    Distributed:
+        Build it on every rank. With a DDP model, gradients are averaged across ranks at
+        each update; nothing else in the step is a collective.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"create_trainer(model=...) needs an nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"create_trainer(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"create_trainer(loss_fn=...) must be callable, got {type(loss_fn).__name__}.")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(
+            f"create_trainer(accumulation_steps={accumulation_steps!r}) must be an int >= 1 "
+            "(1 means an optimizer update every iteration)."
+        )
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"create_trainer(clip_grad_norm={clip_grad_norm!r}) must be a positive number or None.")
+    resolved = _check_device(model, device, "create_trainer")
+    amp_dtype = _check_amp(amp, "create_trainer")
+    if scaler is not None and amp != "fp16":
+        raise ValueError(
+            f"create_trainer(scaler=...) was given with amp={amp!r}; a GradScaler is only for amp='fp16' "
+            "(bf16 has the range of fp32 and needs no loss scaling)."
+        )
+    if amp == "fp16" and scaler is None:
+        scaler = torch.amp.GradScaler(resolved.type)
+
+    step = TrainStep(
+        model,
+        optimizer,
+        loss_fn,
+        device=resolved,
+        amp_dtype=amp_dtype,
+        scaler=scaler,
+        accumulation_steps=accumulation_steps,
+        clip_grad_norm=clip_grad_norm,
+        prepare_batch=prepare_batch,
+        non_blocking=non_blocking,
+    )
+    trainer = Engine(step)
+
+    def _train_mode(_: Engine) -> None:
+        model.train()
+
+    def _start_clean(_: Engine) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    trainer.add_event_handler(Events.EPOCH_STARTED, _train_mode)
+    trainer.add_event_handler(Events.STARTED, _start_clean)
+    if track_loss:
+        EpochAverage(name="loss").attach(trainer)
+    return trainer
+
+
+class EvalStep:
+    """One evaluation iteration: a forward pass without gradients, returning ``(y_pred, y)``.
+
+    It runs the module inside any DDP wrapper: DDP's forward may issue collectives, and
+    ranks of an unpadded evaluation run different numbers of batches.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device,
+        amp_dtype: torch.dtype | None,
+        prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]],
+        non_blocking: bool,
+    ) -> None:
+        self.model = unwrap_model(model)
+        self.device = device
+        self.amp_dtype = amp_dtype
+        self.prepare_batch = prepare_batch
+        self.non_blocking = non_blocking
+
+    def __call__(self, engine: Engine, batch: Any) -> tuple[Any, Any]:
+        x, y = self.prepare_batch(batch, self.device, self.non_blocking)
+        with torch.no_grad():
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                y_pred = self.model(x)
+        return y_pred, y
+
+
+def create_evaluator(
+    model: nn.Module,
+    metrics: Mapping[str, Metric] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    amp: AmpMode | None = None,
+    prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]] = prepare_batch,
+    non_blocking: bool = True,
+) -> Engine:
+    """Builds an evaluation :class:`~unison.engine.Engine` that computes ``metrics``.
+
+    unison's metrics (:mod:`unison.metrics`) are reduced across ranks together, in one
+    all-reduce at the end of the run, and are exact at any world size when the data is
+    sharded without padding (:class:`~unison.distributed.EvalSampler`). Any ignite metric
+    may be passed too; it syncs itself, as in ignite. Results are in
+    ``evaluator.state.metrics``. The model is switched to eval mode for the run and back
+    to its previous mode afterwards.
+
+    Args:
+        model: the model (plain or DDP; the forward pass runs on the module inside).
+        metrics: name -> metric.
+        device: where batches go; default, the model's device. Given, it must match it.
+        amp: ``"bf16"`` or ``"fp16"`` autocast, or None.
+        prepare_batch: ``fn(batch, device, non_blocking) -> (x, y)``.
+        non_blocking: copy batches to the device asynchronously.
+
+    Example:
+        >>> import torch
+        >>> from unison.engine import create_evaluator
+        >>> from unison.metrics import MeanSquaredError
+        >>> model = torch.nn.Linear(2, 1)
+        >>> evaluator = create_evaluator(model, {"mse": MeanSquaredError()})
+        >>> data = [(torch.ones(4, 2), torch.zeros(4, 1))]
+        >>> "mse" in evaluator.run(data).metrics
+        True
+
+    Distributed:
+        Build it and run it on every rank; each rank evaluates its own shard.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"create_evaluator(model=...) needs an nn.Module, got {type(model).__name__}.")
+    metrics = dict(metrics or {})
+    for name, metric in metrics.items():
+        if not isinstance(metric, Metric):
+            raise TypeError(
+                f"create_evaluator(metrics={{{name!r}: ...}}) needs an ignite or unison Metric, "
+                f"got {type(metric).__name__}."
+            )
+    resolved = _check_device(model, device, "create_evaluator")
+    amp_dtype = _check_amp(amp, "create_evaluator")
+    step = EvalStep(model, device=resolved, amp_dtype=amp_dtype, prepare_batch=prepare_batch, non_blocking=non_blocking)
+    evaluator = Engine(step)
+
+    modes: list[bool] = []
+
+    def _eval_mode(_: Engine) -> None:
+        modes.append(step.model.training)
+        step.model.eval()
+
+    def _restore_mode(_: Engine) -> None:
+        if modes:
+            step.model.train(modes.pop())
+
+    evaluator.add_event_handler(Events.STARTED, _eval_mode)
+    evaluator.add_event_handler(Events.COMPLETED, _restore_mode)
+    evaluator.add_event_handler(Events.TERMINATE, _restore_mode)
+
+    ours = {name: m for name, m in metrics.items() if isinstance(m, SumMetric)}
+    if ours:
+        MetricGroup(ours).attach(evaluator)
+    for name, metric in metrics.items():
+        if name not in ours:
+            metric.attach(evaluator, name)
+    return evaluator
+

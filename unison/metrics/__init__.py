@@ -1,0 +1,9 @@
+"""Metrics whose states are sums, exact at any world size and reduced in one collective."""
+
+from unison.metrics.base import SumMetric
+from unison.metrics.classification import Accuracy
+from unison.metrics.group import MetricGroup
+from unison.metrics.loss import Loss
+from unison.metrics.regression import MeanAbsoluteError, MeanSquaredError
+
+__all__ = ["Accuracy", "Loss", "MeanAbsoluteError", "MeanSquaredError", "MetricGroup", "SumMetric"]

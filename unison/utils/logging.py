@@ -1,0 +1,45 @@
+"""Console logging with the rank in every record: INFO on rank 0, WARNING elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+_ROOT = "unison"
+_HANDLER_NAME = "unison-console"
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger for a unison module (``name`` is usually ``__name__``)."""
+    return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+
+
+def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) -> logging.Logger:
+    """Sends unison's log records to stderr, each prefixed with the rank that wrote it.
+
+    Rank 0 logs at INFO; the other ranks at WARNING, so a job of 64 ranks prints each
+    progress line once while a warning or error on any rank still shows. Calling it again
+    replaces the handler instead of adding a second one.
+
+    Args:
+        rank: this process's global rank.
+        world_size: the number of ranks (shown as ``[rank 1/4]``).
+        level: overrides the level on every rank.
+
+    Returns:
+        The ``unison`` logger.
+    """
+    logger = logging.getLogger(_ROOT)
+    for handler in list(logger.handlers):
+        if handler.get_name() == _HANDLER_NAME:
+            logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
+    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    if level is None:
+        level = logging.INFO if rank == 0 else logging.WARNING
+    logger.setLevel(level)
+    logger.propagate = False
+    return logger
