@@ -8,6 +8,7 @@ import os
 import pickle
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +50,7 @@ def launch(
     master_port: int | None = None,
     start_method: str = "spawn",
     deadline: float | None = None,
+    debug: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on every rank of a process group, through ``idist.Parallel``.
@@ -79,6 +81,11 @@ def launch(
             everywhere) or ``"forkserver"`` (faster repeated starts).
         deadline: when spawning, seconds after which a rank that has not finished prints the
             stacks of all its threads and exits, failing the job. Meant for tests.
+        debug: turn on torch's collective consistency checks
+            (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: a collective called with different shapes
+            or in a different order on some rank fails with a description instead of
+            hanging) and unison's lockstep checks at every sync point
+            (``UNISON_DEBUG=1``). Costs time; for diagnosing.
         **kwargs: keyword arguments for ``fn``.
 
     Returns:
@@ -131,6 +138,10 @@ def launch(
     # ignite's launcher logs its parameters at INFO through a handler of its own unless its
     # logger already exists; unison logs what matters itself.
     logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
+    if debug:
+        # Read by torch when the process group is created, and inherited by spawned ranks.
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        os.environ["UNISON_DEBUG"] = "1"
     info = detect_launcher()
     if nproc_per_node is not None:
         if info.kind != "none":
@@ -244,7 +255,8 @@ def _spawn(
             ) as parallel:
                 parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline)
         except mp.ProcessRaisedException as err:
-            raise RankFailedError(err.error_index, nproc, err.msg) from None
+            rank, detail = _root_cause(results, err.error_index, err.msg)
+            raise RankFailedError(rank, nproc, detail) from None
         except mp.ProcessExitedException as err:
             elapsed = time.monotonic() - started
             if deadline is not None and elapsed >= deadline:
@@ -261,6 +273,40 @@ def _spawn(
             with open(results / f"rank-{rank}.pkl", "rb") as fh:
                 out.append(pickle.load(fh))
         return out
+
+
+# Messages of errors a rank gets because another rank died while they shared a collective.
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistBackendError",
+    "ProcessGroupGloo",
+    "NCCL communicator was aborted",
+)
+
+
+def _root_cause(results: Path, reported: int, message: str) -> tuple[int, str]:
+    """The rank whose failure started it all, and its traceback.
+
+    When one rank raises, the ranks waiting for it in a collective fail a moment later
+    with a connection error, and either may be the first the parent hears of. Each rank
+    records its failure with a timestamp; the earliest that is not such a secondary
+    error is the cause.
+    """
+    failures = []
+    for path in results.glob("error-rank-*.txt"):
+        stamp, _, text = path.read_text().partition("\n")
+        failures.append((float(stamp), int(path.stem.rsplit("-", 1)[1]), text))
+    if not failures:
+        return reported, message
+    failures.sort()
+    primary = [f for f in failures if not any(m in f[2] for m in _PEER_FAILURE_MARKERS)]
+    _, rank, text = (primary or failures)[0]
+    others = sorted(r for _, r, _ in failures if r != rank)
+    if others:
+        text += f"\n(then rank(s) {others} failed too, waiting for rank {rank} in a collective)"
+    return rank, text
 
 
 def _spawned_rank(
@@ -281,7 +327,13 @@ def _spawned_rank(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
         _configure_rank()
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            (Path(result_dir) / f"error-rank-{local_rank}.txt").write_text(
+                f"{time.time()!r}\n{traceback.format_exc()}"
+            )
+            raise
         path = Path(result_dir) / f"rank-{local_rank}.pkl"
         tmp = path.with_suffix(".tmp")
         try:

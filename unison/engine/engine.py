@@ -1,53 +1,93 @@
-"""unison's Engine: ignite's Engine, with the distributed defaults every run needs."""
+"""unison's Engine: ignite's Engine, with every control decision agreed by all ranks.
+
+Compatibility note: the Engine overrides three private methods of ignite 0.5's Engine,
+``_fire_event`` (to skip a debug f-string per event, name the failing handler, and run
+sync points after the last handler of an event), ``_handle_exception`` (to name the
+rank and iteration of a failure) and ``terminate``/``terminate_epoch`` (public, to make
+them agreed). ``tests/engine/test_engine.py`` checks the event sequence against ignite's
+own Engine, so an upstream change breaks a test rather than a run.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from ignite.engine import Engine as IgniteEngine
 from ignite.engine import Events, State
 from torch.utils.data import DataLoader, RandomSampler
 
-from unison.distributed.primitives import get_world_size
+from unison.distributed.primitives import all_reduce_sum, get_rank, get_world_size, is_distributed
+from unison.engine.control import StopDecision, StopRequests
 from unison.engine.sync import SyncPoint
 from unison.handlers.sampler_epoch import SetSamplerEpoch
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
+
+DEFAULT_SYNC_EVERY = 100
+"""Iterations between two sync points inside an epoch (see ``benchmarks/``: under 1% of a step)."""
+
+_STATE_KEY = "unison"
 
 
 class Engine(IgniteEngine):
     """An ignite ``Engine`` that keeps every rank in step.
 
-    It runs the same loop and fires the same events as ``ignite.engine.Engine``, so ignite's
-    handlers and metrics attach to it unchanged. On top of that it:
+    It runs ignite's loop and fires ignite's events, so ignite's handlers and metrics
+    attach to it unchanged; at world size 1 it behaves as ignite's Engine, event for event.
+    On top of that:
 
-    - calls ``set_epoch(epoch - 1)`` on the data's sampler at every ``EPOCH_STARTED``
-      (ignite never does), before any handler of yours;
-    - owns a :class:`~unison.engine.sync.SyncPoint` that runs first at every
-      ``EPOCH_COMPLETED``: unison's metrics and the epoch's loss are reduced across ranks
-      there, in one collective, so later handlers see agreed values;
-    - runs the events of an epoch on a rank whose data shard is empty (an evaluation shard
-      of 2 samples on 3 ranks), where ignite raises, so that rank still joins the sync;
-    - refuses, with more than one rank, a DataLoader whose ``RandomSampler`` would make each
-      rank draw its own permutation of the whole dataset.
+    - **set_epoch**: calls ``set_epoch(epoch - 1)`` on the data's sampler at every
+      ``EPOCH_STARTED``, before any handler of yours.
+    - **Sync points**: at every epoch's end (before the ``EPOCH_COMPLETED`` handlers, with
+      the metrics; and after them, unless the run ends there) and every ``sync_every``
+      iterations, one small all-reduce carries everything ranks must agree on. Nothing
+      else in the loop is a collective or reads from the device.
+    - **Agreed stopping**: :meth:`terminate`, :meth:`terminate_epoch` and
+      :meth:`request_stop` may be called on any subset of ranks; every rank stops after
+      the same iteration, the first sync point at or after the request. Rank 0 logs which
+      ranks asked and why.
+    - **Uneven data**: a rank whose evaluation shard is empty still fires an epoch's
+      events (ignite raises), so it joins the sync; with more than one rank a DataLoader
+      with a ``RandomSampler`` is refused (each rank would shuffle the whole dataset).
+    - **Errors** raised in a handler or the step carry a note naming the handler, the
+      event, the iteration and the rank.
 
     The loop, as pseudocode (``*`` marks what unison adds)::
 
-        fire STARTED
+        fire STARTED                   * ranks compare epoch lengths once (sync_every only)
         while epoch < max_epochs and not terminated:
             epoch += 1
             * sampler.set_epoch(epoch - 1)
             fire EPOCH_STARTED
-            for batch in data:                      # GET_BATCH_STARTED / _COMPLETED around next()
+            for batch in data:         # GET_BATCH_STARTED / GET_BATCH_COMPLETED around next()
                 iteration += 1
                 fire ITERATION_STARTED
                 output = process_function(engine, batch)
                 fire ITERATION_COMPLETED
-            * sync point: one all-reduce of every registered contributor
+                * every sync_every iterations: sync point (stop requests, guards)
+            * sync point: metrics, epoch loss, stop requests (one all-reduce)
             fire EPOCH_COMPLETED
+            * unless this was the last epoch: sync point (requests made by those handlers)
         fire COMPLETED
 
     Args:
         process_function: ``fn(engine, batch) -> output``, as in ignite.
+        sync_every: iterations between sync points inside an epoch; None for epoch ends
+            only. Needs the same epoch length on every rank: when ranks report different
+            lengths at the start of a run (an unpadded evaluation), the run keeps to epoch
+            ends.
+        name: used in logs and error notes (``"trainer"``, ``"evaluator"``).
+        debug: at every sync point, also check that all ranks are at the same event and
+            iteration with the same handlers, and say which rank went its own way. One
+            extra collective per sync point. Default: the ``UNISON_DEBUG`` variable.
 
     Example:
         >>> from unison.engine import Engine, Events
@@ -60,14 +100,269 @@ class Engine(IgniteEngine):
         Build the same engine, with the same handlers, on every rank.
     """
 
-    def __init__(self, process_function: Callable[[IgniteEngine, Any], Any]) -> None:
+    def __init__(
+        self,
+        process_function: Callable[[IgniteEngine, Any], Any],
+        *,
+        sync_every: int | None = DEFAULT_SYNC_EVERY,
+        name: str = "engine",
+        debug: bool | None = None,
+    ) -> None:
         super().__init__(process_function)
+        if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(
+                f"Engine(sync_every={sync_every!r}) must be a positive int (iterations between sync points) "
+                "or None (sync at epoch ends only)."
+            )
+        self.name = name
+        self.sync_every = sync_every
+        self.debug = os.environ.get("UNISON_DEBUG", "0") not in ("", "0") if debug is None else bool(debug)
         self.sync_point = SyncPoint()
+        self._stop = StopRequests()
+        self._skip_completed = False
+        self._keep_requests = False
+        self._iteration_syncs = False
+        self._agreed: list[str] = []
+        self._failure_callbacks: list[Callable[[], None]] = []
+        self.sync_point.register(self._stop, scope="every")
         SetSamplerEpoch().attach(self)
-        self.add_event_handler(Events.EPOCH_COMPLETED, self._run_sync_point)
+        self.add_event_handler(Events.STARTED, self._on_started)
+        self.add_event_handler(Events.EPOCH_COMPLETED, self._sync_epoch)
 
-    def _run_sync_point(self, _: IgniteEngine) -> None:
-        self.sync_point()
+    # -- stopping ---------------------------------------------------------------------
+
+    def terminate(self, skip_completed: bool = False) -> None:
+        """Stops the run; with several ranks, all stop after the same iteration.
+
+        At world size 1 this is ignite's ``terminate``: the run stops after the current
+        event. With more ranks the call is a request: every rank stops at the first sync
+        point at or after it (see :meth:`request_stop`), whichever ranks made it.
+        """
+        if get_world_size() == 1:
+            super().terminate(skip_completed=skip_completed)
+        else:
+            self.request_stop("terminate() was called", skip_completed=skip_completed)
+
+    def terminate_epoch(self, skip_epoch_completed: bool = False) -> None:
+        """Ends the current epoch; with several ranks, all end it after the same iteration."""
+        if get_world_size() == 1:
+            super().terminate_epoch(skip_epoch_completed=skip_epoch_completed)
+            return
+        if skip_epoch_completed:
+            raise ValueError(
+                "terminate_epoch(skip_epoch_completed=True) is not supported with several ranks: the "
+                "epoch's sync point runs at EPOCH_COMPLETED and every rank must reach it."
+            )
+        self._stop.epoch_reasons.append("terminate_epoch() was called")
+
+    def request_stop(self, reason: str = "requested", *, skip_completed: bool = False) -> None:
+        """Asks every rank to stop at the next sync point; call it from any rank, any handler.
+
+        Args:
+            reason: why, for rank 0's log.
+            skip_completed: do not fire ``COMPLETED`` after ``TERMINATE``.
+
+        Distributed:
+            Not a collective: one rank may call it alone. The stop itself is agreed at
+            the next sync point, where every rank learns who asked.
+        """
+        if get_world_size() == 1:
+            _log.info("%s: stop requested: %s", self.name, reason)
+            super().terminate(skip_completed=skip_completed)
+            return
+        self._stop.reasons.append(str(reason))
+        self._skip_completed = self._skip_completed or skip_completed
+
+    def stop_agreed(self, reason: str) -> None:
+        """Stops every rank at the end of the current sync point, for a decision all ranks share.
+
+        For handlers that decide from state reduced at a sync point (inside
+        ``load_synced_state``): every rank sees the same sums, takes the same decision and
+        calls this, so no further agreement is needed. Anywhere else, use
+        :meth:`request_stop`.
+        """
+        self._agreed.append(str(reason))
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this rank has asked to stop and the ranks have not agreed yet."""
+        return bool(self._stop.reasons or self._stop.epoch_reasons)
+
+    # -- sync points ------------------------------------------------------------------
+
+    def _on_started(self, _: IgniteEngine) -> None:
+        if not self._keep_requests:
+            self._stop.clear()
+            self._skip_completed = False
+        self._keep_requests = False
+        self._agreed.clear()
+        self._iteration_syncs = self.sync_every is not None and self._equal_epoch_lengths()
+
+    def _equal_epoch_lengths(self) -> bool:
+        """Collective when distributed: do all ranks run epochs of the same length?"""
+        if not is_distributed():
+            return True
+        world, rank = get_world_size(), get_rank()
+        lengths = [0.0] * world
+        lengths[rank] = float(self.state.epoch_length if self.state.epoch_length is not None else -1)
+        (gathered,) = all_reduce_sum([torch.tensor(lengths, dtype=torch.float64)])
+        values = {int(v) for v in gathered.tolist()}
+        if len(values) > 1:
+            _log.debug(
+                "%s: ranks run epochs of different lengths %s; sync points at epoch ends only.",
+                self.name,
+                [int(v) for v in gathered.tolist()],
+            )
+            return False
+        return True
+
+    def _sync_epoch(self, _: IgniteEngine) -> None:
+        self._sync(epoch_end=True)
+
+    def _sync(self, epoch_end: bool) -> None:
+        """Collective: every rank runs it at the same event and iteration."""
+        if self.debug and is_distributed():
+            self._check_lockstep(epoch_end)
+        self.sync_point(epoch_end=epoch_end)
+        decision = self._stop.decision
+        if decision is None and self._agreed:
+            decision = StopDecision(ranks=[], epoch_only=False)
+        if decision is not None:
+            self._apply(decision)
+
+    def _apply(self, decision: StopDecision) -> None:
+        agreed, self._agreed = self._agreed, []
+        if not decision.ranks:  # decided from synced state: every rank knows why
+            if get_rank() == 0:
+                _log.warning(
+                    "%s: all %d ranks stopping after iteration %d (epoch %d): %s",
+                    self.name,
+                    get_world_size(),
+                    self.state.iteration,
+                    self.state.epoch,
+                    "; ".join(agreed),
+                )
+            self._stop.clear()
+            IgniteEngine.terminate(self)
+            return
+        local = (self._stop.epoch_reasons if decision.epoch_only else self._stop.reasons) or []
+        everyone: list[Any] = [(list(local), self._skip_completed)]
+        if is_distributed():
+            everyone = [None] * get_world_size()
+            dist.all_gather_object(everyone, (list(local), self._skip_completed))
+        reasons = {r: everyone[r][0] for r in decision.ranks}
+        skip_completed = any(item[1] for item in everyone)
+        if get_rank() == 0:
+            asked = "; ".join(f"rank {r}: {', '.join(reasons[r]) or 'no reason given'}" for r in decision.ranks)
+            if agreed:
+                asked += "; and " + "; ".join(agreed)
+            what = "ending the epoch" if decision.epoch_only else "stopping"
+            _log.warning(
+                "%s: all %d ranks %s after iteration %d (epoch %d). Asked by %s",
+                self.name,
+                get_world_size(),
+                what,
+                self.state.iteration,
+                self.state.epoch,
+                asked,
+            )
+        self._stop.clear()
+        self._skip_completed = False
+        if decision.epoch_only and not agreed:
+            IgniteEngine.terminate_epoch(self)
+        else:
+            IgniteEngine.terminate(self, skip_completed=skip_completed)
+
+    def _check_lockstep(self, epoch_end: bool) -> None:
+        here = (
+            self.name,
+            str(self.last_event_name),
+            self.state.iteration,
+            [type(c).__name__ for c in self.sync_point.contributors(epoch_end)],
+        )
+        everyone: list[Any] = [None] * get_world_size()
+        dist.all_gather_object(everyone, here)
+        reference = everyone[0]
+        for rank, other in enumerate(everyone):
+            if other != reference:
+                raise RuntimeError(
+                    "Ranks left lockstep: at a sync point rank 0 is at "
+                    f"{_describe(reference)} but rank {rank} is at {_describe(other)}. A decision was taken "
+                    "on one rank alone (a handler attached on some ranks only, a terminate outside "
+                    "unison's Engine, a branch on the rank around a collective). Attach every handler "
+                    "on every rank and stop through engine.terminate() / request_stop()."
+                )
+
+    def _is_last_epoch(self) -> bool:
+        state = self.state
+        if state.max_epochs is not None and state.epoch >= state.max_epochs:
+            return True
+        if state.max_iters is not None and state.iteration >= state.max_iters:
+            return True
+        return False
+
+    # -- the event loop -----------------------------------------------------------------
+
+    def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
+        # Same contract as ignite's, without formatting a debug message when debug logging
+        # is off, naming the handler in errors, and with the sync points that must follow
+        # the last handler of an event.
+        if self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}")
+        self.last_event_name = event_name
+        for func, args, kwargs in self._event_handlers[event_name]:
+            kwargs.update(event_kwargs)
+            if args and isinstance(args[0], weakref.ref):
+                engine = args[0]()
+                if engine is None:
+                    raise RuntimeError("Engine reference not resolved. Cannot execute event handler.")
+                first: tuple[Any, ...] = (engine,)
+                others = args[1:]
+            else:
+                first, others = (), args
+            try:
+                func(*first, *(event_args + others), **kwargs)
+            except Exception as err:
+                _add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
+                raise
+        if event_name is Events.ITERATION_COMPLETED:
+            if self._iteration_syncs and self.state.iteration % self.sync_every == 0 and not self._epoch_ends_here():
+                self._sync(epoch_end=False)
+        elif event_name is Events.EPOCH_COMPLETED and not self._is_last_epoch() and not self.should_terminate:
+            self._sync(epoch_end=False)
+
+    def _epoch_ends_here(self) -> bool:
+        length = self.state.epoch_length
+        return length is not None and self.state.iteration % length == 0
+
+    def _where(self, event_name: Any) -> str:
+        event = getattr(event_name, "name", str(event_name))
+        return (
+            f"{self.name} {event}, epoch {self.state.epoch}, iteration {self.state.iteration}, "
+            f"rank {get_rank()} of {get_world_size()}"
+        )
+
+    def add_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback()`` when a run fails with an exception, before it propagates.
+
+        For handlers that own a resource (a thread, an open file) and must release it
+        whatever ends the run. Unlike an ``EXCEPTION_RAISED`` handler, it does not change
+        whether the exception is raised.
+        """
+        if callback not in self._failure_callbacks:
+            self._failure_callbacks.append(callback)
+
+    def _handle_exception(self, e: BaseException) -> None:
+        for callback in self._failure_callbacks:
+            callback()
+        if isinstance(e, Exception) and not _has_note(e):
+            if self.last_event_name is Events.GET_BATCH_STARTED:
+                _add_note(e, f"raised while fetching a batch from the data, at {self._where('GET_BATCH')}")
+            elif self.last_event_name is Events.ITERATION_STARTED:
+                _add_note(e, f"raised by the process function (the step) at {self._where('ITERATION')}")
+        super()._handle_exception(e)
+
+    # -- running ----------------------------------------------------------------------
 
     def run(
         self,
@@ -108,6 +403,47 @@ class Engine(IgniteEngine):
         except BaseException as err:
             self._handle_exception(err)
         return self.state
+
+    # -- state --------------------------------------------------------------------------
+
+    def state_dict(self) -> OrderedDict:
+        """ignite's engine state, plus this rank's pending stop requests and sync count."""
+        state = super().state_dict()
+        state[_STATE_KEY] = {"stop": self._stop.state_dict(), "syncs": self.sync_point.count}
+        return state
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        ours = state_dict.get(_STATE_KEY)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != _STATE_KEY})
+        if ours is not None:
+            self._stop.load_state_dict(ours.get("stop", {}))
+            self.sync_point.count = int(ours.get("syncs", 0))
+            self._keep_requests = True
+
+
+def _handler_name(func: Callable[..., Any]) -> str:
+    target = getattr(func, "_parent", None)
+    handler = target() if callable(target) else func
+    owner = getattr(handler, "__self__", None)
+    if owner is not None:
+        return f"{type(owner).__name__}.{getattr(handler, '__name__', '?')}"
+    return getattr(handler, "__qualname__", None) or type(handler).__name__
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    else:  # Python 3.10: keep the note where the 3.11 machinery would
+        err.__notes__ = [*getattr(err, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def _has_note(err: BaseException) -> bool:
+    return bool(getattr(err, "__notes__", None))
+
+
+def _describe(where: Any) -> str:
+    name, event, iteration, contributors = where
+    return f"{name} {event} iteration {iteration} with sync contributors {contributors}"
 
 
 def _is_empty(data: Iterable) -> bool:

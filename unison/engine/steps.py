@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from unison.distributed.model import model_device, unwrap_model
-from unison.engine.engine import Engine
+from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
 from unison.handlers.epoch_average import EpochAverage
 from unison.metrics.base import SumMetric
 from unison.metrics.group import MetricGroup
@@ -179,6 +179,7 @@ def create_trainer(
     prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]] = prepare_batch,
     non_blocking: bool = True,
     track_loss: bool = True,
+    sync_every: int | None = DEFAULT_SYNC_EVERY,
 ) -> Engine:
     """Builds a training :class:`~unison.engine.Engine` around a :class:`TrainStep`.
 
@@ -201,6 +202,8 @@ def create_trainer(
         prepare_batch: ``fn(batch, device, non_blocking) -> (x, y)``.
         non_blocking: copy batches to the device asynchronously.
         track_loss: keep the epoch's mean loss (one sum on the device per iteration).
+        sync_every: iterations between the trainer's sync points inside an epoch (see
+            :class:`~unison.engine.Engine`).
 
     Returns:
         The trainer. Its process function is the :class:`TrainStep`
@@ -258,7 +261,7 @@ def create_trainer(
         prepare_batch=prepare_batch,
         non_blocking=non_blocking,
     )
-    trainer = Engine(step)
+    trainer = Engine(step, sync_every=sync_every, name="trainer")
 
     def _train_mode(_: Engine) -> None:
         model.train()
@@ -354,7 +357,8 @@ def create_evaluator(
     resolved = _check_device(model, device, "create_evaluator")
     amp_dtype = _check_amp(amp, "create_evaluator")
     step = EvalStep(model, device=resolved, amp_dtype=amp_dtype, prepare_batch=prepare_batch, non_blocking=non_blocking)
-    evaluator = Engine(step)
+    # Evaluation shards differ in length by design: sync at the run's end only.
+    evaluator = Engine(step, sync_every=None, name="evaluator")
 
     modes: list[bool] = []
 

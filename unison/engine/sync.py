@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
 from unison.distributed.primitives import all_reduce_sum
+
+Scope = Literal["epoch", "every"]
 
 
 @runtime_checkable
@@ -15,7 +17,8 @@ class SyncContributor(Protocol):
 
     ``sync_state`` must return a 1-D tensor of the same length on every rank (zeros for a
     rank that has nothing to add); ``load_synced_state`` receives the sum over all ranks,
-    as float64 on the CPU.
+    as float64 on the CPU. Because every rank receives the same sums, any decision taken
+    from them in ``load_synced_state`` is the same on every rank.
     """
 
     def sync_state(self) -> torch.Tensor: ...
@@ -24,11 +27,13 @@ class SyncContributor(Protocol):
 
 
 class SyncPoint:
-    """Reduces the state of every registered contributor in a single all-reduce.
+    """Reduces the state of registered contributors in a single all-reduce.
 
-    An engine owns one and calls it at the end of every epoch, before any other
-    ``EPOCH_COMPLETED`` handler, so those handlers see values agreed by all ranks. Metrics
-    and the epoch's training loss ride in the same collective, however many there are.
+    Contributors have a scope. ``"epoch"`` ones (metrics, the epoch's loss) are reduced
+    once per epoch, at the sync point that opens ``EPOCH_COMPLETED``. ``"every"`` ones
+    (stop requests, the non-finite guard, time limits) ride in every sync point: at the
+    epoch's end, after the ``EPOCH_COMPLETED`` handlers, and every ``sync_every``
+    iterations. However many there are, a sync point is one collective.
 
     Distributed:
         Calling it is a collective: every rank must have registered the same contributors,
@@ -36,33 +41,36 @@ class SyncPoint:
     """
 
     def __init__(self) -> None:
-        self._contributors: list[SyncContributor] = []
+        self._contributors: list[tuple[SyncContributor, Scope]] = []
         self.count = 0
-        """How many times this sync point has run."""
+        """How many collectives this sync point has issued."""
 
-    def register(self, contributor: SyncContributor) -> None:
+    def register(self, contributor: SyncContributor, scope: Scope = "epoch") -> None:
         """Adds a contributor; registering the same one twice has no effect."""
         if not isinstance(contributor, SyncContributor):
             raise TypeError(
                 f"{type(contributor).__name__} cannot join a sync point: it needs sync_state() and "
                 "load_synced_state(state) methods."
             )
-        if not any(c is contributor for c in self._contributors):
-            self._contributors.append(contributor)
+        if scope not in ("epoch", "every"):
+            raise ValueError(f"SyncPoint.register(scope={scope!r}) must be 'epoch' or 'every'.")
+        if not any(c is contributor for c, _ in self._contributors):
+            self._contributors.append((contributor, scope))
 
     def unregister(self, contributor: SyncContributor) -> None:
         """Removes a contributor, if registered."""
-        self._contributors = [c for c in self._contributors if c is not contributor]
+        self._contributors = [(c, s) for c, s in self._contributors if c is not contributor]
 
-    @property
-    def contributors(self) -> tuple[SyncContributor, ...]:
-        return tuple(self._contributors)
+    def contributors(self, epoch_end: bool = True) -> list[SyncContributor]:
+        """The contributors a sync point reduces: all at an epoch's end, else the ``"every"`` ones."""
+        return [c for c, scope in self._contributors if epoch_end or scope == "every"]
 
-    def __call__(self) -> None:
-        """Collective: call on every rank. Reduces all contributions and hands back the sums."""
-        self.count += 1
-        if not self._contributors:
+    def __call__(self, epoch_end: bool = True) -> None:
+        """Collective: call on every rank. Reduces the contributions and hands back the sums."""
+        active = self.contributors(epoch_end)
+        if not active:
             return
-        states = [c.sync_state() for c in self._contributors]
-        for contributor, state in zip(self._contributors, all_reduce_sum(states)):
+        self.count += 1
+        states = [c.sync_state() for c in active]
+        for contributor, state in zip(active, all_reduce_sum(states)):
             contributor.load_synced_state(state)

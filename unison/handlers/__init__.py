@@ -1,7 +1,22 @@
 """Handlers to attach to an engine's events."""
 
+from unison.handlers.early_stop_checker import EarlyStopChecker
+from unison.handlers.early_stopping import EarlyStopping
 from unison.handlers.epoch_average import EpochAverage
+from unison.handlers.non_finite import NonFiniteGuard
 from unison.handlers.progress import ProgressBar
 from unison.handlers.sampler_epoch import SetSamplerEpoch
+from unison.handlers.time_limit import TimeLimit
+from unison.handlers.watchdog import EXIT_HANG, Watchdog
 
-__all__ = ["EpochAverage", "ProgressBar", "SetSamplerEpoch"]
+__all__ = [
+    "EXIT_HANG",
+    "EarlyStopChecker",
+    "EarlyStopping",
+    "EpochAverage",
+    "NonFiniteGuard",
+    "ProgressBar",
+    "SetSamplerEpoch",
+    "TimeLimit",
+    "Watchdog",
+]
