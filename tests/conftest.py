@@ -15,8 +15,9 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_POR
 def _clean_distributed_state():
     """Restores the environment, destroys a leaked process group, and fails on leftover children."""
     saved_env = dict(os.environ)
-    for key in _LAUNCHER_VARS:
-        os.environ.pop(key, None)
+    for key in list(os.environ):
+        if key in _LAUNCHER_VARS or key.startswith(("SLURM_", "TORCHELASTIC_")):
+            os.environ.pop(key)
     before = {p.pid for p in multiprocessing.active_children()}
     yield
     leaked_group = dist.is_available() and dist.is_initialized()

@@ -1,7 +1,7 @@
 """Launching ranks, the collectives unison relies on, samplers and loaders."""
 
 from unison.distributed.env import default_backend, detect_launcher, find_free_port
-from unison.distributed.launch import DEFAULT_TIMEOUT, RankFailedError, launch
+from unison.distributed.launcher import DEFAULT_TIMEOUT, RankFailedError, launch
 from unison.distributed.loaders import prepare_loaders, split_dataset
 from unison.distributed.model import model_device, prepare_model, unwrap_model
 from unison.distributed.primitives import (

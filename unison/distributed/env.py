@@ -31,7 +31,8 @@ class LauncherInfo:
     def describe(self) -> str:
         if self.kind == "none":
             return "no launcher"
-        return f"{self.kind} (RANK={self.rank}, LOCAL_RANK={self.local_rank}, WORLD_SIZE={self.world_size})"
+        who = {"torchrun": "torchrun", "slurm": "srun (SLURM)", "spawn": "unison.distributed.launch"}[self.kind]
+        return f"{who} (RANK={self.rank}, LOCAL_RANK={self.local_rank}, WORLD_SIZE={self.world_size})"
 
 
 def detect_launcher(environ: os._Environ[str] | dict[str, str] | None = None) -> LauncherInfo:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from unison.distributed.primitives import get_rank
 from unison.distributed.samplers import EvalSampler, TrainSampler
 
 
@@ -31,12 +33,16 @@ def split_dataset(dataset: Dataset, fractions: Sequence[float], *, seed: int) ->
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"split_dataset(seed=...) needs an int, got {type(seed).__name__}: {seed!r}")
     fractions = list(fractions)
-    if not fractions or any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
+    if (
+        not fractions
+        or not all(isinstance(f, (int, float)) and math.isfinite(f) and f >= 0 for f in fractions)
+        or abs(sum(fractions) - 1.0) > 1e-6
+    ):
         raise ValueError(
             f"split_dataset(fractions=...) needs non-negative fractions summing to 1, got {fractions}."
         )
     n = len(dataset)  # type: ignore[arg-type]
-    sizes = [int(f * n) for f in fractions]
+    sizes = [math.floor(f * n + 1e-9) for f in fractions]  # 0.29 * 100 is 28.999...
     sizes[0] += n - sum(sizes)
     gen = torch.Generator()
     gen.manual_seed(seed)
@@ -103,8 +109,15 @@ def prepare_loaders(
     common = dict(num_workers=num_workers, pin_memory=pin_memory, **loader_kwargs)
     train_loader = None
     if train is not None:
-        sampler = train_sampler or TrainSampler(train, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        train_loader = DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common)
+        sampler = train_sampler if train_sampler is not None else TrainSampler(train, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        # The loader draws its workers' base seed from this generator, not from torch's
+        # global one, so the model's random stream (dropout) does not depend on how many
+        # times the data was iterated: a resumed run draws the same numbers. Each rank
+        # gets its own stream, so random augmentation differs across ranks.
+        loader_gen = common.pop("generator", None) or torch.Generator().manual_seed(seed * 1_000_003 + get_rank())
+        train_loader = DataLoader(
+            train, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=loader_gen, **common
+        )
     val_loader = None
     if val is not None:
         val_loader = DataLoader(val, batch_size=val_batch_size or batch_size, sampler=EvalSampler(val), **common)

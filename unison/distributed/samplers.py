@@ -68,19 +68,69 @@ class TrainSampler(Sampler[int]):
         self.seed = int(seed)
         self.drop_last = drop_last
         self.epoch = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, samples of the shard to skip)
         if drop_last:
             self.num_samples = self.dataset_size // self.world_size
         else:
             self.num_samples = math.ceil(self.dataset_size / self.world_size)
         if self.num_samples == 0:
+            fix = "Use a larger dataset or fewer ranks" + (", or drop_last=False." if drop_last else ".")
             raise ValueError(
                 f"TrainSampler: {self.dataset_size} samples cannot give each of {self.world_size} ranks one "
-                f"with drop_last={drop_last}. Use a larger dataset, fewer ranks, or drop_last=False."
+                f"with drop_last={drop_last}. {fix}"
             )
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the permutation of ``epoch`` (0-based); the engine calls it at each epoch start."""
         self.epoch = int(epoch)
+        if self._resume is not None and self._resume[0] != self.epoch:
+            self._resume = None
+
+    @property
+    def start(self) -> int:
+        """How many samples of this rank's shard the current epoch skips (after a resume)."""
+        return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+
+    def state_dict(self, consumed: int = 0) -> dict[str, int | bool]:
+        """The sampler's position: epoch, and ``consumed`` samples of this rank's shard.
+
+        The sampler cannot count what it handed out itself (a DataLoader with workers
+        reads ahead); the caller (unison's Checkpoint) passes the samples the engine
+        actually trained on.
+        """
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "consumed": int(consumed),
+            "dataset_size": self.dataset_size,
+            "world_size": self.world_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, int | bool]) -> None:
+        """Resumes at a saved position: the saved epoch then skips the samples already seen.
+
+        Skipped samples are never loaded: they are left out of the index list. Resuming
+        mid-epoch needs the same world size and dataset; at an epoch boundary the world
+        size may change.
+        """
+        if int(state["dataset_size"]) != self.dataset_size:
+            raise ValueError(
+                f"TrainSampler.load_state_dict: the checkpoint was taken on a dataset of {state['dataset_size']} "
+                f"samples, this one has {self.dataset_size}. Resume with the same dataset."
+            )
+        consumed = int(state["consumed"])
+        if consumed and int(state["world_size"]) != self.world_size:
+            raise ValueError(
+                f"TrainSampler.load_state_dict: the checkpoint was taken mid-epoch with world size "
+                f"{state['world_size']}, this run has {self.world_size}. A mid-epoch position belongs to one "
+                "sharding; resume with the same world size, or from a checkpoint taken at an epoch's end."
+            )
+        self.seed = int(state["seed"])
+        self.shuffle = bool(state["shuffle"])
+        self.epoch = int(state["epoch"])
+        self._resume = (self.epoch, consumed) if consumed else None
 
     def _global_order(self) -> list[int]:
         if self.shuffle:
@@ -96,10 +146,10 @@ class TrainSampler(Sampler[int]):
         return (order * reps)[:total]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._global_order()[self.rank :: self.world_size])
+        return iter(self._global_order()[self.rank :: self.world_size][self.start :])
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.num_samples - self.start
 
 
 class EvalSampler(Sampler[int]):

@@ -122,6 +122,7 @@ class Engine(IgniteEngine):
         self._skip_completed = False
         self._keep_requests = False
         self._iteration_syncs = False
+        self._sync_due = False
         self._agreed: list[str] = []
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._stop, scope="every")
@@ -196,6 +197,7 @@ class Engine(IgniteEngine):
             self._skip_completed = False
         self._keep_requests = False
         self._agreed.clear()
+        self._sync_due = False
         self._iteration_syncs = self.sync_every is not None and self._equal_epoch_lengths()
 
     def _equal_epoch_lengths(self) -> bool:
@@ -219,8 +221,19 @@ class Engine(IgniteEngine):
     def _sync_epoch(self, _: IgniteEngine) -> None:
         self._sync(epoch_end=True)
 
+    def at_boundary(self) -> bool:
+        """Whether the step's state is whole here: no accumulation window is half done.
+
+        Asks the process function (``TrainStep.at_boundary``) when it can tell; any other
+        process function is always at a boundary. Sync points and checkpoints inside an
+        epoch wait for one.
+        """
+        check = getattr(self._process_function, "at_boundary", None)
+        return True if check is None else bool(check(self))
+
     def _sync(self, epoch_end: bool) -> None:
         """Collective: every rank runs it at the same event and iteration."""
+        self._sync_due = False
         if self.debug and is_distributed():
             self._check_lockstep(epoch_end)
         self.sync_point(epoch_end=epoch_end)
@@ -326,8 +339,11 @@ class Engine(IgniteEngine):
                 _add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
                 raise
         if event_name is Events.ITERATION_COMPLETED:
-            if self._iteration_syncs and self.state.iteration % self.sync_every == 0 and not self._epoch_ends_here():
-                self._sync(epoch_end=False)
+            if self._iteration_syncs:
+                if self.state.iteration % self.sync_every == 0:  # type: ignore[operator]
+                    self._sync_due = True
+                if self._sync_due and not self._epoch_ends_here() and self.at_boundary():
+                    self._sync(epoch_end=False)
         elif event_name is Events.EPOCH_COMPLETED and not self._is_last_epoch() and not self.should_terminate:
             self._sync(epoch_end=False)
 

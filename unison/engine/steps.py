@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -120,6 +119,32 @@ class TrainStep:
         self.grad_norm: torch.Tensor | None = None
         """Total gradient norm before clipping at the last update (a device tensor)."""
 
+    def at_boundary(self, engine: Engine) -> bool:
+        """Whether the last iteration closed an accumulation window (gradients are applied).
+
+        Sync points and checkpoints inside an epoch wait for a boundary: between two, the
+        accumulated gradients are per-rank state that a checkpoint would not hold.
+        """
+        if self.accumulation_steps == 1 or engine.state.iteration == 0:
+            return True
+        epoch_length = engine.state.epoch_length
+        if epoch_length is None:
+            return engine.state.iteration % self.accumulation_steps == 0
+        position = (engine.state.iteration - 1) % epoch_length + 1  # 1-based, within the epoch
+        return position % self.accumulation_steps == 0 or position == epoch_length
+
+    def _forward_backward(self, x: Any, y: Any, window: int) -> torch.Tensor:
+        if self.amp_dtype is not None:
+            with torch.autocast(self.device.type, dtype=self.amp_dtype):
+                loss = self.loss_fn(self.model(x), y)
+        else:
+            loss = self.loss_fn(self.model(x), y)
+        scaled = loss / window if window > 1 else loss
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+        return loss
+
     def _window(self, engine: Engine) -> tuple[int, bool]:
         """(length of the current accumulation window, whether this iteration ends it)."""
         k = self.accumulation_steps
@@ -139,19 +164,11 @@ class TrainStep:
     def __call__(self, engine: Engine, batch: Any) -> torch.Tensor:
         window, is_last = self._window(engine)
         x, y = self.prepare_batch(batch, self.device, self.non_blocking)
-        sync_ctx = (
-            self.model.no_sync()
-            if not is_last and isinstance(self.model, DistributedDataParallel)
-            else contextlib.nullcontext()
-        )
-        with sync_ctx:
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                y_pred = self.model(x)
-                loss = self.loss_fn(y_pred, y)
-            scaled = loss / window if window > 1 else loss
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
-            scaled.backward()
+        if not is_last and isinstance(self.model, DistributedDataParallel):
+            with self.model.no_sync():
+                loss = self._forward_backward(x, y, window)
+        else:
+            loss = self._forward_backward(x, y, window)
         if is_last:
             if self.clip_grad_norm is not None:
                 if self.scaler is not None:
@@ -301,7 +318,10 @@ class EvalStep:
     def __call__(self, engine: Engine, batch: Any) -> tuple[Any, Any]:
         x, y = self.prepare_batch(batch, self.device, self.non_blocking)
         with torch.no_grad():
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            if self.amp_dtype is not None:
+                with torch.autocast(self.device.type, dtype=self.amp_dtype):
+                    y_pred = self.model(x)
+            else:
                 y_pred = self.model(x)
         return y_pred, y
 

@@ -38,6 +38,10 @@ class _ElementwiseError(SumMetric):
 class MeanSquaredError(_ElementwiseError):
     """Mean of ``(y_pred - y) ** 2`` over every element. State: (sum of squares, count).
 
+    For targets of shape ``(N, D)`` this divides by ``N x D`` (the mean of PyTorch's
+    ``mse_loss``), where ignite's ``MeanSquaredError`` divides by ``N`` and so reports ``D``
+    times more.
+
     Example:
         >>> import torch
         >>> mse = MeanSquaredError()
@@ -52,6 +56,8 @@ class MeanSquaredError(_ElementwiseError):
 
 class MeanAbsoluteError(_ElementwiseError):
     """Mean of ``|y_pred - y|`` over every element. State: (sum of absolute errors, count).
+
+    Divides by the number of elements, like PyTorch's ``l1_loss`` (ignite's divides by rows).
 
     Example:
         >>> import torch

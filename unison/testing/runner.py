@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from unison.distributed.launch import launch
+from unison.distributed.launcher import launch
 
 
 def run_distributed(

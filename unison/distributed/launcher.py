@@ -126,7 +126,7 @@ def launch(
             "launch(backend='nccl') needs CUDA, and torch.cuda.is_available() is False here. "
             "Use backend='gloo' (or leave backend unset) to run on CPU."
         )
-    timeout = _as_timedelta(timeout)
+    timeout = _as_timedelta(timeout, "launch")
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(
             f"launch(start_method=...) must be 'spawn' or 'forkserver', got {start_method!r}: "
@@ -139,16 +139,18 @@ def launch(
     # logger already exists; unison logs what matters itself.
     logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
     if debug:
-        # Read by torch when the process group is created, and inherited by spawned ranks.
+        # Read by torch when the process group is created, and inherited by spawned ranks
+        # (started afresh: a fork server's ranks would create their group before seeing it).
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         os.environ["UNISON_DEBUG"] = "1"
+        start_method = "spawn"
     info = detect_launcher()
     if nproc_per_node is not None:
         if info.kind != "none":
             raise RuntimeError(
-                f"launch(nproc_per_node={nproc_per_node}) was called in a process that {info.describe()} "
-                "already started. Spawning here would start extra processes with duplicate ranks. "
-                + _nested_fix(info.kind)
+                f"launch(nproc_per_node={nproc_per_node}) was called in a process that is already one rank of "
+                f"a job started by {info.describe()}. Spawning here would start extra processes with "
+                "duplicate ranks. " + _nested_fix(info.kind)
             )
         if idist.get_world_size() > 1:
             raise RuntimeError(
@@ -172,15 +174,18 @@ def _nested_fix(kind: str) -> str:
     return "Call fn directly: this process is already one rank of a spawned job."
 
 
-def _as_timedelta(timeout: timedelta | float) -> timedelta:
+def _as_timedelta(timeout: timedelta | float, fn: str) -> timedelta:
     if isinstance(timeout, timedelta):
         value = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         value = timedelta(seconds=float(timeout))
     else:
-        raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}: {timeout!r}")
+        raise TypeError(f"{fn}(timeout=...) must be a timedelta or seconds, got {type(timeout).__name__}: {timeout!r}")
     if value.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {value}.")
+        raise ValueError(
+            f"{fn}(timeout=...) must be positive, got {value.total_seconds():g} seconds: it is how long a "
+            "collective waits for the other ranks."
+        )
     return value
 
 
@@ -253,7 +258,7 @@ def _spawn(
                 timeout=timeout,
                 start_method=start_method,
             ) as parallel:
-                parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline)
+                parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline, dict(os.environ))
         except mp.ProcessRaisedException as err:
             rank, detail = _root_cause(results, err.error_index, err.msg)
             raise RankFailedError(rank, nproc, detail) from None
@@ -274,6 +279,8 @@ def _spawn(
                 out.append(pickle.load(fh))
         return out
 
+
+_PLACEMENT_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # Messages of errors a rank gets because another rank died while they shared a collective.
 _PEER_FAILURE_MARKERS = (
@@ -303,9 +310,12 @@ def _root_cause(results: Path, reported: int, message: str) -> tuple[int, str]:
     failures.sort()
     primary = [f for f in failures if not any(m in f[2] for m in _PEER_FAILURE_MARKERS)]
     _, rank, text = (primary or failures)[0]
-    others = sorted(r for _, r, _ in failures if r != rank)
-    if others:
-        text += f"\n(then rank(s) {others} failed too, waiting for rank {rank} in a collective)"
+    waiting = sorted(r for _, r, t in failures if r != rank and any(m in t for m in _PEER_FAILURE_MARKERS))
+    own = sorted(r for _, r, t in failures if r != rank and r not in waiting)
+    if waiting:
+        text += f"\n(rank(s) {waiting} then failed in a collective, waiting for rank {rank})"
+    if own:
+        text += f"\n(rank(s) {own} failed too, each with an error of its own)"
     return rank, text
 
 
@@ -317,8 +327,15 @@ def _spawned_rank(
     result_dir: str,
     nproc: int,
     deadline: float | None,
+    environ: dict[str, str],
 ) -> None:
     """Entry point of each spawned process; the process group already exists."""
+    # A fork server started earlier hands out the environment of its own start: give the
+    # rank the caller's, keeping the placement variables ignite set for this rank.
+    placement = {k: os.environ[k] for k in _PLACEMENT_VARS if k in os.environ}
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(placement)
     os.environ[SPAWNED_VAR] = "1"
     if deadline is not None:
         faulthandler.dump_traceback_later(deadline, exit=True)

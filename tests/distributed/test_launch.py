@@ -1,0 +1,263 @@
+"""launch: spawning, refusing nested spawns, failing fast, deadlines and timeouts."""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from _dist_workers import (
+    fail_on_rank_one_while_rank_zero_waits,
+    nested_launch,
+    placement,
+    process_group_timeout,
+    sleep_past_deadline,
+    sum_of_ranks,
+)
+
+from unison.distributed import DEFAULT_TIMEOUT, RankFailedError, find_free_port, launch
+from unison.testing import run_distributed
+
+# The package re-exports the function launch under the submodule's name, so the module
+# itself is reached through importlib.
+launch_module = importlib.import_module("unison.distributed.launcher")
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_STEP_ID": "0",
+}
+
+
+@pytest.fixture
+def spawn_calls(monkeypatch):
+    """Replaces the spawning step of launch: records its calls instead of starting processes."""
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append(args)
+        return ["spawned"]
+
+    monkeypatch.setattr(launch_module, "_spawn", record)
+    return calls
+
+
+@pytest.fixture
+def warm_ranks():
+    """Starts the fork server before a test that times a run, so its start is not timed."""
+    assert run_distributed(placement, 0, nproc=2)[1]["rank"] == 1
+
+
+def _children() -> set[int]:
+    return {p.pid for p in multiprocessing.active_children()}
+
+
+# --- nested spawns are refused ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, must_mention",
+    [
+        (TORCHRUN_ENV, ["torchrun", "nproc_per_node=2", "duplicate ranks", "Leave nproc_per_node out"]),
+        (SLURM_ENV, ["SLURM", "nproc_per_node=2", "srun", "--ntasks-per-node"]),
+    ],
+    ids=["torchrun", "slurm"],
+)
+def test_spawn_under_a_launcher_is_refused_before_spawning(monkeypatch, spawn_calls, env, must_mention):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = _children()
+    with pytest.raises(RuntimeError) as err:
+        launch(placement, 0, nproc_per_node=2)
+    assert not isinstance(err.value, RankFailedError)
+    for text in must_mention:
+        assert text in str(err.value), f"{text!r} missing from: {err.value}"
+    assert spawn_calls == [] and _children() == before
+
+
+def test_slurm_batch_script_without_job_step_may_spawn(monkeypatch, spawn_calls):
+    # sbatch runs the script once, with SLURM_JOB_ID but no SLURM_STEP_ID: not a rank of srun.
+    for key, value in SLURM_ENV.items():
+        if key != "SLURM_STEP_ID":
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    assert launch(placement, 0, nproc_per_node=2) == ["spawned"]
+    assert len(spawn_calls) == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_launch_inside_a_spawned_rank_is_refused():
+    with pytest.raises(RankFailedError) as err:
+        run_distributed(nested_launch, nproc=2)
+    message = str(err.value)
+    assert "launch(nproc_per_node=2)" in message
+    assert "already one rank" in message and "Call fn directly" in message
+
+
+# --- spawning ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_results_come_back_in_rank_order_with_args_and_kwargs():
+    results = run_distributed(placement, 10, nproc=3, scale=3)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert [r["local_rank"] for r in results] == [0, 1, 2]
+    assert [r["value"] for r in results] == [3 * (10 + rank) for rank in range(3)]
+    assert all(r["world_size"] == 3 and r["group"] for r in results)
+    pids = {r["pid"] for r in results}
+    assert len(pids) == 3 and os.getpid() not in pids
+    assert not dist.is_initialized()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_concurrent_runs_do_not_collide():
+    tokens = (100, 200)
+    start = threading.Barrier(len(tokens))
+    results: dict[int, object] = {}
+
+    def job(token: int) -> None:
+        start.wait()
+        try:
+            results[token] = run_distributed(sum_of_ranks, token, nproc=2, timeout=60)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            results[token] = err
+
+    threads = [threading.Thread(target=job, args=(token,)) for token in tokens]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=80)
+    assert not any(thread.is_alive() for thread in threads)
+
+    ports = set()
+    for token in tokens:
+        result = results[token]
+        assert isinstance(result, list), f"job {token} failed: {result}"
+        # Each job's all-reduce summed its own ranks only: token + 0 + token + 1.
+        assert [r[:2] for r in result] == [(token, 2.0 * token + 1)] * 2
+        assert result[0][2] == result[1][2]
+        ports.add(result[0][2])
+    assert len(ports) == len(tokens), "both jobs used the same rendezvous port"
+
+
+def test_without_nproc_or_launcher_fn_runs_once_here():
+    result = launch(placement, 5, scale=2)
+    assert result == [
+        {"rank": 0, "world_size": 1, "local_rank": 0, "value": 10, "pid": os.getpid(), "group": False}
+    ]
+    assert not dist.is_initialized()
+
+
+def test_one_torchrun_rank_gets_a_process_group_with_the_timeout(monkeypatch):
+    # A world of one torchrun rank: launch creates the group itself, with the timeout asked for,
+    # and destroys it afterwards.
+    for key, value in {**TORCHRUN_ENV, "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    [seconds] = launch(process_group_timeout, backend="gloo", timeout=33)
+    if seconds is None:
+        pytest.skip("this torch does not expose the gloo backend's timeout")
+    assert seconds == 33
+    assert not dist.is_initialized()
+
+
+# --- failures end the job promptly ------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_failing_rank_ends_the_job_with_its_traceback(warm_ranks):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as err:
+        # The group timeout (40 s) is far beyond what the test waits for.
+        run_distributed(fail_on_rank_one_while_rank_zero_waits, "boom-8d1f", nproc=2, timeout=40)
+    elapsed = time.monotonic() - started
+    assert (err.value.rank, err.value.world_size) == (1, 2)
+    message = str(err.value)
+    assert "rank 1 of 2" in message
+    assert "ValueError: boom-8d1f" in message
+    assert "Traceback" in message and "fail_on_rank_one_while_rank_zero_waits" in message
+    assert elapsed < 25, f"rank 0, blocked in a collective, was ended only after {elapsed:.1f} s"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_rank_past_its_deadline_fails_the_call(warm_ranks):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as err:
+        launch(sleep_past_deadline, 120, nproc_per_node=2, deadline=3, timeout=60, start_method="forkserver")
+    elapsed = time.monotonic() - started
+    assert "deadline=3" in str(err.value)
+    assert elapsed < 30
+
+
+# --- arguments -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fn, kwargs, error, argument",
+    [
+        (placement, {"nproc_per_node": 0}, ValueError, "nproc_per_node"),
+        (placement, {"nproc_per_node": -1}, ValueError, "nproc_per_node"),
+        (placement, {"nproc_per_node": 2.0}, ValueError, "nproc_per_node"),
+        (placement, {"nproc_per_node": True}, ValueError, "nproc_per_node"),
+        (placement, {"nproc_per_node": 2, "backend": "mpi"}, ValueError, "backend"),
+        (placement, {"nproc_per_node": 2, "backend": "nccl"}, ValueError, "backend"),
+        (placement, {"nproc_per_node": 2, "timeout": -1}, ValueError, "timeout"),
+        (placement, {"nproc_per_node": 2, "timeout": 0}, ValueError, "timeout"),
+        (placement, {"nproc_per_node": 2, "timeout": "60"}, TypeError, "timeout"),
+        (placement, {"nproc_per_node": 2, "deadline": 0}, ValueError, "deadline"),
+        (placement, {"nproc_per_node": 2, "start_method": "fork"}, ValueError, "start_method"),
+        (42, {"nproc_per_node": 2}, TypeError, "fn"),
+        ("placement", {}, TypeError, "fn"),
+    ],
+)
+def test_bad_arguments_raise_before_spawning(spawn_calls, fn, kwargs, error, argument):
+    if kwargs.get("backend") == "nccl":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("nccl is a valid backend where CUDA is available")
+    before = _children()
+    with pytest.raises(error, match=argument):
+        launch(fn, 0, **kwargs)
+    assert spawn_calls == [] and _children() == before
+
+
+# --- the process group's timeout -----------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "timeout, seconds",
+    [(timedelta(seconds=77), 77.0), (None, DEFAULT_TIMEOUT.total_seconds())],
+    ids=["timedelta", "default"],
+)
+def test_process_group_has_the_timeout_asked_for(timeout, seconds):
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    results = launch(process_group_timeout, nproc_per_node=2, start_method="forkserver", **kwargs)
+    if results[0] is None:
+        pytest.skip("this torch does not expose the gloo backend's timeout")
+    assert results == [seconds, seconds]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_run_distributed_timeout_is_the_process_group_timeout():
+    results = run_distributed(process_group_timeout, nproc=2, timeout=45)
+    if results[0] is None:
+        pytest.skip("this torch does not expose the gloo backend's timeout")
+    assert results == [45.0, 45.0]
