@@ -25,7 +25,12 @@ from unison.distributed.env import (
     device_for_local_rank,
     find_free_port,
 )
-from unison.utils.logging import setup_logging
+from unison.utils.logging import get_logger, setup_logging
+
+_log = get_logger(__name__)
+
+EXIT_PREEMPTED = 75
+"""Exit code of ranks that saved a checkpoint and stopped on a preemption signal."""
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """Process-group timeout: how long a collective may wait for a missing rank before failing."""
@@ -263,6 +268,13 @@ def _spawn(
             rank, detail = _root_cause(results, err.error_index, err.msg)
             raise RankFailedError(rank, nproc, detail) from None
         except mp.ProcessExitedException as err:
+            if err.exit_code == EXIT_PREEMPTED:
+                _log.warning(
+                    "The job was preempted: the ranks saved a checkpoint and exited with code %d. Run it "
+                    "again with resume to continue.",
+                    EXIT_PREEMPTED,
+                )
+                raise SystemExit(EXIT_PREEMPTED) from None
             elapsed = time.monotonic() - started
             if deadline is not None and elapsed >= deadline:
                 detail = (

@@ -1,9 +1,11 @@
 """Handlers to attach to an engine's events."""
 
+from unison.handlers.checkpoint import Checkpoint
 from unison.handlers.early_stop_checker import EarlyStopChecker
 from unison.handlers.early_stopping import EarlyStopping
 from unison.handlers.epoch_average import EpochAverage
 from unison.handlers.non_finite import NonFiniteGuard
+from unison.handlers.preemption import EXIT_PREEMPTED, Preemption
 from unison.handlers.progress import ProgressBar
 from unison.handlers.sampler_epoch import SetSamplerEpoch
 from unison.handlers.time_limit import TimeLimit
@@ -11,10 +13,13 @@ from unison.handlers.watchdog import EXIT_HANG, Watchdog
 
 __all__ = [
     "EXIT_HANG",
+    "EXIT_PREEMPTED",
+    "Checkpoint",
     "EarlyStopChecker",
     "EarlyStopping",
     "EpochAverage",
     "NonFiniteGuard",
+    "Preemption",
     "ProgressBar",
     "SetSamplerEpoch",
     "TimeLimit",

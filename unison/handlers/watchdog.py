@@ -14,7 +14,7 @@ from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank, get_world_size
 
-EXIT_HANG = 75
+EXIT_HANG = 70
 """Exit code of a process the watchdog ends (``abort=True``)."""
 
 

@@ -1,0 +1,108 @@
+"""Durable checkpoint files: temp file, fsync, rename, fsync the folder; and safe loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be used: missing, truncated, corrupt or foreign."""
+
+
+def fsync_dir(folder: Path) -> None:
+    """Makes a rename or unlink inside ``folder`` durable (a no-op where unsupported)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on folders
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """Writes ``obj`` with ``torch.save`` so that ``path`` is either the old file or the new one.
+
+    The data goes to a temp file in the same folder, is flushed and fsynced, renamed over
+    ``path``, and the folder is fsynced so the rename survives a power loss. A crash at
+    any point leaves at most a ``.tmp`` file behind, never a partial ``path``.
+    """
+    target = Path(path)
+    _atomic_write(target, lambda fh: torch.save(obj, fh))
+    return target
+
+
+def atomic_write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Writes JSON durably, like :func:`atomic_save`."""
+    target = Path(path)
+    payload = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    _atomic_write(target, lambda fh: fh.write(payload))
+    return target
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a whole ``torch.save`` archive (every member's CRC checks out).
+
+    Reads the file once; no tensor is built.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return False
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Loads a checkpoint onto the CPU with ``torch.load(weights_only=True)``.
+
+    Raises:
+        CheckpointError: naming the file, when it is missing, truncated, corrupt, or
+            holds objects that ``weights_only`` refuses; with what to do.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise CheckpointError(f"Checkpoint {file} does not exist. Check the path, or resume='auto' to pick the newest.")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, zip errors...
+        if not is_complete(file):
+            raise CheckpointError(
+                f"Checkpoint {file} is truncated or corrupt ({type(err).__name__}: {err}). It was probably "
+                "cut short by a crash or a full disk. Delete it and resume from the previous checkpoint "
+                "(resume='auto' skips it by itself)."
+            ) from err
+        raise CheckpointError(
+            f"Checkpoint {file} could not be loaded with torch.load(weights_only=True): {err}. It holds "
+            "Python objects beyond tensors and plain containers; unison's checkpoints never do, so it "
+            "was written by other code. Load it yourself if you trust its source."
+        ) from err
+    if not isinstance(state, dict):
+        raise CheckpointError(f"Checkpoint {file} holds a {type(state).__name__}, not a dict of states.")
+    return state

@@ -1,0 +1,129 @@
+"""Saving at an agreed iteration when the scheduler is about to end the job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from ignite.engine import Engine, Events
+
+from unison.distributed.primitives import get_rank
+from unison.handlers._rank_slots import rank_row, split_rows
+from unison.handlers.checkpoint import Checkpoint
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
+
+from unison.distributed.launcher import EXIT_PREEMPTED  # 75, EX_TEMPFAIL: try again later
+
+__all__ = ["EXIT_PREEMPTED", "Preemption"]
+
+
+class Preemption:
+    """Turns SIGTERM or SIGUSR1 on any rank into a checkpoint at an agreed iteration.
+
+    The signal handler only sets a flag: no I/O, no lock, nothing that could deadlock
+    inside a signal handler. The flag rides in the trainer's next sync point; once any
+    rank has been signalled, every rank saves a checkpoint at that same iteration and the
+    run stops. Then, with ``exit=True``, the process exits with :data:`EXIT_PREEMPTED`
+    (75); with ``requeue=True`` under SLURM, rank 0 first asks SLURM to requeue the job
+    (``scontrol requeue $SLURM_JOB_ID``), and the requeued job resumes with
+    ``checkpoint.resume("auto")``.
+
+    SLURM sends SIGTERM at the end of a job's time (after its grace period) and, with
+    ``#SBATCH --signal=USR1@120``, SIGUSR1 two minutes before; both are handled.
+
+    Args:
+        checkpoint: the Checkpoint handler that saves.
+        signals: which signals to catch.
+        exit: raise ``SystemExit(EXIT_PREEMPTED)`` once saved.
+        requeue: under SLURM, requeue the job before exiting.
+
+    Distributed:
+        Attach it on every rank of a unison trainer; a signal to any one rank is enough.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1),
+        exit: bool = True,
+        requeue: bool = False,
+    ) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"Preemption(checkpoint=...) needs a unison Checkpoint, got {type(checkpoint).__name__}.")
+        self.checkpoint = checkpoint
+        self.signals = tuple(signals)
+        self.exit = exit
+        self.requeue = requeue
+        self.signalled: int | None = None
+        """The signal number this rank received, if any."""
+        self.triggered = False
+        """Whether the ranks agreed to stop for a preemption."""
+        self._previous: dict[int, Any] = {}
+        self._engine: Engine | None = None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signalled = signum  # only a flag: the sync point does the rest
+
+    def _install(self, engine: Engine) -> None:
+        self.triggered = False
+        if threading.current_thread() is not threading.main_thread():
+            _log.warning("Preemption: the run is not in the main thread, where Python delivers signals; not installed.")
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _uninstall(self, _: Engine | None = None) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def sync_state(self) -> torch.Tensor:
+        return rank_row(float(self.signalled or 0))
+
+    def load_synced_state(self, state: torch.Tensor) -> None:
+        (signals,) = split_rows(state, 1)
+        hit = {rank: int(s) for rank, s in enumerate(signals) if s}
+        if not hit or self._engine is None or self.triggered:
+            return
+        self.triggered = True
+        names = ", ".join(f"rank {r}: {signal.Signals(s).name}" for r, s in sorted(hit.items()))
+        self.checkpoint.save(self._engine)
+        self.checkpoint.wait()
+        self._engine.stop_agreed(f"preempted ({names}); checkpoint saved")  # type: ignore[attr-defined]
+
+    def _finish(self, engine: Engine) -> None:
+        self._uninstall()
+        if not self.triggered:
+            return
+        if self.requeue and get_rank() == 0 and "SLURM_JOB_ID" in os.environ:
+            job = os.environ["SLURM_JOB_ID"]
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            if result.returncode != 0:
+                _log.error("scontrol requeue %s failed: %s", job, result.stderr.strip())
+            else:
+                _log.warning("Requeued SLURM job %s.", job)
+        if self.exit:
+            raise SystemExit(EXIT_PREEMPTED)
+
+    def attach(self, engine: Engine) -> None:
+        """Registers on the trainer; attaching twice has no effect."""
+        sync_point = getattr(engine, "sync_point", None)
+        if sync_point is None:
+            raise TypeError(f"Preemption needs a unison Engine, got {type(engine).__name__}.")
+        if engine.has_event_handler(self._install, Events.STARTED):
+            return
+        self._engine = engine
+        engine.add_event_handler(Events.STARTED, self._install)
+        engine.add_event_handler(Events.COMPLETED, self._finish)
+        add_failure_callback = getattr(engine, "add_failure_callback", None)
+        if add_failure_callback is not None:
+            add_failure_callback(self._uninstall)
+        sync_point.register(self, scope="every")
