@@ -101,7 +101,10 @@ def launch(
         RuntimeError: when asked to spawn inside torchrun or SLURM (processes would be
             duplicated), with what to run instead.
         RankFailedError: when a spawned rank raised or died; names the rank and carries
-            its traceback.
+            its traceback (the rank that failed first for a reason of its own, not one that
+            failed waiting for it in a collective).
+        SystemExit: with code 75 (``EXIT_PREEMPTED``) when the spawned ranks were preempted
+            and saved a checkpoint (see :class:`unison.handlers.Preemption`).
 
     Example:
         >>> from unison.distributed import launch, get_rank
@@ -214,10 +217,39 @@ def _run_in_process(
         _configure_rank()
         with idist.Parallel(backend=None) as parallel:
             parallel.run(_call_into, fn, args, kwargs, result)
-    finally:
-        if created_group:
-            idist.finalize()
+    except Exception as err:
+        if launched:
+            _note_rank(err)
+            if _is_peer_failure(err):
+                # Another rank failed first and its launcher reports it; a second traceback
+                # from this rank, about a broken connection, would only hide the cause.
+                _log.error(
+                    "rank %d stops: a collective failed because another rank is gone (%s). The failing "
+                    "rank's traceback is the one to read.",
+                    idist.get_rank(),
+                    str(err).splitlines()[0] if str(err) else type(err).__name__,
+                )
+                raise SystemExit(1) from None
+        raise
+    # Destroying the group only after success: on failure a peer may be gone, and the
+    # process ends anyway.
+    if created_group:
+        idist.finalize()
     return result[0]
+
+
+def _note_rank(err: BaseException) -> None:
+    note = f"on rank {idist.get_rank()} of {idist.get_world_size()} (pid {os.getpid()})"
+    if note not in getattr(err, "__notes__", []):
+        if hasattr(err, "add_note"):
+            err.add_note(note)
+        else:  # Python 3.10
+            err.__notes__ = [*getattr(err, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def _is_peer_failure(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}"
+    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
 
 
 def _call_into(local_rank: int, fn: Callable[..., Any], args: tuple, kwargs: dict, out: list) -> None:
@@ -358,7 +390,8 @@ def _spawned_rank(
         _configure_rank()
         try:
             result = fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as err:
+            _note_rank(err)
             (Path(result_dir) / f"error-rank-{local_rank}.txt").write_text(
                 f"{time.time()!r}\n{traceback.format_exc()}"
             )

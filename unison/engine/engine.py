@@ -115,6 +115,12 @@ class Engine(IgniteEngine):
                 "or None (sync at epoch ends only)."
             )
         self.name = name
+        # ignite's loop logs each run's start and end at INFO and repeats every exception
+        # at ERROR before it propagates; unison's exceptions carry their context in notes.
+        # ``logging.getLogger("unison.ignite").setLevel(logging.INFO)`` shows them again.
+        self.logger = logging.getLogger(f"unison.ignite.{name}")
+        if logging.getLogger("unison.ignite").level == logging.NOTSET:
+            logging.getLogger("unison.ignite").setLevel(logging.CRITICAL)
         self.sync_every = sync_every
         self.debug = os.environ.get("UNISON_DEBUG", "0") not in ("", "0") if debug is None else bool(debug)
         self.sync_point = SyncPoint()
