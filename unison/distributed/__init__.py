@@ -6,6 +6,7 @@ from unison.distributed.loaders import prepare_loaders, split_dataset
 from unison.distributed.model import model_device, prepare_model, unwrap_model
 from unison.distributed.primitives import (
     all_reduce_sum,
+    barrier,
     broadcast_object,
     device,
     get_local_rank,
@@ -23,6 +24,7 @@ __all__ = [
     "RankFailedError",
     "TrainSampler",
     "all_reduce_sum",
+    "barrier",
     "broadcast_object",
     "default_backend",
     "detect_launcher",

@@ -113,6 +113,12 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return holder[0]
 
 
+def barrier() -> None:
+    """Collective: call on every rank. Returns once every rank has reached it."""
+    if is_distributed():
+        dist.barrier()
+
+
 def all_reduce_sum(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Collective: call on every rank. Sums several 1-D tensors across ranks in one all-reduce.
 

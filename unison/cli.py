@@ -1,0 +1,71 @@
+"""The ``unison`` command: ``run`` a config, check a machine with ``doctor``, ``plot`` a run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _run(args: argparse.Namespace) -> int:
+    from unison.config import ConfigError
+    from unison.recipe import run
+
+    try:
+        results = run(args.config, nproc=args.nproc, overrides=args.set, resume=args.resume)
+    except ConfigError as err:
+        print(f"unison run: {err}", file=sys.stderr)
+        return 2
+    if results is not None:
+        print(f"run directory: {results['run_dir']}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from unison.doctor import run_doctor
+
+    return run_doctor(master_port=args.master_port)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from unison.plot import plot_run
+
+    print(plot_run(args.run_dir, out=args.out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unison", description="Distributed training in which every rank moves in unison.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser(
+        "run",
+        help="train what a YAML config describes",
+        description="Spawns --nproc ranks locally, or runs as one rank under torchrun or srun.",
+    )
+    run.add_argument("config", help="the YAML config file")
+    run.add_argument("--nproc", type=int, default=None, help="ranks to spawn here (leave out under torchrun/srun)")
+    run.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. training.lr=3e-4"
+    )
+    run.add_argument("--resume", default=None, metavar="auto|PATH", help="'auto', a checkpoint file or a run directory")
+    run.set_defaults(handler=_run)
+
+    doctor = commands.add_parser("doctor", help="check this machine for what blocks a distributed run")
+    doctor.add_argument("--master-port", type=int, default=None, help="the rendezvous port to check (default MASTER_PORT or 29500)")
+    doctor.set_defaults(handler=_doctor)
+
+    plot = commands.add_parser("plot", help="draw a run's training and validation curves to a PNG")
+    plot.add_argument("run_dir", help="a run directory (runs/<name>/<timestamp>)")
+    plot.add_argument("--out", default=None, help="the PNG to write (default <run_dir>/curves.png)")
+    plot.set_defaults(handler=_plot)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

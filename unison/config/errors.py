@@ -1,0 +1,27 @@
+"""The error every config problem raises: file, line, key path, and what to do."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. The message reads ``file:line: key.path: problem``.
+
+    Attributes:
+        file: the config file.
+        line: the line of the key (1-based), when known.
+        key_path: the dotted key path, when the problem has one.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None, key: Sequence[str] = ()):
+        self.file = file
+        self.line = line
+        self.key_path = ".".join(key)
+        self.problem = message
+        where = file or "<config>"
+        if line is not None:
+            where += f":{line}"
+        if self.key_path:
+            where += f": {self.key_path}"
+        super().__init__(f"{where}: {message}")

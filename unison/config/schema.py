@@ -1,0 +1,360 @@
+"""The typed schema of a run's config, and its validation with file, line and key path."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from unison.config.errors import ConfigError
+from unison.config.loader import KeyPath, PyObjectRef, RawConfig
+
+
+def option(default: Any = dataclasses.MISSING, doc: str = "", *, alias: str | None = None, slot: str | None = None) -> Any:
+    """A schema field: its default, a line of documentation, an accepted old name, and
+    for ``!pyobject`` fields the slot it fills (checked when resolved)."""
+    metadata = {"doc": doc, "alias": alias, "slot": slot}
+    if isinstance(default, (dict, list)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type, doc: str) -> Any:
+    """A schema field holding a whole section."""
+    return field(default_factory=cls, metadata={"doc": doc, "alias": None, "slot": None})
+
+
+@dataclass
+class ParallelConfig:
+    backend: Literal["gloo", "nccl"] | None = option(None, "collective backend; default nccl with CUDA, else gloo")
+    nproc_per_node: int | None = option(
+        None, "processes to spawn when no launcher is present (`--nproc`)", alias="world_size"
+    )
+    master_addr: str = option("127.0.0.1", "rendezvous address when spawning")
+    master_port: int | None = option(None, "rendezvous port when spawning; default, a free port")
+    timeout: float = option(600.0, "seconds a collective waits for the other ranks before failing")
+    find_unused_parameters: bool = option(False, "DDP option for models with parameters unused in some steps")
+    sync_batchnorm: bool = option(False, "convert BatchNorm layers to SyncBatchNorm")
+
+
+@dataclass
+class TrainingConfig:
+    seed: int = option(0, "seed for weights, splits and shuffling (the same on every rank)")
+    max_epochs: int = option(10, "epochs to train", alias="num_epochs")
+    batch_size: int = option(32, "samples per rank per step (total = batch_size x world size)")
+    epoch_length: int | None = option(None, "iterations per epoch; default, one pass over the shard")
+    optimizer_type: PyObjectRef = option(
+        PyObjectRef("torch.optim.AdamW"), "optimizer class", slot="torch.optim.Optimizer"
+    )
+    optimizer_kwargs: dict[str, Any] = option({}, "keyword arguments of the optimizer (lr, weight_decay ...)")
+    lr: float | None = option(None, "learning rate; overrides optimizer_kwargs.lr")
+    lr_scaling: Literal["none", "linear", "sqrt"] = option(
+        "none", "scale lr by the world size (linear) or its square root (sqrt)"
+    )
+    scheduler_type: PyObjectRef | None = option(
+        None, "LR scheduler class, stepped once per epoch", slot="torch.optim.lr_scheduler.LRScheduler"
+    )
+    scheduler_kwargs: dict[str, Any] = option({}, "keyword arguments of the scheduler")
+    loss: PyObjectRef = option(
+        PyObjectRef("torch.nn.functional.cross_entropy"), "loss_fn(y_pred, y) -> scalar tensor", slot="callable"
+    )
+    amp: Literal["none", "bf16", "fp16"] = option("none", "autocast precision")
+    accumulation_steps: int = option(1, "micro-batches per optimizer update")
+    clip_grad_norm: float | None = option(None, "clip the total gradient norm to this value")
+    num_workers: int = option(0, "DataLoader worker processes per rank")
+    pin_memory: bool = option(False, "pin host memory for faster copies to the GPU")
+    drop_last: bool = option(False, "drop the last incomplete training batch")
+    prefetch_factor: int | None = option(None, "batches each worker loads ahead (needs num_workers > 0)")
+    sync_every: int | None = option(100, "iterations between sync points inside an epoch")
+    time_limit: float | None = option(None, "stop every rank together after this many seconds")
+    nonfinite_guard: bool = option(True, "stop every rank when a loss is NaN or infinite on any of them")
+    hang_timeout: float | None = option(None, "seconds without progress before a rank dumps its stacks")
+    device: str | None = option(None, "kept for compatibility; each rank uses its own device")
+    path: str | None = option(None, "output root; the same as logging.root")
+    checkpoint_at: int | None = option(None, "save every this many epochs; the same as checkpoint.every_epochs")
+
+
+@dataclass
+class ModelConfig:
+    type: PyObjectRef | None = option(None, "the model class (or a function returning a model)", slot="model")
+    kwargs: dict[str, Any] = option({}, "keyword arguments of the model")
+
+
+@dataclass
+class DataConfig:
+    build: PyObjectRef | None = option(
+        None, "fn(seed, **kwargs) -> (train, val, test) datasets; test may be None", slot="callable"
+    )
+    kwargs: dict[str, Any] = option({}, "keyword arguments of build")
+
+
+@dataclass
+class ValidationConfig:
+    every: int = option(1, "evaluate every this many epochs")
+    batch_size: int | None = option(None, "per-rank batch size; default training.batch_size")
+    num_workers: int = option(0, "DataLoader worker processes")
+    metrics: dict[str, Any] = option(
+        {}, "name -> !pyobject metric class, or {type: !pyobject ..., kwargs: {...}}"
+    )
+
+
+@dataclass
+class TestingConfig:
+    enabled: bool = option(True, "evaluate the test set after training, when data.build returns one")
+    batch_size: int | None = option(None, "per-rank batch size; default validation.batch_size")
+    use_best: bool = option(True, "load the best checkpoint by checkpoint.metric before testing")
+
+
+@dataclass
+class PredictConfig:
+    enabled: bool = option(False, "after training, predict the test (else validation) set into the run directory")
+    batch_size: int | None = option(None, "per-rank batch size; default validation.batch_size")
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = option(True, "write checkpoints to <run>/checkpoints")
+    every_epochs: int | None = option(1, "save every this many epochs")
+    every_iters: int | None = option(None, "save every this many iterations")
+    keep_last: int | None = option(2, "newest checkpoints to keep")
+    keep_best: int = option(1, "best checkpoints (by metric) to keep as well")
+    metric: str | None = option(None, "validation metric ranking checkpoints; default the first metric")
+    mode: Literal["max", "min"] = option("max", "whether a higher or lower metric is better")
+    async_save: bool = option(False, "write in a background thread")
+    preemption: bool = option(True, "on SIGTERM/SIGUSR1 save at an agreed iteration and exit 75")
+    requeue: bool = option(False, "under SLURM, requeue the job after a preemption save")
+
+
+@dataclass
+class EarlyStoppingConfig:
+    patience: int | None = option(None, "evaluations without improvement before stopping; None disables")
+    metric: str | None = option(None, "validation metric to watch; default checkpoint.metric")
+    mode: Literal["max", "min"] | None = option(None, "default checkpoint.mode")
+    min_delta: float = option(0.0, "smallest change that counts as improvement")
+    threshold_mode: Literal["abs", "rel"] = option("abs", "min_delta absolute or relative")
+    cumulative_delta: bool = option(False, "compare with the score at the last improvement")
+    agreement: Literal["rank_zero", "any", "all"] = option("rank_zero", "how ranks agree on stopping")
+
+
+@dataclass
+class LoggingConfig:
+    root: str = option("runs", "runs go to <root>/<name>/<timestamp>/")
+    tensorboard: bool = option(True, "write TensorBoard event files to <run>/tb")
+    progress: bool = option(True, "a progress bar on rank 0")
+    log_every: int = option(50, "iterations between learning-rate points in TensorBoard")
+
+
+@dataclass
+class HooksConfig:
+    after_training: PyObjectRef | None = option(
+        None, "fn(context) called on every rank after training and testing", slot="callable"
+    )
+
+
+@dataclass
+class Config:
+    """A whole run. Sections are optional; keys left out take their defaults."""
+
+    name: str = option("run", "the run's name: its directory is <logging.root>/<name>/<timestamp>/")
+    imports: list[str] = option([], "extra module prefixes that !pyobject may name")
+    parallel: ParallelConfig = section(ParallelConfig, "how ranks are started")
+    training: TrainingConfig = section(TrainingConfig, "the training loop")
+    model: ModelConfig = section(ModelConfig, "the model")
+    data: DataConfig = section(DataConfig, "the datasets")
+    validation: ValidationConfig = section(ValidationConfig, "evaluation after epochs")
+    testing: TestingConfig = section(TestingConfig, "evaluation of the test set after training")
+    predict: PredictConfig = section(PredictConfig, "predictions written after training")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "checkpoints and preemption")
+    early_stopping: EarlyStoppingConfig = section(EarlyStoppingConfig, "stopping when a metric stalls")
+    logging: LoggingConfig = section(LoggingConfig, "run directory, TensorBoard, progress")
+    hooks: HooksConfig = section(HooksConfig, "recipe code run at fixed points")
+
+
+REQUIRED: tuple[KeyPath, ...] = (("model", "type"), ("data", "build"))
+"""Keys a config must set: without them there is nothing to train."""
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp) and tp is not PyObjectRef
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, globalns=globals(), localns={"PyObjectRef": PyObjectRef})
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(v) for v in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if tp is PyObjectRef:
+        return "!pyobject dotted.path"
+    if origin is dict:
+        return "a mapping"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    return isinstance(value, tp)
+
+
+def _section_error(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
+    return ConfigError(message, file=raw.file_of(path), line=raw.line_of(path), key=path)
+
+
+def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _section_error(raw, path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    aliases = {f.metadata["alias"]: f.name for f in fields.values() if f.metadata.get("alias")}
+    hints = _hints(cls)
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        name = aliases.get(key, key)
+        if name not in fields:
+            choices = list(fields) + list(aliases)
+            near = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            where = ".".join(path) or "the top level"
+            raise _section_error(
+                raw, path + (key,), f"unknown key {key!r} in {where}. Valid keys: {', '.join(sorted(fields))}.{hint}"
+            )
+        if name in values:
+            raise _section_error(raw, path + (key,), f"{key!r} is set twice (also as {name!r})")
+        tp = hints[name]
+        if _is_section(tp):
+            values[name] = _build(tp, value, raw, path + (key,))
+            continue
+        if not _matches(value, tp):
+            raise _section_error(
+                raw,
+                path + (key,),
+                f"expected {_type_name(tp)}, got {type(value).__name__}: {value!r}",
+            )
+        values[name] = float(value) if tp is float and isinstance(value, int) else value
+    for name, f in fields.items():
+        if name not in values and _is_section(hints[name]):
+            values[name] = hints[name]()
+    return cls(**values)
+
+
+def validate(raw: RawConfig) -> Config:
+    """Checks a config read by :func:`~unison.config.load_yaml` against the schema.
+
+    Raises:
+        ConfigError: naming the file, the line, the key path and the expected type; for
+            an unknown key, the nearest valid one.
+    """
+    config = _build(Config, raw.data, raw, ())
+    for path in REQUIRED:
+        section = getattr(config, path[0])
+        if getattr(section, path[1]) is None:
+            raise ConfigError(
+                f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)",
+                file=raw.file_of(path),
+                line=raw.line_of(path),
+                key=path,
+            )
+    _check_values(config, raw)
+    return config
+
+
+def _check_values(config: Config, raw: RawConfig) -> None:
+    positive = [
+        (("training", "max_epochs"), config.training.max_epochs),
+        (("training", "batch_size"), config.training.batch_size),
+        (("training", "accumulation_steps"), config.training.accumulation_steps),
+        (("training", "epoch_length"), config.training.epoch_length),
+        (("training", "sync_every"), config.training.sync_every),
+        (("training", "checkpoint_at"), config.training.checkpoint_at),
+        (("parallel", "nproc_per_node"), config.parallel.nproc_per_node),
+        (("parallel", "timeout"), config.parallel.timeout),
+        (("validation", "every"), config.validation.every),
+        (("validation", "batch_size"), config.validation.batch_size),
+        (("checkpoint", "every_epochs"), config.checkpoint.every_epochs),
+        (("checkpoint", "every_iters"), config.checkpoint.every_iters),
+        (("checkpoint", "keep_last"), config.checkpoint.keep_last),
+        (("early_stopping", "patience"), config.early_stopping.patience),
+        (("logging", "log_every"), config.logging.log_every),
+        (("training", "time_limit"), config.training.time_limit),
+        (("training", "hang_timeout"), config.training.hang_timeout),
+        (("training", "clip_grad_norm"), config.training.clip_grad_norm),
+        (("training", "lr"), config.training.lr),
+    ]
+    for path, value in positive:
+        if value is not None and value <= 0:
+            raise ConfigError(f"must be > 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path)
+    for path, value in ((("training", "num_workers"), config.training.num_workers), (("checkpoint", "keep_best"), config.checkpoint.keep_best)):
+        if value < 0:
+            raise ConfigError(f"must be >= 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path)
+    if config.training.prefetch_factor is not None and config.training.num_workers == 0:
+        path = ("training", "prefetch_factor")
+        raise ConfigError(
+            "needs training.num_workers > 0 (prefetching is done by worker processes)",
+            file=raw.file_of(path),
+            line=raw.line_of(path),
+            key=path,
+        )
+    if config.parallel.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            path = ("parallel", "backend")
+            raise ConfigError(
+                "'nccl' needs CUDA, which is not available here; use 'gloo' or leave it unset",
+                file=raw.file_of(path),
+                line=raw.line_of(path),
+                key=path,
+            )
+
+
+def schema_reference() -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, doc) for every key: the configuration reference."""
+    rows: list[tuple[str, str, str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            key = f"{prefix}{f.name}"
+            if _is_section(tp):
+                walk(tp, key + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            doc = f.metadata.get("doc", "")
+            if f.metadata.get("alias"):
+                doc += f" (also read as `{f.metadata['alias']}`)"
+            rows.append((key, _type_name(tp), repr(default) if not isinstance(default, PyObjectRef) else str(default), doc))
+
+    walk(Config, "")
+    return rows
