@@ -282,7 +282,7 @@ def _spawn(
     port = master_port if master_port is not None else find_free_port(master_addr)
     if start_method == "forkserver":
         # The fork server imports these once; each rank then starts in a fraction of a second.
-        mp.get_context("forkserver").set_forkserver_preload(["torch", "ignite.engine", "unison"])
+        mp.get_context("forkserver").set_forkserver_preload(["torch", "torch._dynamo", "ignite.engine", "unison"])
     with tempfile.TemporaryDirectory(prefix="unison-launch-") as tmp:
         results = Path(tmp)
         started = time.monotonic()

@@ -136,6 +136,12 @@ class Engine(IgniteEngine):
         self.add_event_handler(Events.STARTED, self._on_started)
         self.add_event_handler(Events.EPOCH_COMPLETED, self._sync_epoch)
 
+    @property
+    def process_function(self) -> Callable[[IgniteEngine, Any], Any]:
+        """The function run on every batch (for a trainer, the :class:`~unison.engine.TrainStep`
+        holding model, optimizer, scaler and last gradient norm)."""
+        return self._process_function
+
     # -- stopping ---------------------------------------------------------------------
 
     def terminate(self, skip_completed: bool = False) -> None:
@@ -342,7 +348,8 @@ class Engine(IgniteEngine):
             try:
                 func(*first, *(event_args + others), **kwargs)
             except Exception as err:
-                _add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
+                if event_name is not Events.EXCEPTION_RAISED:  # a re-raise is not a new failure
+                    _add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
                 raise
         if event_name is Events.ITERATION_COMPLETED:
             if self._iteration_syncs:
@@ -377,6 +384,9 @@ class Engine(IgniteEngine):
     def _handle_exception(self, e: BaseException) -> None:
         for callback in self._failure_callbacks:
             callback()
+        # ignite keeps the dead run generator, and the next run() would return None
+        # without running; a failed run must leave the engine ready to run again.
+        self._internal_run_generator = None
         if isinstance(e, Exception) and not _has_note(e):
             if self.last_event_name is Events.GET_BATCH_STARTED:
                 _add_note(e, f"raised while fetching a batch from the data, at {self._where('GET_BATCH')}")
@@ -478,7 +488,8 @@ def _is_empty(data: Iterable) -> bool:
 def _check_sharded(data: Iterable) -> None:
     if not isinstance(data, DataLoader) or get_world_size() == 1:
         return
-    if isinstance(data.sampler, RandomSampler) and data.batch_sampler is not None:
+    samplers = (data.sampler, getattr(data.batch_sampler, "sampler", None))
+    if any(isinstance(sampler, RandomSampler) for sampler in samplers):
         raise ValueError(
             f"The DataLoader given to Engine.run uses a RandomSampler while {get_world_size()} ranks run: "
             "each rank would shuffle the whole dataset on its own, so ranks would train on overlapping "

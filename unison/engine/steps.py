@@ -254,7 +254,9 @@ def create_trainer(
             f"create_trainer(accumulation_steps={accumulation_steps!r}) must be an int >= 1 "
             "(1 means an optimizer update every iteration)."
         )
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
+    if clip_grad_norm is not None and (
+        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or not clip_grad_norm > 0
+    ):
         raise ValueError(f"create_trainer(clip_grad_norm={clip_grad_norm!r}) must be a positive number or None.")
     resolved = _check_device(model, device, "create_trainer")
     amp_dtype = _check_amp(amp, "create_trainer")
@@ -286,6 +288,15 @@ def create_trainer(
     def _start_clean(_: Engine) -> None:
         optimizer.zero_grad(set_to_none=True)
 
+    def _check_epoch_length(engine: Engine) -> None:
+        if accumulation_steps > 1 and engine.state.epoch_length is None:
+            raise ValueError(
+                f"create_trainer(accumulation_steps={accumulation_steps}) needs a known epoch length to close "
+                "the last accumulation window of an epoch, and the data has no len(). Pass epoch_length to "
+                "trainer.run(...)."
+            )
+
+    trainer.add_event_handler(Events.STARTED, _check_epoch_length)
     trainer.add_event_handler(Events.EPOCH_STARTED, _train_mode)
     trainer.add_event_handler(Events.STARTED, _start_clean)
     if track_loss:
@@ -393,6 +404,7 @@ def create_evaluator(
     evaluator.add_event_handler(Events.STARTED, _eval_mode)
     evaluator.add_event_handler(Events.COMPLETED, _restore_mode)
     evaluator.add_event_handler(Events.TERMINATE, _restore_mode)
+    evaluator.add_failure_callback(lambda: _restore_mode(evaluator))
 
     ours = {name: m for name, m in metrics.items() if isinstance(m, SumMetric)}
     if ours:

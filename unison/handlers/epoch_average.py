@@ -8,15 +8,12 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
-_FOLD_AFTER = 1024
-
 
 class EpochAverage:
     """Averages a scalar the process function returns (the loss) over the epoch, on all ranks.
 
-    Each iteration keeps a reference to the value (no kernel, no host sync, no
-    collective); every few thousand iterations the kept values are folded into a sum on
-    the device. The sum and count join the engine's sync point at the epoch's end, and the
+    Each iteration adds the value into a float64 sum on its device: one small kernel, no
+    host sync, no collective. The sum and count join the engine's sync point at the epoch's end, and the
     mean over every iteration of every rank is written to ``engine.state.metrics[name]``.
 
     Args:
@@ -40,36 +37,33 @@ class EpochAverage:
             raise ValueError(f"EpochAverage(name={name!r}) must be a non-empty string.")
         self.name = name
         self.output_transform = output_transform
-        self._values: list[Any] = []
         self._sum: torch.Tensor | None = None
+        self._plain = 0.0
         self._count = 0
         self._mean = float("nan")
 
     def reset(self, _: Engine | None = None) -> None:
-        self._values.clear()
         self._sum = None
+        self._plain = 0.0
         self._count = 0
 
     def update(self, engine: Engine) -> None:
-        self._values.append(self.output_transform(engine.state.output))
-        if len(self._values) >= _FOLD_AFTER:
-            self._fold()
-
-    def _fold(self) -> None:
-        """Adds the kept values into the device sum, without reading them back."""
-        if not self._values:
-            return
-        values = [v.detach().reshape(()) if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in self._values]
-        device = values[0].device
-        total = torch.stack([v.to(device=device, dtype=torch.float64) for v in values]).sum()
-        self._sum = total if self._sum is None else self._sum + total
-        self._count += len(values)
-        self._values.clear()
+        value = self.output_transform(engine.state.output)
+        if isinstance(value, torch.Tensor):
+            # One in-place add on the value's device: nothing is read back, no graph or
+            # buffer is kept alive, and a step that reuses its output tensor is counted right.
+            value = value.detach().reshape(())
+            if self._sum is None:
+                self._sum = value.to(torch.float64, copy=True)
+            else:
+                self._sum.add_(value)
+        else:
+            self._plain += float(value)
+        self._count += 1
 
     def sync_state(self) -> torch.Tensor:
-        self._fold()
-        total = torch.zeros((), dtype=torch.float64) if self._sum is None else self._sum.cpu()
-        return torch.stack([total, torch.tensor(float(self._count), dtype=torch.float64)])
+        total = self._plain + (0.0 if self._sum is None else float(self._sum.item()))
+        return torch.tensor([total, float(self._count)], dtype=torch.float64)
 
     def load_synced_state(self, state: torch.Tensor) -> None:
         total, count = state.tolist()

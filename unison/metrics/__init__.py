@@ -3,7 +3,7 @@
 from unison.metrics.base import SumMetric
 from unison.metrics.classification import Accuracy
 from unison.metrics.group import MetricGroup
-from unison.metrics.loss import Loss
+from unison.metrics.loss import Loss, Perplexity
 from unison.metrics.regression import MeanAbsoluteError, MeanSquaredError
 
-__all__ = ["Accuracy", "Loss", "MeanAbsoluteError", "MeanSquaredError", "MetricGroup", "SumMetric"]
+__all__ = ["Accuracy", "Loss", "MeanAbsoluteError", "MeanSquaredError", "MetricGroup", "Perplexity", "SumMetric"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -62,3 +63,35 @@ class Loss(SumMetric):
         if count == 0:
             raise self._not_computable()
         return total / count
+
+
+class Perplexity(Loss):
+    """``exp`` of the mean per-token loss: the perplexity of a language model.
+
+    The state counts every target element (token), so batches of different lengths weigh
+    what they hold. ``loss_fn`` defaults to cross-entropy over scores of shape
+    ``(N, C, T)`` and targets ``(N, T)``.
+
+    Example:
+        >>> import torch
+        >>> ppl = Perplexity()
+        >>> ppl.update((torch.zeros(1, 4, 3), torch.tensor([[0, 1, 2]])))
+        >>> round(ppl.compute(), 6)  # uniform over 4 classes
+        4.0
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        output_transform: Callable[[Any], Any] = lambda x: x,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        super().__init__(
+            loss_fn if loss_fn is not None else torch.nn.functional.cross_entropy,
+            batch_size=lambda y: y.numel(),
+            output_transform=output_transform,
+            device=device,
+        )
+
+    def compute_from(self, state: torch.Tensor) -> float:
+        return math.exp(super().compute_from(state))
