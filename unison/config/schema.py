@@ -358,3 +358,26 @@ def schema_reference() -> list[tuple[str, str, str, str]]:
 
     walk(Config, "")
     return rows
+
+
+def reference_markdown() -> str:
+    """The configuration reference page (``docs/configuration.md``), generated from the schema."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Every key a run config may set, its type and its default. Sections and keys left out",
+        "take their defaults; `model.type` and `data.build` are required. `!pyobject dotted.path`",
+        "names a class or function: it is imported when the run is built, only from `torch.`,",
+        "`unison.`, `ignite.`, modules in the config's own folder, and prefixes listed under",
+        "`imports:`; never from `os`, `subprocess`, `builtins` or private names. Override any key",
+        "from the command line with `--set section.key=value` (the value is read as YAML).",
+        "",
+        "This page is generated from `unison/config/schema.py`; a test keeps them equal.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for key, type_name, default, doc in schema_reference():
+        cell = type_name.replace("|", "\\|")
+        lines.append(f"| `{key}` | {cell} | `{default}` | {doc} |")
+    return "\n".join(lines) + "\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -9,7 +10,7 @@ import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,26 @@ def launch(
         return _spawn(
             fn, args, kwargs, nproc_per_node, backend, timeout, master_addr, master_port, start_method, deadline
         )
-    return [_run_in_process(fn, args, kwargs, backend, timeout, launched=info.kind != "none")]
+    return [_run_in_process(fn, args, kwargs, backend, timeout, launched=info.kind != "none", torchrun=info.kind == "torchrun")]
+
+
+@contextlib.contextmanager
+def _hide_slurm_from_ignite(hide: bool) -> Iterator[None]:
+    """Under torchrun inside an sbatch job, torchrun's variables describe the ranks.
+
+    ignite reads SLURM's whenever SLURM_JOB_ID is set, and with several nodes refuses
+    torchrun's RANK because it differs from SLURM_PROCID (one srun task per node starts
+    several torchrun workers). The group is created, and ranks placed, from torchrun's
+    variables alone; SLURM's are back once that is done.
+    """
+    if not hide:
+        yield
+        return
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SLURM_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _nested_fix(kind: str) -> str:
@@ -204,17 +224,19 @@ def _run_in_process(
     backend: str,
     timeout: timedelta,
     launched: bool,
+    torchrun: bool = False,
 ) -> Any:
     """Runs fn in this process: one rank of a torchrun/SLURM job, or a single process."""
     created_group = False
-    if launched and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        # idist.Parallel(backend) would create the group without a timeout; create it
-        # ourselves, then let Parallel run in the existing context.
-        idist.initialize(backend, timeout=timeout)
-        created_group = True
     result: list[Any] = []
     try:
-        _configure_rank()
+        with _hide_slurm_from_ignite(torchrun):
+            if launched and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                # idist.Parallel(backend) would create the group without a timeout; create
+                # it ourselves, then let Parallel run in the existing context.
+                idist.initialize(backend, timeout=timeout)
+                created_group = True
+            _configure_rank()
         with idist.Parallel(backend=None) as parallel:
             parallel.run(_call_into, fn, args, kwargs, result)
     except Exception as err:
