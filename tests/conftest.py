@@ -6,7 +6,12 @@ import multiprocessing
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
+
+# Tests use tiny models; on a shared 2-core machine two compute threads per process only
+# fight each other (a cross-entropy of 8x2 took 85x longer with 2 threads than with 1).
+torch.set_num_threads(1)
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "UNISON_SPAWNED")
 

@@ -58,6 +58,8 @@ def group_tags(tags: list[str]) -> dict[str, list[str]]:
 
 
 def _draw(ax: Axes, title: str, tags: list[str], scalars: Scalars) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     for tag in tags:
         points = sorted(scalars[tag], key=lambda p: p[0])
         steps = [s for s, _ in points]
@@ -67,6 +69,7 @@ def _draw(ax: Axes, title: str, tags: list[str], scalars: Scalars) -> None:
         )
     ax.set_title(title)
     ax.set_xlabel("iteration")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
     if title == _PANEL_TITLES["lr"]:
         positive = [v for tag in tags for _, v in scalars[tag] if math.isfinite(v)]
@@ -136,7 +139,8 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
         _draw(ax, _PANEL_TITLES.get(name, name), tags, scalars)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    figure.suptitle(str(run_dir.resolve().name))
+    run_folder = (log_dir.parent if log_dir.name == "tb" else log_dir).resolve()
+    figure.suptitle("/".join(run_folder.parts[-2:]))
     target = Path(out) if out is not None else run_dir / "curves.png"
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, dpi=100)

@@ -8,6 +8,7 @@ from unison.handlers.non_finite import NonFiniteGuard
 from unison.handlers.preemption import EXIT_PREEMPTED, Preemption
 from unison.handlers.progress import ProgressBar
 from unison.handlers.sampler_epoch import SetSamplerEpoch
+from unison.handlers.tensorboard import TensorBoardLogger
 from unison.handlers.time_limit import TimeLimit
 from unison.handlers.watchdog import EXIT_HANG, Watchdog
 
@@ -22,6 +23,7 @@ __all__ = [
     "Preemption",
     "ProgressBar",
     "SetSamplerEpoch",
+    "TensorBoardLogger",
     "TimeLimit",
     "Watchdog",
 ]

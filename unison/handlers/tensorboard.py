@@ -28,7 +28,9 @@ class TensorBoardLogger:
     - ``train/lr``: the learning rate of the trainer's optimizer
       (``trainer._process_function.optimizer``), at every ``EPOCH_COMPLETED`` and every
       ``log_every`` iterations; ``train/lr/<i>`` for each group when the optimizer has
-      several parameter groups.
+      several parameter groups. At an epoch's end, it is the value when the logger's
+      handler runs: attach a scheduler that steps at ``EPOCH_COMPLETED`` before the
+      logger to log the next epoch's rate, after it to log the one just used.
     - ``train/grad_norm``: with ``create_trainer(clip_grad_norm=...)``, the gradient norm
       before clipping of the epoch's **last** update (not a mean over the epoch: reading
       the norm more often would stall the device), at ``EPOCH_COMPLETED``.
