@@ -1,7 +1,17 @@
-"""Small helpers shared by the package: logging and seeding."""
+"""Small helpers shared by the package: logging, seeding, reading TensorBoard event files."""
+
+from typing import Any
 
 from unison.utils.logging import get_logger, setup_logging
-from unison.utils.events import read_scalars
 from unison.utils.seed import manual_seed
 
 __all__ = ["get_logger", "manual_seed", "read_scalars", "setup_logging"]
+
+
+def __getattr__(name: str) -> Any:
+    # The event reader needs tensorboardX's protobufs: imported on first use, not with unison.
+    if name == "read_scalars":
+        from unison.utils.events import read_scalars
+
+        return read_scalars
+    raise AttributeError(f"module 'unison.utils' has no attribute {name!r}")
