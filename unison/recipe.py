@@ -296,7 +296,9 @@ def train_from_config(config: Config, resume: str | None = None) -> dict[str, An
     if t.time_limit is not None:
         TimeLimit(t.time_limit).attach(trainer)
     if t.hang_timeout is not None:
-        Watchdog(t.hang_timeout, run_dir=run_dir / "logs").attach(trainer)
+        watchdog = Watchdog(t.hang_timeout, run_dir=run_dir / "logs")
+        watchdog.attach(trainer)
+        watchdog.watch(evaluator)
 
     checkpoint = None
     ck = config.checkpoint

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from unison.distributed.env import (
     SPAWNED_VAR,
+    LauncherInfo,
     default_backend,
     detect_launcher,
     device_for_local_rank,
@@ -147,13 +148,48 @@ def launch(
     # ignite's launcher logs its parameters at INFO through a handler of its own unless its
     # logger already exists; unison logs what matters itself.
     logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
-    if debug:
-        # Read by torch when the process group is created, and inherited by spawned ranks
-        # (started afresh: a fork server's ranks would create their group before seeing it).
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        os.environ["UNISON_DEBUG"] = "1"
-        start_method = "spawn"
     info = detect_launcher()
+    with _debug_environment(debug):
+        if debug:
+            start_method = "spawn"  # a fork server's ranks would create their group first
+        return _dispatch(
+            fn, args, kwargs, info, nproc_per_node, backend, timeout, master_addr, master_port, start_method, deadline
+        )
+
+
+@contextlib.contextmanager
+def _debug_environment(debug: bool) -> Iterator[None]:
+    """Turns on the debug variables for the job, and off again for the caller."""
+    if not debug:
+        yield
+        return
+    # Read by torch when the process group is created, and inherited by spawned ranks.
+    wanted = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "UNISON_DEBUG": "1"}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _dispatch(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    info: LauncherInfo,
+    nproc_per_node: int | None,
+    backend: str,
+    timeout: timedelta,
+    master_addr: str,
+    master_port: int | None,
+    start_method: str,
+    deadline: float | None,
+) -> list[Any]:
     if nproc_per_node is not None:
         if info.kind != "none":
             raise RuntimeError(
@@ -169,7 +205,8 @@ def launch(
         return _spawn(
             fn, args, kwargs, nproc_per_node, backend, timeout, master_addr, master_port, start_method, deadline
         )
-    return [_run_in_process(fn, args, kwargs, backend, timeout, launched=info.kind != "none", torchrun=info.kind == "torchrun")]
+    launched = info.kind != "none"
+    return [_run_in_process(fn, args, kwargs, backend, timeout, launched=launched, torchrun=info.kind == "torchrun")]
 
 
 @contextlib.contextmanager
@@ -370,12 +407,20 @@ def _root_cause(results: Path, reported: int, message: str) -> tuple[int, str]:
     failures = []
     for path in results.glob("error-rank-*.txt"):
         stamp, _, text = path.read_text().partition("\n")
-        failures.append((float(stamp), int(path.stem.rsplit("-", 1)[1]), text))
+        try:
+            failures.append((float(stamp), int(path.stem.rsplit("-", 1)[1]), text))
+        except ValueError:
+            continue
     if not failures:
         return reported, message
     failures.sort()
     primary = [f for f in failures if not any(m in f[2] for m in _PEER_FAILURE_MARKERS)]
     _, rank, text = (primary or failures)[0]
+    if not primary:
+        text += (
+            "\n(this rank failed in a collective because a peer went away; the peer left no traceback: it "
+            "was killed, ran out of memory, or exited on its own, e.g. a Watchdog abort. Look at its stderr.)"
+        )
     waiting = sorted(r for _, r, t in failures if r != rank and any(m in t for m in _PEER_FAILURE_MARKERS))
     own = sorted(r for _, r, t in failures if r != rank and r not in waiting)
     if waiting:
@@ -414,9 +459,11 @@ def _spawned_rank(
             result = fn(*args, **kwargs)
         except BaseException as err:
             _note_rank(err)
-            (Path(result_dir) / f"error-rank-{local_rank}.txt").write_text(
-                f"{time.time()!r}\n{traceback.format_exc()}"
-            )
+            # Written whole or not at all: the launcher may end this rank at any moment.
+            final = Path(result_dir) / f"error-rank-{local_rank}.txt"
+            partial = final.with_suffix(".part")
+            partial.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+            os.replace(partial, final)
             raise
         path = Path(result_dir) / f"rank-{local_rank}.pkl"
         tmp = path.with_suffix(".tmp")

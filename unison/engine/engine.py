@@ -129,6 +129,8 @@ class Engine(IgniteEngine):
         self._keep_requests = False
         self._iteration_syncs = False
         self._sync_due = False
+        self._epoch_iteration = 0
+        self._resume_offset = 0
         self._agreed: list[str] = []
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._stop, scope="every")
@@ -210,6 +212,8 @@ class Engine(IgniteEngine):
         self._keep_requests = False
         self._agreed.clear()
         self._sync_due = False
+        length = self.state.epoch_length
+        self._resume_offset = self.state.iteration % length if length else 0
         self._iteration_syncs = self.sync_every is not None and self._equal_epoch_lengths()
 
     def _equal_epoch_lengths(self) -> bool:
@@ -335,6 +339,10 @@ class Engine(IgniteEngine):
         if self.logger.isEnabledFor(logging.DEBUG):
             self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}")
         self.last_event_name = event_name
+        if event_name is Events.ITERATION_STARTED:
+            self._epoch_iteration += 1
+        elif event_name is Events.EPOCH_STARTED:
+            self._epoch_iteration, self._resume_offset = self._resume_offset, 0
         for func, args, kwargs in self._event_handlers[event_name]:
             kwargs.update(event_kwargs)
             if args and isinstance(args[0], weakref.ref):
@@ -360,9 +368,18 @@ class Engine(IgniteEngine):
         elif event_name is Events.EPOCH_COMPLETED and not self._is_last_epoch() and not self.should_terminate:
             self._sync(epoch_end=False)
 
+    @property
+    def epoch_iteration(self) -> int:
+        """The current iteration's 1-based position within its epoch.
+
+        Unlike ``state.iteration % epoch_length`` it stays right after an epoch was cut
+        short by ``terminate_epoch()``, and after a mid-epoch resume.
+        """
+        return self._epoch_iteration
+
     def _epoch_ends_here(self) -> bool:
         length = self.state.epoch_length
-        return length is not None and self.state.iteration % length == 0
+        return length is not None and self._epoch_iteration >= length
 
     def _where(self, event_name: Any) -> str:
         event = getattr(event_name, "name", str(event_name))
@@ -389,7 +406,11 @@ class Engine(IgniteEngine):
         self._internal_run_generator = None
         if isinstance(e, Exception) and not _has_note(e):
             if self.last_event_name is Events.GET_BATCH_STARTED:
-                _add_note(e, f"raised while fetching a batch from the data, at {self._where('GET_BATCH')}")
+                _add_note(
+                    e,
+                    f"raised while fetching the batch of iteration {self.state.iteration + 1} from the data, at "
+                    f"{self._where('GET_BATCH_STARTED')}",
+                )
             elif self.last_event_name is Events.ITERATION_STARTED:
                 _add_note(e, f"raised by the process function (the step) at {self._where('ITERATION')}")
         super()._handle_exception(e)

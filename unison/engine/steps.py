@@ -78,6 +78,14 @@ def _check_amp(amp: str | None, fn: str) -> torch.dtype | None:
     return _AMP_DTYPES[amp]
 
 
+def _position(engine: Engine) -> int:
+    """The 1-based position of the current iteration in its epoch."""
+    position = getattr(engine, "epoch_iteration", None)
+    if position:
+        return int(position)
+    return (engine.state.iteration - 1) % engine.state.epoch_length + 1  # a plain ignite Engine
+
+
 class TrainStep:
     """One training iteration: forward, backward, and every ``accumulation_steps`` an update.
 
@@ -130,7 +138,7 @@ class TrainStep:
         epoch_length = engine.state.epoch_length
         if epoch_length is None:
             return engine.state.iteration % self.accumulation_steps == 0
-        position = (engine.state.iteration - 1) % epoch_length + 1  # 1-based, within the epoch
+        position = _position(engine)  # 1-based, within the epoch
         return position % self.accumulation_steps == 0 or position == epoch_length
 
     def _forward_backward(self, x: Any, y: Any, window: int) -> torch.Tensor:
@@ -156,7 +164,7 @@ class TrainStep:
                 f"create_trainer(accumulation_steps={k}) needs a known epoch length to close the last "
                 "window of an epoch; the data has no len(). Pass epoch_length to engine.run(...)."
             )
-        position = (engine.state.iteration - 1) % epoch_length  # 0-based, within the epoch
+        position = _position(engine) - 1  # 0-based, within the epoch
         window_start = position - position % k
         length = min(k, epoch_length - window_start)
         return length, position - window_start == length - 1

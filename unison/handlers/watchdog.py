@@ -124,8 +124,17 @@ class Watchdog:
         self.reports += 1
         return text
 
+    def watch(self, engine: Engine) -> None:
+        """Counts ``engine``'s iterations as progress too, without tying the watchdog to its runs.
+
+        For an evaluator run from a trainer's handler: a long evaluation is progress, not
+        a hang.
+        """
+        if not engine.has_event_handler(self._tick, Events.ITERATION_COMPLETED):
+            engine.add_event_handler(Events.ITERATION_COMPLETED, self._tick)
+
     def attach(self, engine: Engine) -> None:
-        """Registers on ``engine``; attaching twice has no effect."""
+        """Registers on ``engine`` (the trainer); attaching twice has no effect."""
         if engine.has_event_handler(self._start, Events.STARTED):
             return
         engine.add_event_handler(Events.STARTED, self._start)
