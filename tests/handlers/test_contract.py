@@ -1,0 +1,146 @@
+"""The contract every public handler keeps: attach twice harmlessly, round-trip its state,
+and run the same at world size 1 and 2."""
+
+from __future__ import annotations
+
+import io
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import unison.handlers as handlers
+from unison.engine import Engine, Events, create_evaluator, create_trainer
+from unison.handlers import (
+    Checkpoint,
+    EarlyStopping,
+    EpochAverage,
+    NonFiniteGuard,
+    Preemption,
+    ProgressBar,
+    SetSamplerEpoch,
+    TensorBoardLogger,
+    TimeLimit,
+    Watchdog,
+)
+from unison.metrics import Loss, MetricGroup
+from unison.testing import run_distributed
+
+
+def _trainer() -> tuple[Engine, Engine, list]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, optimizer, torch.nn.functional.mse_loss, sync_every=2)
+    evaluator = create_evaluator(model, {"loss": Loss(torch.nn.functional.mse_loss)})
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(5)]
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: evaluator.run(data[:2]))
+    return trainer, evaluator, data
+
+
+# name -> fn(trainer, evaluator, folder) -> (handler, attach(handler))
+FACTORIES: dict[str, Callable[[Engine, Engine, Path], tuple[Any, Callable[[Any], None]]]] = {
+    "SetSamplerEpoch": lambda t, e, d: (SetSamplerEpoch(), lambda h: h.attach(t)),
+    "EpochAverage": lambda t, e, d: (EpochAverage("second_loss"), lambda h: h.attach(t)),
+    "ProgressBar": lambda t, e, d: (ProgressBar(file=io.StringIO()), lambda h: h.attach(t)),
+    "EarlyStopping": lambda t, e, d: (
+        EarlyStopping(t, "loss", patience=2, mode="min"),
+        lambda h: h.attach(e),
+    ),
+    "NonFiniteGuard": lambda t, e, d: (NonFiniteGuard(), lambda h: h.attach(t)),
+    "TimeLimit": lambda t, e, d: (TimeLimit(3600), lambda h: h.attach(t)),
+    "Watchdog": lambda t, e, d: (Watchdog(3600, stream=io.StringIO()), lambda h: h.attach(t)),
+    "Checkpoint": lambda t, e, d: (
+        Checkpoint(d / "ckpt", {"model": t.process_function.model}, t, keep_last=1),
+        lambda h: h.attach(),
+    ),
+    "Preemption": lambda t, e, d: (
+        Preemption(Checkpoint(d / "pre", {"model": t.process_function.model}, t)),
+        lambda h: h.attach(t),
+    ),
+    "TensorBoardLogger": lambda t, e, d: (
+        TensorBoardLogger(d / "tb", trainer=t, evaluators={"val": e}),
+        lambda h: h.attach(),
+    ),
+    "MetricGroup": lambda t, e, d: (
+        MetricGroup({"extra": Loss(torch.nn.functional.mse_loss)}),
+        lambda h: h.attach(e),
+    ),
+}
+
+
+def test_every_public_handler_is_covered() -> None:
+    public = {
+        name
+        for name in handlers.__all__
+        if isinstance(getattr(handlers, name), type) and name not in {"EarlyStopChecker"}
+    }
+    assert public <= set(FACTORIES), f"handlers without a contract test: {sorted(public - set(FACTORIES))}"
+
+
+def _registrations(*engines: Engine) -> int:
+    return sum(len(h) for engine in engines for h in engine._event_handlers.values())
+
+
+def _sync_contributors(*engines: Engine) -> int:
+    return sum(len(engine.sync_point.contributors()) for engine in engines)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_attaching_twice_registers_once(name: str, tmp_path: Path) -> None:
+    trainer, evaluator, data = _trainer()
+    handler, attach = FACTORIES[name](trainer, evaluator, tmp_path)
+    attach(handler)
+    once = (_registrations(trainer, evaluator), _sync_contributors(trainer, evaluator))
+    attach(handler)
+    assert (_registrations(trainer, evaluator), _sync_contributors(trainer, evaluator)) == once
+    state = trainer.run(data, max_epochs=2)
+    assert state.iteration == 10
+
+
+STATEFUL = sorted(name for name in FACTORIES if hasattr(getattr(handlers, name, MetricGroup), "state_dict"))
+
+
+def test_stateful_handlers_are_the_expected_ones() -> None:
+    assert {"Checkpoint", "EarlyStopping"} <= set(STATEFUL)
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_state_dict_round_trip(name: str, tmp_path: Path) -> None:
+    trainer, evaluator, data = _trainer()
+    handler, attach = FACTORIES[name](trainer, evaluator, tmp_path)
+    attach(handler)
+    trainer.run(data, max_epochs=2)
+    saved = handler.state_dict()
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)  # checkpoints hold it: it must load with weights_only=True
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    trainer2, evaluator2, _ = _trainer()
+    fresh, _ = FACTORIES[name](trainer2, evaluator2, tmp_path / "second")
+    fresh.load_state_dict(loaded)
+    assert fresh.state_dict() == saved or name == "Checkpoint"  # a checkpoint's state is its folder
+
+
+def _all_handlers_on_two_ranks(folder: str) -> tuple[int, int, list[str]]:
+    trainer, evaluator, data = _trainer()
+    attached = []
+    for name, factory in sorted(FACTORIES.items()):
+        handler, attach = factory(trainer, evaluator, Path(folder) / name)
+        attach(handler)
+        attached.append(name)
+    state = trainer.run(data, max_epochs=2)
+    return state.iteration, state.epoch, attached
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_every_handler_runs_at_world_size_1_and_2(nproc: int) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        results = run_distributed(_all_handlers_on_two_ranks, folder, nproc=nproc, timeout=150)
+    assert len(results) == nproc
+    assert all(r == (10, 2, sorted(FACTORIES)) for r in results)
