@@ -1,7 +1,7 @@
 """Checkpoint files: durable writes, the manifest of a folder, and what a checkpoint holds."""
 
 from unison.checkpoint.io import CheckpointError, atomic_save, atomic_write_json, is_complete, load_checkpoint
-from unison.checkpoint.manifest import Entry, Manifest
+from unison.checkpoint.manifest import Entry, Manifest, checkpoint_name
 from unison.checkpoint.state import capture_rng, load_model_state, model_state, restore_rng
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "atomic_save",
     "atomic_write_json",
     "capture_rng",
+    "checkpoint_name",
     "is_complete",
     "load_checkpoint",
     "load_model_state",

@@ -89,6 +89,14 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise CheckpointError(f"Checkpoint {file} does not exist. Check the path, or resume='auto' to pick the newest.")
+    if not is_complete(file):
+        # torch.load does not verify the archive's checksums: damaged bytes would load as
+        # wrong weights. One extra read of the file rules that out.
+        raise CheckpointError(
+            f"Checkpoint {file} is truncated or corrupt (its checksums do not match). It was probably cut "
+            "short by a crash or a full disk, or damaged on disk. Delete it and resume from the previous "
+            "checkpoint (resume='auto' skips it by itself)."
+        )
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, zip errors...

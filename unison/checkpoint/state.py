@@ -65,17 +65,29 @@ def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Non
     unwrap_model(model).load_state_dict(state)
 
 
-def to_cpu_copy(obj: Any) -> Any:
+def to_cpu_copy(obj: Any, reuse: Any = None) -> Any:
     """A deep copy of nested containers with every tensor copied to CPU memory.
 
     What an asynchronous save writes, while training goes on changing the originals.
+    With ``reuse``, an earlier copy of the same structure that nothing reads any more,
+    tensors of matching shape and dtype are copied into its buffers instead of freshly
+    allocated ones: allocating is most of the cost of a copy.
     """
     if isinstance(obj, torch.Tensor):
+        if (
+            isinstance(reuse, torch.Tensor)
+            and reuse.shape == obj.shape
+            and reuse.dtype == obj.dtype
+            and reuse.device.type == "cpu"
+            and reuse.is_contiguous()
+        ):
+            return reuse.copy_(obj.detach())
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, Mapping):
-        return {k: to_cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_cpu_copy(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_cpu_copy(v) for v in obj)
+        previous = reuse if isinstance(reuse, Mapping) else {}
+        return {k: to_cpu_copy(v, previous.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        previous = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        copied = [to_cpu_copy(v, p) for v, p in zip(obj, previous)]
+        return copied if isinstance(obj, list) else tuple(copied)
     return obj

@@ -131,6 +131,7 @@ class Engine(IgniteEngine):
         self._sync_due = False
         self._epoch_iteration = 0
         self._resume_offset = 0
+        self._terminate_at_boundary: bool | None = None
         self._agreed: list[str] = []
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._stop, scope="every")
@@ -154,7 +155,12 @@ class Engine(IgniteEngine):
         point at or after it (see :meth:`request_stop`), whichever ranks made it.
         """
         if get_world_size() == 1:
-            super().terminate(skip_completed=skip_completed)
+            if self.at_boundary():
+                super().terminate(skip_completed=skip_completed)
+            else:
+                # Mid gradient-accumulation window: stopping here would drop the gradients
+                # accumulated so far (and no checkpoint could hold them).
+                self._terminate_at_boundary = skip_completed
         else:
             self.request_stop("terminate() was called", skip_completed=skip_completed)
 
@@ -212,6 +218,7 @@ class Engine(IgniteEngine):
         self._keep_requests = False
         self._agreed.clear()
         self._sync_due = False
+        self._terminate_at_boundary = None
         length = self.state.epoch_length
         self._resume_offset = self.state.iteration % length if length else 0
         self._iteration_syncs = self.sync_every is not None and self._equal_epoch_lengths()
@@ -360,6 +367,9 @@ class Engine(IgniteEngine):
                     _add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
                 raise
         if event_name is Events.ITERATION_COMPLETED:
+            if self._terminate_at_boundary is not None and self.at_boundary():
+                skip, self._terminate_at_boundary = self._terminate_at_boundary, None
+                IgniteEngine.terminate(self, skip_completed=skip)
             if self._iteration_syncs:
                 if self.state.iteration % self.sync_every == 0:  # type: ignore[operator]
                     self._sync_due = True

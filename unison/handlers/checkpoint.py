@@ -121,6 +121,10 @@ class Checkpoint:
             raise TypeError(f"Checkpoint(trainer=...) needs a unison Engine, got {type(trainer).__name__}.")
         self.folder = Path(dirname)
         self.to_save = dict(to_save)
+        scaler = getattr(getattr(trainer, "_process_function", None), "scaler", None)
+        if scaler is not None and not any(obj is scaler for obj in self.to_save.values()):
+            # fp16 training made its own GradScaler: without its scale, a resume is not exact.
+            self.to_save["grad_scaler"] = scaler
         self.trainer = trainer
         self.every_epochs = every_epochs
         self.every_iters = every_iters
@@ -143,6 +147,7 @@ class Checkpoint:
         self._writer_error: BaseException | None = None
         self._pending_resume: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
+        self._snapshot: Any = None
 
         # Rank 0 reads the folder; every rank gets its answer, so they fail or go on together.
         problem = None
@@ -276,9 +281,14 @@ class Checkpoint:
         self.wait()  # at most one write in flight
         meta = state["meta"]
         path = self.folder / checkpoint_name(self.manifest.prefix, meta["epoch"], meta["iteration"])
-        entry = Entry(file=path.name, epoch=meta["epoch"], iteration=meta["iteration"], score=meta["score"])
+        score = meta["score"]
+        if score is not None and not math.isfinite(score):
+            score = None  # never the best; and manifest.json stays strict JSON
+        entry = Entry(file=path.name, epoch=meta["epoch"], iteration=meta["iteration"], score=score)
         if self.async_save:
-            snapshot = to_cpu_copy(state)
+            # The previous write has finished (wait() above): its buffers are free to reuse.
+            snapshot = to_cpu_copy(state, reuse=self._snapshot)
+            self._snapshot = snapshot
             self._writer = threading.Thread(target=self._write, args=(snapshot, path, entry), name="unison-ckpt", daemon=False)
             self._writer.start()
         else:
@@ -329,7 +339,7 @@ class Checkpoint:
     @property
     def best(self) -> Entry | None:
         """The best recorded checkpoint by ``metric`` (rank 0's view)."""
-        scored = [e for e in self.manifest.entries if e.score is not None]
+        scored = [e for e in self.manifest.entries if e.score is not None and not math.isnan(e.score)]
         if not scored:
             return None
         return (max if self.mode == "max" else min)(scored, key=lambda e: e.score)  # type: ignore[arg-type, return-value]
@@ -408,6 +418,8 @@ class Checkpoint:
             return
         meta = state["meta"]
         self._check_layout(engine, meta)
+        if not meta["mid_epoch"]:
+            self._refit_epoch_length(engine)
         sampler_state = state.get("sampler")
         if sampler_state is not None:
             samplers = [s for s in samplers_with_set_epoch(engine.state.dataloader) if callable(getattr(s, "load_state_dict", None))]
@@ -430,6 +442,23 @@ class Checkpoint:
         if self._pending_rng is not None:
             restore_rng(self._pending_rng)
             self._pending_rng = None
+
+    @staticmethod
+    def _refit_epoch_length(engine: Engine) -> None:
+        """At an epoch boundary the data decides the epoch length, not the checkpoint."""
+        try:
+            length = len(engine.state.dataloader)  # type: ignore[arg-type]
+        except TypeError:
+            return
+        if length and length != engine.state.epoch_length:
+            _log.warning(
+                "The epoch length changed from %s to %d batches since the checkpoint (another world size or "
+                "batch size); epochs from here on cover the whole data again.",
+                engine.state.epoch_length,
+                length,
+            )
+            engine.state.epoch_length = length
+            engine.state.iteration = engine.state.epoch * length
 
     def _check_layout(self, engine: Engine, meta: Mapping[str, Any]) -> None:
         step = getattr(engine, "_process_function", None)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
-from unison.distributed.primitives import get_rank
+from unison.distributed.primitives import barrier, get_rank
 from unison.handlers._rank_slots import rank_row, split_rows
 from unison.handlers.checkpoint import Checkpoint
 from unison.utils.logging import get_logger
@@ -97,6 +97,7 @@ class Preemption:
         names = ", ".join(f"rank {r}: {signal.Signals(s).name}" for r, s in sorted(hit.items()))
         self.checkpoint.save(self._engine)
         self.checkpoint.wait()
+        barrier()  # no rank exits (and gets its launcher to end the others) before the file is durable
         self._engine.stop_agreed(f"preempted ({names}); checkpoint saved")  # type: ignore[attr-defined]
 
     def _finish(self, engine: Engine) -> None:

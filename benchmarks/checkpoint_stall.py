@@ -1,0 +1,242 @@
+"""Checkpoint stall: how long a save blocks training, synchronous against asynchronous.
+
+A model of about 100 MB (by default 6 x Linear(2048, 2048): 25.2M float32 parameters)
+trains with SGD on small random batches in a unison trainer, one torch thread. Once per
+run, at a fixed iteration, a handler calls ``Checkpoint.save`` (model and optimizer); the
+stall is what the Checkpoint itself records, ``Checkpoint.stall_seconds``: how long save()
+held the training loop.
+
+    sync   collect the state, write a temp file, fsync, rename, fsync the folder,
+           record it in the manifest: all of it inside save().
+    async  collect the state and copy it to CPU memory inside save(); a background
+           thread writes it while training goes on.
+
+Runs interleave, in an order rotated every round, so a shared machine's noise hits both
+alike. Reported per mode: the median stall, the median wall time of the whole run (its
+steps plus the save), and for async the median time from save() until the file was
+durable. "async/sync" is the median over rounds of the paired ratio of stalls.
+
+Two reference rows break the async stall down: copying the model's tensors into fresh CPU
+tensors (what ``to_cpu_copy`` does at each async save: new allocations, whose pages fault
+in as they are written), and into buffers allocated once and reused (the floor a
+snapshot kept between saves would reach).
+
+Target: async stall <= 20% of sync.
+
+    python benchmarks/checkpoint_stall.py                    # ~1-2 minutes on 2 busy cores
+    python benchmarks/checkpoint_stall.py --quick            # a smoke run
+    python benchmarks/checkpoint_stall.py --repeats 9 --json stall.json --dir /scratch/ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+MODES = ("sync", "async")
+TARGET = 0.20
+
+
+def build(width: int, layers: int, seed: int = 0) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks[:-1])
+
+
+def one_run(model: Any, optimizer: Any, data: Any, folder: Path, mode: str, steps: int) -> dict[str, float]:
+    """Trains ``steps`` iterations, saving once halfway; returns the save's timings."""
+    import torch.nn.functional as F
+
+    from unison.engine import Events, create_trainer
+    from unison.handlers import Checkpoint
+
+    trainer = create_trainer(model, optimizer, F.mse_loss, sync_every=None, track_loss=False)
+    checkpoint = Checkpoint(
+        folder,
+        {"model": model, "optimizer": optimizer},
+        trainer,
+        every_epochs=None,
+        at_end=False,
+        keep_last=1,
+        async_save=mode == "async",
+    )
+    started: list[float] = []
+
+    @trainer.on(Events.ITERATION_COMPLETED(once=steps // 2))
+    def _save(engine: Any) -> None:
+        started.append(time.time())
+        checkpoint.save(engine)
+
+    wall = time.perf_counter()
+    trainer.run(data, max_epochs=1, epoch_length=steps)
+    wall = time.perf_counter() - wall
+    checkpoint.wait()
+    durable = checkpoint.manifest.entries[-1].saved_at - started[0]
+    return {"stall_s": checkpoint.stall_seconds[-1], "run_s": wall, "durable_s": durable}
+
+
+def copy_timings(model: Any, reused: dict[str, Any]) -> dict[str, float]:
+    """Seconds to copy the model's tensors into fresh CPU tensors, and into ``reused`` ones."""
+    from unison.checkpoint.state import to_cpu_copy
+
+    state = model.state_dict()
+    start = time.perf_counter()
+    fresh = to_cpu_copy(state)
+    middle = time.perf_counter()
+    for name, tensor in state.items():
+        reused[name].copy_(tensor)
+    end = time.perf_counter()
+    del fresh
+    return {"fresh_s": middle - start, "reused_s": end - middle}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="interleaved rounds (default 7; 3 with --quick)"
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--width", type=int, default=2048, help="width of each Linear layer (default 2048)")
+    parser.add_argument("--layers", type=int, default=6, help="Linear layers (default 6: ~100 MB of float32)")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="training iterations per run, the save halfway (default 6)"
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where checkpoints are written (default: a temp folder)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the report here, as JSON")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if async stall > {TARGET:.0%} of sync")
+    args = parser.parse_args(argv)
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
+    if repeats < 1 or args.steps < 2:
+        raise SystemExit("--repeats must be >= 1 and --steps >= 2")
+
+    import torch
+
+    torch.set_num_threads(1)
+    env = C.environment("cpu")
+    C.print_environment(env)
+    model = build(args.width, args.layers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    params = sum(p.numel() for p in model.parameters())
+    megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, args.width, generator=gen), torch.randn(4, args.width, generator=gen))]
+    print(
+        f"model: {args.layers} x Linear({args.width}, {args.width}), "
+        f"{params / 1e6:.1f}M parameters, {megabytes:.0f} MB"
+    )
+
+    root = Path(tempfile.mkdtemp(prefix="unison-stall-", dir=args.dir))
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    copies: list[dict[str, float]] = []
+    reused = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        for mode in MODES:  # warm-up: first writes to a folder, first file-system allocations
+            one_run(model, optimizer, data, root / mode, mode, args.steps)
+        for round_index in range(repeats):
+            for mode in C.rotated((*MODES, "copy"), round_index):
+                if mode == "copy":
+                    copies.append(copy_timings(model, reused))
+                else:
+                    results[mode].append(one_run(model, optimizer, data, root / mode, mode, args.steps))
+            last = {m: results[m][-1]["stall_s"] for m in MODES}
+            print(
+                f"  round {round_index + 1}/{repeats}: "
+                + "  ".join(f"{m} stall {v * 1e3:.0f} ms" for m, v in last.items())
+            )
+        file_mb = sum(p.stat().st_size for p in (root / "sync").glob("*.pt")) / 1e6
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    stalls = {m: [r["stall_s"] for r in results[m]] for m in MODES}
+    ratio = C.paired_ratio(stalls["async"], stalls["sync"])
+    summary: dict[str, Any] = {}
+    rows = []
+    for mode in MODES:
+        runs = results[mode]
+        summary[mode] = {
+            "stall_ms_median": C.median(stalls[mode]) * 1e3,
+            "stall_spread": C.spread(stalls[mode]),
+            "run_ms_median": C.median(r["run_s"] for r in runs) * 1e3,
+            "durable_ms_median": C.median(r["durable_s"] for r in runs) * 1e3,
+            "stall_ms": [s * 1e3 for s in stalls[mode]],
+        }
+        s = summary[mode]
+        rows.append(
+            [
+                mode,
+                f"{s['stall_ms_median']:.1f}",
+                f"{s['stall_spread']:.2f}",
+                f"{s['durable_ms_median']:.1f}",
+                f"{s['run_ms_median']:.1f}",
+                "1.00" if mode == "sync" else f"{ratio:.3f}",
+            ]
+        )
+    sync_stall = summary["sync"]["stall_ms_median"]
+    for key, label in (("fresh_s", "(copy to fresh tensors)"), ("reused_s", "(copy to reused buffers)")):
+        values = [c[key] * 1e3 for c in copies]
+        summary[f"copy_{key[:-2]}_ms_median"] = C.median(values)
+        rows.append(
+            [
+                label,
+                f"{C.median(values):.1f}",
+                f"{C.spread(values):.2f}",
+                "",
+                "",
+                f"{C.median(values) / sync_stall:.3f}",
+            ]
+        )
+    C.print_table(
+        f"Checkpoint stall, {megabytes:.0f} MB model ({file_mb:.0f} MB file), "
+        f"{args.steps} steps per run, median of {repeats}",
+        [
+            "mode",
+            "stall ms",
+            "spread",
+            "durable after ms",
+            f"run ({args.steps} steps) ms",
+            "x sync stall",
+        ],
+        rows,
+    )
+    met = ratio <= TARGET
+    print(f"\ntarget: async stall <= {TARGET:.0%} of sync: {ratio:.1%} -> {C.verdict(met)}")
+    report = {
+        "benchmark": "checkpoint_stall",
+        "environment": env,
+        "config": {
+            "width": args.width,
+            "layers": args.layers,
+            "parameters": params,
+            "model_mb": megabytes,
+            "file_mb": file_mb,
+            "steps": args.steps,
+            "repeats": repeats,
+            "folder": str(args.dir) if args.dir else tempfile.gettempdir(),
+        },
+        "results": summary,
+        "async_over_sync_stall": ratio,
+        "target": TARGET,
+        "met": met,
+    }
+    C.write_json(args.json, report)
+    return 1 if args.check and not met else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
