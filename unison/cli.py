@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -16,7 +17,7 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"unison run: {err}", file=sys.stderr)
         return 2
-    if results is not None:
+    if results is not None and os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"run directory: {results['run_dir']}")
     return 0
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unison.config import Config, ConfigError, dump_config, load_config, resolve_ref, resolve_tree, to_plain
+from unison.config import Config, ConfigError, PyObjectRef, dump_config, load_config, resolve_ref, resolve_tree, to_plain
 from unison.distributed import (
     barrier,
     broadcast_object,
@@ -83,21 +83,28 @@ def resolve(config: Config) -> Resolved:
     def tree(value: Any, key: str) -> Any:
         return resolve_tree(value, key=key, imports=imports, config_dir=config_dir)
 
+    lines: dict[tuple[str, ...], int] = getattr(config, "lines", {})
+
+    def error(key: str, message: str) -> ConfigError:
+        return ConfigError(message, file=source, line=lines.get(tuple(key.split("."))), key=key.split("."))
+
     t = config.training
     metrics: dict[str, tuple[type, dict[str, Any]]] = {}
     for name, spec in config.validation.metrics.items():
         key = f"validation.metrics.{name}"
+        if not isinstance(spec, (dict, PyObjectRef)):
+            raise error(key, f"a metric is `!pyobject Class` or {{type: !pyobject Class, kwargs: {{...}}}}, got {spec!r}")
         if isinstance(spec, dict):
             unknown = set(spec) - {"type", "kwargs"}
             if "type" not in spec or unknown:
-                raise ConfigError(
-                    f"a metric is `!pyobject Class` or {{type: !pyobject Class, kwargs: {{...}}}}; got keys {sorted(spec)}",
-                    file=source,
-                    key=key.split("."),
-                )
+                raise error(key, f"a metric is `!pyobject Class` or {{type: !pyobject Class, kwargs: {{...}}}}; got keys {sorted(spec)}")
             metrics[name] = (ref(spec["type"], "metric", key + ".type"), tree(spec.get("kwargs") or {}, key + ".kwargs"))
         else:
             metrics[name] = (ref(spec, "metric", key), {})
+    names = list(metrics) or ["loss"]
+    for key, name in (("checkpoint.metric", config.checkpoint.metric), ("early_stopping.metric", config.early_stopping.metric)):
+        if name is not None and name not in names:
+            raise error(key, f"no validation metric named {name!r}; validation.metrics defines {names}")
     return Resolved(
         optimizer_type=ref(t.optimizer_type, "torch.optim.Optimizer", "training.optimizer_type"),
         optimizer_kwargs=tree(t.optimizer_kwargs, "training.optimizer_kwargs"),
@@ -178,12 +185,13 @@ def _run_dir(config: Config, resume: str | None) -> tuple[Path, str | None]:
     return Path(choice[0]), choice[1]
 
 
-def _file_logging(run_dir: Path) -> None:
+def _file_logging(run_dir: Path) -> logging.Handler:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(logs / f"rank{get_rank()}.log")
     handler.setFormatter(logging.Formatter(f"[rank {get_rank()}] %(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("unison").addHandler(handler)
+    return handler
 
 
 def train_from_config(config: Config, resume: str | None = None) -> dict[str, Any]:
@@ -200,7 +208,17 @@ def train_from_config(config: Config, resume: str | None = None) -> dict[str, An
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(config))
     barrier()  # the folder exists before any rank writes into it
-    _file_logging(run_dir)
+    log_file = _file_logging(run_dir)
+    try:
+        return _train(config, resolved, run_dir, resume_from)
+    finally:
+        logging.getLogger("unison").removeHandler(log_file)
+        log_file.close()
+
+
+def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str | None) -> dict[str, Any]:
+    t = config.training
+    world = get_world_size()
     _log.info("run directory: %s (world size %d)", run_dir, world)
 
     manual_seed(t.seed)

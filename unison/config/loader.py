@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,8 @@ class PyObjectRef:
     """
 
     path: str
-    file: str = "<string>"
-    line: int = 0
+    file: str = field(default="<string>", compare=False)
+    line: int = field(default=0, compare=False)
 
     def __str__(self) -> str:
         return f"!pyobject {self.path}"
@@ -56,6 +57,27 @@ def _construct_pyobject(loader: UnisonLoader, node: yaml.Node) -> PyObjectRef:
 UnisonLoader.add_constructor("!pyobject", _construct_pyobject)
 
 
+def _yaml_1_2_scalars(loader: type[yaml.SafeLoader]) -> None:
+    """Reads scalars as YAML 1.2 (and people) do, on ``loader`` only.
+
+    PyYAML follows YAML 1.1: ``3e-4`` (no dot) is a string, and ``yes``, ``no``, ``on``,
+    ``off`` are booleans, so ``lr: 3e-4`` would reach the optimizer as text and
+    ``name: no`` would be False.
+    """
+    bool_tag = "tag:yaml.org,2002:bool"
+    loader.add_implicit_resolver(  # copies the resolver table onto this class first
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+    for first, resolvers in loader.yaml_implicit_resolvers.items():
+        loader.yaml_implicit_resolvers[first] = [(tag, rx) for tag, rx in resolvers if tag != bool_tag]
+    loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+_yaml_1_2_scalars(UnisonLoader)
+
+
 def _line_map(node: yaml.Node, prefix: KeyPath, out: dict[KeyPath, int]) -> None:
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
@@ -82,6 +104,9 @@ class RawConfig:
         for i in range(len(path), 0, -1):
             if path[:i] in self.overrides:
                 return path[:i]
+        for key in self.overrides:  # a --set below this key gave it its (bad) shape
+            if key[: len(path)] == path:
+                return key
         return None
 
     def line_of(self, path: KeyPath) -> int | None:
@@ -133,19 +158,30 @@ def load_yaml(source: str | os.PathLike[str], *, text: str | None = None) -> Raw
     class _Loader(UnisonLoader):
         file_name = name
 
+    lines: dict[KeyPath, int] = {}
+
+    def key_at(line: int | None) -> KeyPath:
+        """The outermost key on ``line``: the one whose value holds the tag."""
+        on_line = [path for path, where in lines.items() if where == line]
+        return min(on_line, key=len) if on_line else ()
+
     try:
         node = yaml.compose(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        if node is not None:
+            _line_map(node, (), lines)
         data = yaml.load(text, Loader=_Loader)  # noqa: S506
-    except ConfigError:
-        raise
+    except ConfigError as err:
+        raise ConfigError(err.problem, file=name, line=err.line, key=key_at(err.line)) from None
     except yaml.constructor.ConstructorError as err:
         mark = err.problem_mark
         tag = err.problem or "an unknown tag"
+        line = mark.line + 1 if mark else None
         raise ConfigError(
             f"{tag}: Python tags are refused, configs are data. Name classes and functions with "
             "`!pyobject dotted.path` instead",
             file=name,
-            line=mark.line + 1 if mark else None,
+            line=line,
+            key=key_at(line),
         ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
@@ -155,7 +191,4 @@ def load_yaml(source: str | os.PathLike[str], *, text: str | None = None) -> Raw
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"a config is a mapping of sections, got a {type(data).__name__}", file=name, line=1)
-    lines: dict[KeyPath, int] = {}
-    if node is not None:
-        _line_map(node, (), lines)
     return RawConfig(data=data, file=name, lines=lines)

@@ -25,6 +25,8 @@ def apply_overrides(raw: RawConfig, overrides: list[str]) -> RawConfig:
             )
         try:
             value = yaml.load(text, Loader=UnisonLoader) if text.strip() else ""  # noqa: S506 - SafeLoader subclass
+        except ConfigError as err:
+            raise ConfigError(err.problem, file=f"--set {item}", key=key.split(".")) from None
         except yaml.YAMLError as err:
             raise ConfigError(f"the value {text!r} is not valid YAML: {err}", file=f"--set {item}") from None
         raw.set(tuple(key.split(".")), _from_command_line(value, item), item)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+import types
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ DENIED_PREFIXES = (
     "os", "posix", "nt", "sys", "subprocess", "builtins", "shutil", "importlib", "pickle", "marshal",
     "ctypes", "socket", "runpy", "code", "pty", "signal", "multiprocessing", "io", "pathlib", "tempfile",
     "torch.hub", "torch.load", "torch.save", "torch.package", "torch.utils.cpp_extension", "torch.jit.load",
-    "torch.ops", "torch.distributed", "torch.multiprocessing",
+    "torch.ops", "torch.distributed", "torch.multiprocessing", "torch.serialization", "_pickle", "_io",
+    "_posixsubprocess", "_thread", "_ctypes",
 )  # fmt: skip
 """Never resolved, whatever ``imports:`` says: they run programs, touch files or load code."""
 
@@ -112,12 +114,21 @@ def _import(path: str, fail: Any) -> Any:
             continue
         except Exception as err:
             raise fail(f"!pyobject {path}: importing {module_name} raised {type(err).__name__}: {err}") from err
-        for attr in parts[i:]:
+        for j, attr in enumerate(parts[i:], start=i + 1):
             if not hasattr(obj, attr):
                 near = [n for n in dir(obj) if not n.startswith("_") and n.lower() == attr.lower()]
                 hint = f" Did you mean {'.'.join(parts[:i])}.{near[0]}?" if near else ""
                 raise fail(f"!pyobject {path}: {type(obj).__name__} {'.'.join(parts[:i])} has no {attr!r}.{hint}")
             obj = getattr(obj, attr)
+            if isinstance(obj, types.ModuleType) and obj.__name__ != ".".join(parts[:j]):
+                # torch.os is the os module under another name: the allow-list is about what
+                # is reached, not how it is spelled.
+                raise fail(f"!pyobject {path} reaches module {obj.__name__} through another module; name it directly")
+        home = getattr(obj, "__module__", None)
+        if isinstance(home, str):
+            for prefix in DENIED_PREFIXES:
+                if _under(home, prefix):
+                    raise fail(f"!pyobject {path} is {home}.{getattr(obj, '__name__', '?')}, which is refused ({prefix!r})")
         return obj
     raise fail(f"!pyobject {path}: no module {parts[0]!r} can be imported ({error})")
 

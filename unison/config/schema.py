@@ -35,7 +35,7 @@ class ParallelConfig:
         None, "processes to spawn when no launcher is present (`--nproc`)", alias="world_size"
     )
     master_addr: str = option("127.0.0.1", "rendezvous address when spawning")
-    master_port: int | None = option(None, "rendezvous port when spawning; default, a free port")
+    master_port: int | str | None = option(None, "rendezvous port when spawning; default, a free port")
     timeout: float = option(600.0, "seconds a collective waits for the other ranks before failing")
     find_unused_parameters: bool = option(False, "DDP option for models with parameters unused in some steps")
     sync_batchnorm: bool = option(False, "convert BatchNorm layers to SyncBatchNorm")
@@ -225,6 +225,12 @@ def _matches(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
+def _takes_float(tp: Any) -> bool:
+    if tp is float:
+        return True
+    return typing.get_origin(tp) in (Union, types.UnionType) and float in typing.get_args(tp) and int not in typing.get_args(tp)
+
+
 def _section_error(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
     return ConfigError(message, file=raw.file_of(path), line=raw.line_of(path), key=path)
 
@@ -238,6 +244,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
     aliases = {f.metadata["alias"]: f.name for f in fields.values() if f.metadata.get("alias")}
     hints = _hints(cls)
     values: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
     for key, value in data.items():
         key = str(key)
         name = aliases.get(key, key)
@@ -250,7 +257,14 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
                 raw, path + (key,), f"unknown key {key!r} in {where}. Valid keys: {', '.join(sorted(fields))}.{hint}"
             )
         if name in values:
-            raise _section_error(raw, path + (key,), f"{key!r} is set twice (also as {name!r})")
+            earlier = given_as[name]
+            if path + (earlier,) in raw.overrides:
+                continue  # the command line's --set wins over the file
+            if path + (key,) not in raw.overrides:
+                raise _section_error(
+                    raw, path + (key,), f"the key is set twice, as {earlier!r} and as {key!r}; keep one of them"
+                )
+        given_as[name] = key
         tp = hints[name]
         if _is_section(tp):
             values[name] = _build(tp, value, raw, path + (key,))
@@ -261,7 +275,9 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
                 path + (key,),
                 f"expected {_type_name(tp)}, got {type(value).__name__}: {value!r}",
             )
-        values[name] = float(value) if tp is float and isinstance(value, int) else value
+        if isinstance(value, int) and not isinstance(value, bool) and _takes_float(tp):
+            value = float(value)
+        values[name] = value
     for name, f in fields.items():
         if name not in values and _is_section(hints[name]):
             values[name] = hints[name]()
@@ -317,6 +333,20 @@ def _check_values(config: Config, raw: RawConfig) -> None:
     for path, value in ((("training", "num_workers"), config.training.num_workers), (("checkpoint", "keep_best"), config.checkpoint.keep_best)):
         if value < 0:
             raise ConfigError(f"must be >= 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path)
+    port = config.parallel.master_port
+    if isinstance(port, str):
+        if not port.strip().isdigit():
+            path = ("parallel", "master_port")
+            raise ConfigError(f"expected a port number, got {port!r}", file=raw.file_of(path), line=raw.line_of(path), key=path)
+        config.parallel.master_port = int(port)
+    if config.parallel.master_port is not None and not 0 < config.parallel.master_port < 65536:
+        path = ("parallel", "master_port")
+        raise ConfigError(
+            f"expected a port in 1..65535, got {config.parallel.master_port}",
+            file=raw.file_of(path),
+            line=raw.line_of(path),
+            key=path,
+        )
     if config.training.prefetch_factor is not None and config.training.num_workers == 0:
         path = ("training", "prefetch_factor")
         raise ConfigError(

@@ -1,0 +1,583 @@
+"""Bad configs fail in the launching process, before any rank is spawned.
+
+Every case goes through the real entry points, ``unison.recipe.run(path, nproc=2)`` and
+``unison run PATH --nproc 2`` (``unison.cli.main``, in-process), with every way of
+starting a process replaced by a function that fails the test. Each error must be a
+:class:`ConfigError` whose message starts ``file:line: key.path:`` (``--set K=V: key.path:``
+for an override), the line being the one marked ``# <-- here`` in the case's YAML.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing
+
+import unison.distributed.launcher as launcher
+import unison.recipe
+from unison.cli import main as cli_main
+from unison.config import ConfigError
+
+DATA = Path(__file__).parent / "data"
+MARK = "# <-- here"
+BAIT = "pwned"  # a file that a refused tag would create if it were executed
+
+DATA_MODULE = """\
+import torch
+from torch.utils.data import TensorDataset
+
+
+def build(seed, n=16):
+    g = torch.Generator().manual_seed(seed)
+    ds = TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
+    return ds, ds
+"""
+
+# A valid config: the cases add a section to it (or replace it: `whole=True`). Its data
+# module lives next to the config, so resolution goes through the "config's folder" rule.
+BASE = """\
+name: bad
+model:
+  type: !pyobject torch.nn.Linear
+  kwargs: {in_features: 4, out_features: 2}
+data:
+  build: !pyobject MODULE.build
+"""
+
+
+class SpawnAttempted(AssertionError):
+    """A process was about to be started for a config that should have been refused."""
+
+
+@dataclass(frozen=True)
+class Bad:
+    id: str
+    text: str
+    key: str | None
+    needles: tuple[str, ...] = ()
+    whole: bool = False
+
+
+@dataclass(frozen=True)
+class BadSet:
+    id: str
+    sets: tuple[str, ...]
+    culprit: str
+    key: str | None
+    needles: tuple[str, ...] = ()
+
+
+FILE_CASES = [
+    # wrong types
+    Bad(
+        "batch_size-string",
+        'training:\n  batch_size: "32"  # <-- here\n',
+        "training.batch_size",
+        ("expected int", "'32'"),
+    ),
+    Bad(
+        "max_epochs-float",
+        "training:\n  max_epochs: 1.5  # <-- here\n",
+        "training.max_epochs",
+        ("expected int", "1.5"),
+    ),
+    Bad("lr-word", "training:\n  lr: abc  # <-- here\n", "training.lr", ("expected float", "'abc'")),
+    Bad(
+        "pin_memory-string",
+        'training:\n  pin_memory: "yes"  # <-- here\n',
+        "training.pin_memory",
+        ("expected bool",),
+    ),
+    Bad("amp-fp8", "training:\n  amp: fp8  # <-- here\n", "training.amp", ("'bf16'", "'fp16'", "'fp8'")),
+    Bad(
+        "backend-mpi",
+        "parallel:\n  backend: mpi  # <-- here\n",
+        "parallel.backend",
+        ("'gloo'", "'nccl'", "'mpi'"),
+    ),
+    Bad("imports-string", "imports: json  # <-- here\n", "imports", ("a list of str",)),
+    # unknown keys, with the nearest valid one
+    Bad("unknown-top-level", "trainig:  # <-- here\n  lr: 0.1\n", "trainig", ("Did you mean 'training'?",)),
+    Bad(
+        "unknown-nested",
+        "training:\n  seed: 1\n  lrr: 0.1  # <-- here\n",
+        "training.lrr",
+        ("Did you mean 'lr'?",),
+    ),
+    # a section that is a scalar
+    Bad("section-scalar", "training: 5  # <-- here\n", "training", ("expected a mapping",)),
+    # required keys: the line is that of the section the key is missing from, if any
+    Bad(
+        "missing-model-type",
+        "name: bad\nmodel:  # <-- here\n  kwargs: {in_features: 4}\ndata:\n  build: !pyobject MODULE.build\n",
+        "model.type",
+        ("required",),
+        whole=True,
+    ),
+    Bad(
+        "missing-data-build",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear\n",
+        "data.build",
+        ("required",),
+        whole=True,
+    ),
+    # !pyobject that cannot be imported
+    Bad(
+        "pyobject-module-missing",
+        "imports: [unison_no_such_module]\n"
+        "training:\n  loss: !pyobject unison_no_such_module.loss  # <-- here\n",
+        "training.loss",
+        ("no module 'unison_no_such_module'",),
+    ),
+    Bad(
+        "pyobject-attribute-missing",
+        "training:\n  loss: !pyobject torch.nn.functional.cross_entropyy  # <-- here\n",
+        "training.loss",
+        ("has no 'cross_entropyy'",),
+    ),
+    Bad(
+        "pyobject-attribute-case",
+        "training:\n  optimizer_type: !pyobject torch.optim.Adamw  # <-- here\n",
+        "training.optimizer_type",
+        ("Did you mean torch.optim.AdamW?",),
+    ),
+    # refused !pyobject
+    Bad(
+        "refused-os-system",
+        "training:\n  loss: !pyobject os.system  # <-- here\n",
+        "training.loss",
+        ("refused",),
+    ),
+    Bad(
+        "refused-subprocess",
+        "training:\n  loss: !pyobject subprocess.run  # <-- here\n",
+        "training.loss",
+        ("refused",),
+    ),
+    Bad(
+        "refused-eval",
+        "training:\n  loss: !pyobject builtins.eval  # <-- here\n",
+        "training.loss",
+        ("refused",),
+    ),
+    Bad(
+        "refused-private",
+        "training:\n  loss: !pyobject torch._C  # <-- here\n",
+        "training.loss",
+        ("private",),
+    ),
+    Bad(
+        "refused-outside-allow-list",
+        "training:\n  loss: !pyobject json.loads  # <-- here\n",
+        "training.loss",
+        ("allow-list", "imports: [json]"),
+    ),
+    Bad(
+        "unknown-key-in-model",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear\n  kwarg: {in_features: 4}  # <-- here\n"
+        "data:\n  build: !pyobject MODULE.build\n",
+        "model.kwarg",
+        ("unknown key", "Did you mean 'kwargs'?"),
+        whole=True,
+    ),
+    Bad(
+        "refused-nested-kwarg",
+        "validation:\n  metrics:\n    loss:\n      type: !pyobject unison.metrics.Loss\n"
+        "      kwargs:\n        loss_fn: !pyobject os.system  # <-- here\n",
+        "validation.metrics.loss.kwargs.loss_fn",
+        ("refused",),
+    ),
+    # wrong slot types
+    Bad(
+        "slot-optimizer",
+        "training:\n  optimizer_type: !pyobject torch.nn.Linear  # <-- here\n",
+        "training.optimizer_type",
+        ("torch.optim.Optimizer",),
+    ),
+    Bad(
+        "slot-scheduler",
+        "training:\n  scheduler_type: !pyobject torch.optim.SGD  # <-- here\n",
+        "training.scheduler_type",
+        ("torch.optim.lr_scheduler.LRScheduler",),
+    ),
+    Bad(
+        "slot-loss-not-callable",
+        "training:\n  loss: !pyobject torch.float32  # <-- here\n",
+        "training.loss",
+        ("function or class",),
+    ),
+    Bad(
+        "slot-metric",
+        "validation:\n  metrics:\n    acc: !pyobject torch.nn.Linear  # <-- here\n",
+        "validation.metrics.acc",
+        ("not a metric class",),
+    ),
+    Bad(
+        "slot-model",
+        "model:\n  type: !pyobject torch.optim.SGD  # <-- here\ndata:\n  build: !pyobject MODULE.build\n",
+        "model.type",
+        ("torch.nn.Module",),
+        whole=True,
+    ),
+    # Python tags: refused by the loader, never executed
+    Bad(
+        "tag-python-apply",
+        'training:\n  loss: !!python/object/apply:os.system ["touch BAIT"]  # <-- here\n',
+        None,
+        ("Python tags are refused", "!pyobject"),
+    ),
+    Bad(
+        "tag-python-apply-open",
+        'training:\n  loss: !!python/object/apply:builtins.open ["BAIT", "w"]  # <-- here\n',
+        None,
+        ("Python tags are refused",),
+    ),
+    Bad(
+        "tag-python-name",
+        "training:\n  loss: !!python/name:os.system  # <-- here\n",
+        None,
+        ("Python tags are refused",),
+    ),
+    # not YAML, not a mapping, !pyobject on a mapping
+    Bad("yaml-syntax", "training:\n  lr: 0.1: 2  # <-- here\n", None, ("YAML syntax error",)),
+    Bad(
+        "top-level-list",
+        "- name: x  # <-- here\n- training: {}\n",
+        None,
+        ("a mapping of sections", "list"),
+        whole=True,
+    ),
+    Bad(
+        "pyobject-on-mapping",
+        "training:\n  loss: !pyobject {path: os.system}  # <-- here\n",
+        None,
+        ("dotted path",),
+    ),
+    # values out of range
+    Bad(
+        "batch_size-zero", "training:\n  batch_size: 0  # <-- here\n", "training.batch_size", ("must be > 0",)
+    ),
+    Bad(
+        "accumulation-zero",
+        "training:\n  accumulation_steps: 0  # <-- here\n",
+        "training.accumulation_steps",
+        ("must be > 0",),
+    ),
+    Bad("lr-negative", "training:\n  lr: -0.1  # <-- here\n", "training.lr", ("must be > 0",)),
+    Bad(
+        "num_workers-negative",
+        "training:\n  num_workers: -1  # <-- here\n",
+        "training.num_workers",
+        ("must be >= 0",),
+    ),
+    Bad(
+        "prefetch-without-workers",
+        "training:\n  prefetch_factor: 2  # <-- here\n",
+        "training.prefetch_factor",
+        ("num_workers",),
+    ),
+    # an alias and its key both set
+    Bad(
+        "alias-twice",
+        "training:\n  max_epochs: 3\n  num_epochs: 4  # <-- here\n",
+        "training.num_epochs",
+        ("set twice", "max_epochs"),
+    ),
+]
+
+FIXTURE_CASES = [
+    # (file in tests/config/data, key path, needles)
+    ("bad_syntax.yaml", None, ("YAML syntax error",)),
+    ("top_level_list.yaml", None, ("a mapping of sections",)),
+    ("unknown_top_level.yaml", "trainig", ("Did you mean 'training'?",)),
+]
+
+# Bad configs that still get past the launching process today (bugs, see each reason).
+FILE_CASES_LATE = [
+    pytest.param(
+        Bad(
+            "metric-not-a-pyobject",
+            "validation:\n  metrics:\n    acc: accuracy  # <-- here\n",
+            "validation.metrics.acc",
+            ("!pyobject",),
+        ),
+        id="metric-not-a-pyobject",
+    ),
+    pytest.param(
+        Bad(
+            "checkpoint-metric-unknown",
+            "validation:\n  metrics:\n    acc: !pyobject unison.metrics.Accuracy\n"
+            "checkpoint:\n  metric: accuracy  # <-- here\n",
+            "checkpoint.metric",
+            ("'acc'",),
+        ),
+        id="checkpoint-metric-unknown",
+    ),
+    pytest.param(
+        Bad(
+            "early-stopping-metric-unknown",
+            "validation:\n  metrics:\n    acc: !pyobject unison.metrics.Accuracy\n"
+            "early_stopping:\n  patience: 2\n  metric: accuracy  # <-- here\n",
+            "early_stopping.metric",
+            ("'acc'",),
+        ),
+        id="early-stopping-metric-unknown",
+    ),
+]
+
+SET_CASES = [
+    BadSet("no-equals", ("training.batch_size",), "training.batch_size", None, ("KEY.PATH=VALUE",)),
+    BadSet("empty-key-part", ("training..lr=1",), "training..lr=1", None, ("KEY.PATH=VALUE",)),
+    BadSet(
+        "crosses-a-scalar",
+        ("training.seed.x=1",),
+        "training.seed.x=1",
+        None,
+        ("training.seed.x", "training.seed is a int, not a section"),
+    ),
+    BadSet(
+        "wrong-type",
+        ("training.batch_size=abc",),
+        "training.batch_size=abc",
+        "training.batch_size",
+        ("expected int",),
+    ),
+    BadSet(
+        "later-bad-one-named",
+        ("training.batch_size=8", "training.batch_size=0"),
+        "training.batch_size=0",
+        "training.batch_size",
+        ("must be > 0",),
+    ),
+    BadSet("unknown-key", ("training.lrr=0.1",), "training.lrr=0.1", "training.lrr", ("Did you mean 'lr'?",)),
+    BadSet(
+        "refused-pyobject",
+        ("training.loss=!pyobject os.system",),
+        "training.loss=!pyobject os.system",
+        "training.loss",
+        ("refused",),
+    ),
+    BadSet(
+        "python-tag",
+        ('training.loss=!!python/object/apply:os.system ["touch BAIT"]',),
+        'training.loss=!!python/object/apply:os.system ["touch BAIT"]',
+        None,
+        ("python/object/apply",),
+    ),
+    BadSet("invalid-yaml", ("training.lr=[1, 2",), "training.lr=[1, 2", None, ("not valid YAML",)),
+    BadSet("section-scalar", ("model=5",), "model=5", "model", ("expected a mapping",)),
+    BadSet("required-unset", ("model.type=null",), "model.type=null", "model.type", ("required",)),
+]
+
+# Errors whose origin is an override but which are reported against the file (bugs).
+SET_CASES_MISATTRIBUTED = [
+    BadSet(
+        "creates-section-under-a-leaf",
+        ("training.batch_size.x=1",),
+        "training.batch_size.x=1",
+        "training.batch_size",
+        ("expected int",),
+    ),
+    BadSet(
+        "unknown-section", ("trainig.lr=0.1",), "trainig.lr=0.1", "trainig", ("Did you mean 'training'?",)
+    ),
+    BadSet(
+        "pyobject-on-mapping",
+        ("training.loss=!pyobject {a: 1}",),
+        "training.loss=!pyobject {a: 1}",
+        None,
+        ("dotted path",),
+    ),
+]
+
+
+# -- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Every way `run` could start a process fails the test; returns the attempts."""
+    attempts: list[str] = []
+
+    def refuse(name):
+        def fail(*args, **kwargs):
+            attempts.append(name)
+            raise SpawnAttempted(f"{name} was called: a process was about to start")
+
+        return fail
+
+    monkeypatch.setattr(launcher, "_spawn", refuse("unison.distributed.launcher._spawn"))
+    monkeypatch.setattr(
+        torch.multiprocessing, "start_processes", refuse("torch.multiprocessing.start_processes")
+    )
+    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse("torch.multiprocessing.spawn"))
+    return attempts
+
+
+@pytest.fixture
+def module_name(monkeypatch):
+    """A unique name for the config's data module; sys.path and sys.modules are restored."""
+    name = f"bad_cfg_data_{uuid.uuid4().hex[:10]}"
+    monkeypatch.setattr(sys, "path", list(sys.path))  # resolve() adds the config's folder
+    yield name
+    sys.modules.pop(name, None)
+
+
+def _write(case: Bad, folder: Path, module: str) -> tuple[Path, int | None]:
+    text = case.text if case.whole else BASE + case.text
+    text = text.replace("MODULE", module).replace("BAIT", str(folder / BAIT))
+    (folder / f"{module}.py").write_text(DATA_MODULE)
+    path = folder / f"{case.id}.yaml"
+    path.write_text(text)
+    marked = [i for i, line in enumerate(text.splitlines(), 1) if MARK in line]
+    assert len(marked) <= 1, f"case {case.id} marks more than one line"
+    return path, (marked[0] if marked else None)
+
+
+def _expected_prefix(file: str, line: int | None, key: str | None) -> str:
+    where = file + (f":{line}" if line is not None else "")
+    return where + (f": {key}" if key else "") + ": "
+
+
+def _run(entry: str, path: str, sets: tuple[str, ...], capsys) -> str:
+    """Runs a config through `entry`; returns the error text (ConfigError or stderr)."""
+    if entry == "api":
+        with pytest.raises(ConfigError) as info:
+            unison.recipe.run(path, nproc=2, overrides=list(sets))
+        return str(info.value)
+    argv = ["run", path, "--nproc", "2"]
+    for item in sets:
+        argv += ["--set", item]
+    rc = cli_main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, f"`unison {' '.join(argv)}` returned {rc}, not 2; stderr:\n{err}"
+    assert err.startswith("unison run: "), err
+    return err[len("unison run: ") :]
+
+
+# -- the guard itself -----------------------------------------------------------------------
+
+
+def test_the_guard_sees_a_spawn_of_a_good_config(tmp_path, no_spawn, module_name):
+    """The base config is valid: run() gets as far as spawning, which the guard reports."""
+    path, _ = _write(Bad("good", "", None), tmp_path, module_name)
+    with pytest.raises(SpawnAttempted):
+        unison.recipe.run(str(path), nproc=2)
+    assert no_spawn == ["unison.distributed.launcher._spawn"]
+
+
+# -- file-borne errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ["api", "cli"])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, id=c.id) for c in FILE_CASES]
+    + [
+        pytest.param(
+            Bad(
+                "nccl-without-cuda",
+                "parallel:\n  backend: nccl  # <-- here\n",
+                "parallel.backend",
+                ("CUDA", "gloo"),
+            ),
+            id="nccl-without-cuda",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),
+        )
+    ],
+)
+def test_bad_config_fails_before_spawning(case, entry, tmp_path, no_spawn, module_name, capsys):
+    path, line = _write(case, tmp_path, module_name)
+    message = _run(entry, str(path), (), capsys)
+    assert message.startswith(_expected_prefix(str(path), line, case.key)), message
+    for needle in case.needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    assert no_spawn == []
+    assert not list(tmp_path.glob(BAIT + "*")), "a refused tag was executed"
+
+
+@pytest.mark.parametrize("entry", ["api", "cli"])
+@pytest.mark.parametrize("name, key, needles", FIXTURE_CASES, ids=[c[0] for c in FIXTURE_CASES])
+def test_bad_fixture_file_fails_before_spawning(name, key, needles, entry, no_spawn, capsys):
+    path = DATA / name
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if MARK in text)
+    message = _run(entry, str(path), (), capsys)
+    assert message.startswith(_expected_prefix(str(path), line, key)), message
+    for needle in needles:
+        assert needle in message
+    assert no_spawn == []
+
+
+def test_refused_tag_is_not_executed_even_where_it_would_run_first(tmp_path, no_spawn):
+    """A Python tag in the first key of the file, read by the CLI: nothing is created."""
+    bait = tmp_path / BAIT
+    path = tmp_path / "first.yaml"
+    path.write_text(f'name: !!python/object/apply:os.system ["touch {bait}"]\n')
+    assert cli_main(["run", str(path)]) == 2
+    assert not bait.exists()
+    assert no_spawn == []
+
+
+# Errors raised while reading YAML know the line but not the key; the key path is known
+# from the document's nodes, and the style guide asks for it.
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        pytest.param(
+            'training:\n  loss: !!python/object/apply:os.system ["true"]\n', "training.loss", id="python-tag"
+        ),
+        pytest.param(
+            "training:\n  loss: !pyobject {path: os.system}\n", "training.loss", id="pyobject-on-mapping"
+        ),
+    ],
+)
+def test_loader_errors_name_the_key_path(text, key, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        unison.recipe.run(str(path), nproc=2)
+    assert info.value.key_path == key, str(info.value)
+
+
+# -- override-borne errors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ["api", "cli"])
+@pytest.mark.parametrize("case", SET_CASES, ids=[c.id for c in SET_CASES])
+def test_bad_override_fails_before_spawning(case, entry, tmp_path, no_spawn, module_name, capsys):
+    path, _ = _write(Bad(case.id, "training:\n  seed: 3\n", None), tmp_path, module_name)
+    sets = tuple(s.replace("BAIT", str(tmp_path / BAIT)) for s in case.sets)
+    culprit = case.culprit.replace("BAIT", str(tmp_path / BAIT))
+    message = _run(entry, str(path), sets, capsys)
+    assert message.startswith(f"--set {culprit}: " + (f"{case.key}: " if case.key else "")), message
+    for needle in case.needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    assert no_spawn == []
+    assert not list(tmp_path.glob(BAIT + "*")), "a refused tag was executed"
+
+
+@pytest.mark.parametrize("case", SET_CASES_MISATTRIBUTED, ids=[c.id for c in SET_CASES_MISATTRIBUTED])
+def test_override_errors_name_the_override(case, tmp_path, no_spawn, module_name):
+    path, _ = _write(Bad(case.id, "", None), tmp_path, module_name)
+    with pytest.raises(ConfigError) as info:
+        unison.recipe.run(str(path), nproc=2, overrides=list(case.sets))
+    message = str(info.value)
+    for needle in case.needles:
+        assert needle in message
+    assert no_spawn == []
+    assert message.startswith(f"--set {case.culprit}: "), message
+
+
+@pytest.mark.parametrize("case", FILE_CASES_LATE)
+def test_bad_config_fails_before_spawning_known_bugs(case, tmp_path, no_spawn, module_name, capsys):
+    path, line = _write(case, tmp_path, module_name)
+    message = _run("api", str(path), (), capsys)
+    assert message.startswith(_expected_prefix(str(path), line, case.key)), message
+    for needle in case.needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    assert no_spawn == []
