@@ -36,7 +36,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="unison", description="Distributed training in which every rank moves in unison.")
+    parser = argparse.ArgumentParser(
+        prog="unison", description="Distributed training in which every rank moves in unison."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser(
@@ -45,15 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
         description="Spawns --nproc ranks locally, or runs as one rank under torchrun or srun.",
     )
     run.add_argument("config", help="the YAML config file")
-    run.add_argument("--nproc", type=int, default=None, help="ranks to spawn here (leave out under torchrun/srun)")
     run.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. training.lr=3e-4"
+        "--nproc", type=int, default=None, help="ranks to spawn here (leave out under torchrun/srun)"
     )
-    run.add_argument("--resume", default=None, metavar="auto|PATH", help="'auto', a checkpoint file or a run directory")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. training.lr=3e-4",
+    )
+    run.add_argument(
+        "--resume", default=None, metavar="auto|PATH", help="'auto', a checkpoint file or a run directory"
+    )
     run.set_defaults(handler=_run)
 
     doctor = commands.add_parser("doctor", help="check this machine for what blocks a distributed run")
-    doctor.add_argument("--master-port", type=int, default=None, help="the rendezvous port to check (default MASTER_PORT or 29500)")
+    doctor.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="the rendezvous port to check (default MASTER_PORT or 29500)",
+    )
     doctor.set_defaults(handler=_doctor)
 
     plot = commands.add_parser("plot", help="draw a run's training and validation curves to a PNG")

@@ -12,15 +12,24 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from unison.config import Config, ConfigError, PyObjectRef, dump_config, load_config, resolve_ref, resolve_tree, to_plain
+from unison.config import (
+    Config,
+    ConfigError,
+    PyObjectRef,
+    dump_config,
+    load_config,
+    resolve_ref,
+    resolve_tree,
+    to_plain,
+)
 from unison.distributed import (
     barrier,
     broadcast_object,
@@ -31,7 +40,7 @@ from unison.distributed import (
     prepare_loaders,
     prepare_model,
 )
-from unison.engine import Events, create_evaluator, create_trainer
+from unison.engine import Events, TrainStep, create_evaluator, create_trainer
 from unison.engine.predict import predict
 from unison.handlers import (
     Checkpoint,
@@ -93,18 +102,32 @@ def resolve(config: Config) -> Resolved:
     for name, spec in config.validation.metrics.items():
         key = f"validation.metrics.{name}"
         if not isinstance(spec, (dict, PyObjectRef)):
-            raise error(key, f"a metric is `!pyobject Class` or {{type: !pyobject Class, kwargs: {{...}}}}, got {spec!r}")
+            raise error(
+                key,
+                f"a metric is `!pyobject Class` or {{type: !pyobject Class, kwargs: {{...}}}}, got {spec!r}",
+            )
         if isinstance(spec, dict):
             unknown = set(spec) - {"type", "kwargs"}
             if "type" not in spec or unknown:
-                raise error(key, f"a metric is `!pyobject Class` or {{type: !pyobject Class, kwargs: {{...}}}}; got keys {sorted(spec)}")
-            metrics[name] = (ref(spec["type"], "metric", key + ".type"), tree(spec.get("kwargs") or {}, key + ".kwargs"))
+                raise error(
+                    key,
+                    f"a metric is `!pyobject Class` or {{type: !pyobject Class, kwargs: {{...}}}}; got keys {sorted(spec)}",
+                )
+            metrics[name] = (
+                ref(spec["type"], "metric", key + ".type"),
+                tree(spec.get("kwargs") or {}, key + ".kwargs"),
+            )
         else:
             metrics[name] = (ref(spec, "metric", key), {})
     names = list(metrics) or ["loss"]
-    for key, name in (("checkpoint.metric", config.checkpoint.metric), ("early_stopping.metric", config.early_stopping.metric)):
-        if name is not None and name not in names:
-            raise error(key, f"no validation metric named {name!r}; validation.metrics defines {names}")
+    for setting, watched in (
+        ("checkpoint.metric", config.checkpoint.metric),
+        ("early_stopping.metric", config.early_stopping.metric),
+    ):
+        if watched is not None and watched not in names:
+            raise error(
+                setting, f"no validation metric named {watched!r}; validation.metrics defines {names}"
+            )
     return Resolved(
         optimizer_type=ref(t.optimizer_type, "torch.optim.Optimizer", "training.optimizer_type"),
         optimizer_kwargs=tree(t.optimizer_kwargs, "training.optimizer_kwargs"),
@@ -189,7 +212,9 @@ def _file_logging(run_dir: Path) -> logging.Handler:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(logs / f"rank{get_rank()}.log")
-    handler.setFormatter(logging.Formatter(f"[rank {get_rank()}] %(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        logging.Formatter(f"[rank {get_rank()}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     logging.getLogger("unison").addHandler(handler)
     return handler
 
@@ -201,8 +226,6 @@ def train_from_config(config: Config, resume: str | None = None) -> dict[str, An
         Call it on every rank (``launch`` does): it is full of collectives.
     """
     resolved = resolve(config)
-    t = config.training
-    world = get_world_size()
     run_dir, resume_from = _run_dir(config, resume)
     if get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -224,7 +247,9 @@ def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str |
     manual_seed(t.seed)
     built = resolved.data_build(seed=t.seed, **resolved.data_kwargs)
     if not isinstance(built, (tuple, list)) or len(built) not in (2, 3):
-        raise TypeError(f"data.build must return (train, val) or (train, val, test) datasets, got {type(built).__name__}")
+        raise TypeError(
+            f"data.build must return (train, val) or (train, val, test) datasets, got {type(built).__name__}"
+        )
     train_set, val_set, test_set = (*built, None)[:3]
     loader_kwargs: dict[str, Any] = {"num_workers": t.num_workers, "pin_memory": t.pin_memory}
     if t.prefetch_factor is not None:
@@ -252,23 +277,28 @@ def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str |
         opt_kwargs["lr"] = scaled_lr(base, t.lr_scaling, world)
         _log.info("lr scaling %r: %g x %d ranks -> lr %g", t.lr_scaling, base, world, opt_kwargs["lr"])
     optimizer = resolved.optimizer_type(model.parameters(), **opt_kwargs)
-    scheduler = resolved.scheduler_type(optimizer, **resolved.scheduler_kwargs) if resolved.scheduler_type else None
+    scheduler = (
+        resolved.scheduler_type(optimizer, **resolved.scheduler_kwargs) if resolved.scheduler_type else None
+    )
 
     sync_every = t.sync_every
     trainer = create_trainer(
         model,
         optimizer,
         resolved.loss,
-        amp=None if t.amp == "none" else t.amp,  # type: ignore[arg-type]
+        amp=None if t.amp == "none" else t.amp,
         accumulation_steps=t.accumulation_steps,
         clip_grad_norm=t.clip_grad_norm,
         sync_every=sync_every,
     )
     metrics = make_metrics(resolved)
-    evaluator = create_evaluator(model, metrics, amp=None if t.amp == "none" else t.amp)  # type: ignore[arg-type]
+    evaluator = create_evaluator(model, metrics, amp=None if t.amp == "none" else t.amp)
     watched = config.checkpoint.metric or next(iter(metrics))
     if watched not in metrics:
-        raise ConfigError(f"no validation metric named {watched!r}; metrics: {sorted(metrics)}", key=["checkpoint", "metric"])
+        raise ConfigError(
+            f"no validation metric named {watched!r}; metrics: {sorted(metrics)}",
+            key=["checkpoint", "metric"],
+        )
 
     history: list[dict[str, Any]] = []
 
@@ -280,19 +310,27 @@ def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str |
         row.update({f"val_{k}": v for k, v in values.items() if isinstance(v, float)})
         history.append(row)
         shown = "  ".join(f"val {k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
-        _log.info("epoch %d/%d  train loss %.4f  %s", engine.state.epoch, engine.state.max_epochs, row["train_loss"], shown)
+        _log.info(
+            "epoch %d/%d  train loss %.4f  %s",
+            engine.state.epoch,
+            engine.state.max_epochs,
+            row["train_loss"],
+            shown,
+        )
 
     trainer.add_event_handler(Events.EPOCH_COMPLETED, validate)
     if scheduler is not None:
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: scheduler.step(evaluator.state.metrics[watched]))
+            trainer.add_event_handler(
+                Events.EPOCH_COMPLETED, lambda e: scheduler.step(evaluator.state.metrics[watched])
+            )
         else:
             trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: scheduler.step())
 
     to_save: dict[str, Any] = {"model": model, "optimizer": optimizer}
     if scheduler is not None:
         to_save["scheduler"] = scheduler
-    step = trainer._process_function
+    step = cast(TrainStep, trainer.process_function)
     if step.scaler is not None:
         to_save["scaler"] = step.scaler
     es = config.early_stopping
@@ -360,11 +398,24 @@ def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str |
         results["test"] = _test(config, checkpoint, model, test_set, resolved)
     if config.predict.enabled:
         target = test_set if test_set is not None else val_set
-        out = predict(model, target, batch_size=config.predict.batch_size or config.validation.batch_size or t.batch_size)
+        out = predict(
+            model,
+            target,
+            batch_size=config.predict.batch_size or config.validation.batch_size or t.batch_size,
+        )
         if get_rank() == 0 and out is not None:
             torch.save(out, run_dir / "predictions.pt")
             results["predictions"] = str(run_dir / "predictions.pt")
-    context = RunContext(config, run_dir, model, optimizer, trainer, evaluator, {"train": train_set, "val": val_set, "test": test_set}, results)
+    context = RunContext(
+        config,
+        run_dir,
+        model,
+        optimizer,
+        trainer,
+        evaluator,
+        {"train": train_set, "val": val_set, "test": test_set},
+        results,
+    )
     if resolved.after_training is not None:
         resolved.after_training(context)
     if get_rank() == 0:
@@ -372,7 +423,9 @@ def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str |
     return results
 
 
-def _test(config: Config, checkpoint: Checkpoint | None, model: nn.Module, test_set: Any, resolved: Resolved) -> dict[str, float]:
+def _test(
+    config: Config, checkpoint: Checkpoint | None, model: nn.Module, test_set: Any, resolved: Resolved
+) -> dict[str, float]:
     from unison.checkpoint import load_checkpoint, load_model_state
 
     if config.testing.use_best and checkpoint is not None:
@@ -385,7 +438,7 @@ def _test(config: Config, checkpoint: Checkpoint | None, model: nn.Module, test_
     amp = config.training.amp
     batch = config.testing.batch_size or config.validation.batch_size or config.training.batch_size
     _, test_loader = prepare_loaders(None, test_set, batch_size=batch)
-    tester = create_evaluator(model, metrics, amp=None if amp == "none" else amp)  # type: ignore[arg-type]
+    tester = create_evaluator(model, metrics, amp=None if amp == "none" else amp)
     values = {k: v for k, v in tester.run(test_loader).metrics.items() if isinstance(v, float)}
     _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
     return values
@@ -397,7 +450,9 @@ def _attach_tensorboard(run_dir: Path, trainer: Any, evaluator: Any, config: Con
     except ImportError as err:  # pragma: no cover - tensorboardX is a dependency
         _log.warning("TensorBoard logging is off: %s", err)
         return
-    TensorBoardLogger(run_dir / "tb", trainer=trainer, evaluators={"val": evaluator}, log_every=config.logging.log_every).attach(trainer)
+    TensorBoardLogger(
+        run_dir / "tb", trainer=trainer, evaluators={"val": evaluator}, log_every=config.logging.log_every
+    ).attach(trainer)
 
 
 def run(
@@ -446,6 +501,6 @@ def run(
         backend=config.parallel.backend,
         timeout=config.parallel.timeout,
         master_addr=config.parallel.master_addr,
-        master_port=config.parallel.master_port,
+        master_port=None if config.parallel.master_port is None else int(config.parallel.master_port),
     )
     return results[0]

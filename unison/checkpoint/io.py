@@ -88,7 +88,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     file = Path(path)
     if not file.is_file():
-        raise CheckpointError(f"Checkpoint {file} does not exist. Check the path, or resume='auto' to pick the newest.")
+        raise CheckpointError(
+            f"Checkpoint {file} does not exist. Check the path, or resume='auto' to pick the newest."
+        )
     if not is_complete(file):
         # torch.load does not verify the archive's checksums: damaged bytes would load as
         # wrong weights. One extra read of the file rules that out.

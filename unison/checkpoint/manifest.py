@@ -101,7 +101,10 @@ class Manifest:
         self.entries = [e for e in self.entries if e.file not in files]
 
     def write(self) -> None:
-        atomic_write_json({"version": 1, "written_at": time.time(), "checkpoints": [asdict(e) for e in self.entries]}, self.path)
+        atomic_write_json(
+            {"version": 1, "written_at": time.time(), "checkpoints": [asdict(e) for e in self.entries]},
+            self.path,
+        )
 
     def newest(self) -> list[Entry]:
         """Entries from newest to oldest."""

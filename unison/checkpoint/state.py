@@ -24,7 +24,8 @@ def capture_rng() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - numpy is optional
         pass
     else:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+        numpy_state: Any = np.random.get_state()
+        name, keys, pos, has_gauss, cached = numpy_state
         state["numpy"] = {
             "name": name,
             "keys": torch.from_numpy(keys.astype(np.int64)),
@@ -46,7 +47,9 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         import numpy as np
 
         st = state["numpy"]
-        np.random.set_state((st["name"], st["keys"].numpy().astype(np.uint32), st["pos"], st["has_gauss"], st["cached"]))
+        np.random.set_state(
+            (st["name"], st["keys"].numpy().astype(np.uint32), st["pos"], st["has_gauss"], st["cached"])
+        )
     if "cuda" in state and torch.cuda.is_available():
         cuda_states = list(state["cuda"])
         if len(cuda_states) == torch.cuda.device_count():
@@ -87,7 +90,7 @@ def to_cpu_copy(obj: Any, reuse: Any = None) -> Any:
         previous = reuse if isinstance(reuse, Mapping) else {}
         return {k: to_cpu_copy(v, previous.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        previous = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
-        copied = [to_cpu_copy(v, p) for v, p in zip(obj, previous)]
+        earlier = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        copied = [to_cpu_copy(v, p) for v, p in zip(obj, earlier, strict=True)]
         return copied if isinstance(obj, list) else tuple(copied)
     return obj

@@ -14,7 +14,9 @@ class ConfigError(ValueError):
         key_path: the dotted key path, when the problem has one.
     """
 
-    def __init__(self, message: str, *, file: str | None = None, line: int | None = None, key: Sequence[str] = ()):
+    def __init__(
+        self, message: str, *, file: str | None = None, line: int | None = None, key: Sequence[str] = ()
+    ):
         self.file = file
         self.line = line
         self.key_path = ".".join(key)

@@ -72,7 +72,9 @@ def _yaml_1_2_scalars(loader: type[yaml.SafeLoader]) -> None:
     )
     for first, resolvers in loader.yaml_implicit_resolvers.items():
         loader.yaml_implicit_resolvers[first] = [(tag, rx) for tag, rx in resolvers if tag != bool_tag]
-    loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    loader.add_implicit_resolver(
+        bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    )
 
 
 _yaml_1_2_scalars(UnisonLoader)
@@ -186,9 +188,13 @@ def load_yaml(source: str | os.PathLike[str], *, text: str | None = None) -> Raw
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"YAML syntax error: {problem}", file=name, line=mark.line + 1 if mark else None) from None
+        raise ConfigError(
+            f"YAML syntax error: {problem}", file=name, line=mark.line + 1 if mark else None
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"a config is a mapping of sections, got a {type(data).__name__}", file=name, line=1)
+        raise ConfigError(
+            f"a config is a mapping of sections, got a {type(data).__name__}", file=name, line=1
+        )
     return RawConfig(data=data, file=name, lines=lines)

@@ -113,22 +113,30 @@ def _import(path: str, fail: Any) -> Any:
             error = err
             continue
         except Exception as err:
-            raise fail(f"!pyobject {path}: importing {module_name} raised {type(err).__name__}: {err}") from err
+            raise fail(
+                f"!pyobject {path}: importing {module_name} raised {type(err).__name__}: {err}"
+            ) from err
         for j, attr in enumerate(parts[i:], start=i + 1):
             if not hasattr(obj, attr):
                 near = [n for n in dir(obj) if not n.startswith("_") and n.lower() == attr.lower()]
                 hint = f" Did you mean {'.'.join(parts[:i])}.{near[0]}?" if near else ""
-                raise fail(f"!pyobject {path}: {type(obj).__name__} {'.'.join(parts[:i])} has no {attr!r}.{hint}")
+                raise fail(
+                    f"!pyobject {path}: {type(obj).__name__} {'.'.join(parts[:i])} has no {attr!r}.{hint}"
+                )
             obj = getattr(obj, attr)
             if isinstance(obj, types.ModuleType) and obj.__name__ != ".".join(parts[:j]):
                 # torch.os is the os module under another name: the allow-list is about what
                 # is reached, not how it is spelled.
-                raise fail(f"!pyobject {path} reaches module {obj.__name__} through another module; name it directly")
+                raise fail(
+                    f"!pyobject {path} reaches module {obj.__name__} through another module; name it directly"
+                )
         home = getattr(obj, "__module__", None)
         if isinstance(home, str):
             for prefix in DENIED_PREFIXES:
                 if _under(home, prefix):
-                    raise fail(f"!pyobject {path} is {home}.{getattr(obj, '__name__', '?')}, which is refused ({prefix!r})")
+                    raise fail(
+                        f"!pyobject {path} is {home}.{getattr(obj, '__name__', '?')}, which is refused ({prefix!r})"
+                    )
         return obj
     raise fail(f"!pyobject {path}: no module {parts[0]!r} can be imported ({error})")
 
@@ -157,7 +165,9 @@ def _check_slot(obj: Any, slot: str | None, path: str, fail: Any) -> None:
     module_name, _, cls_name = slot.rpartition(".")
     base = getattr(importlib.import_module(module_name), cls_name)
     if not (isinstance(obj, type) and issubclass(obj, base)):
-        what = f"the {type(obj).__name__} {obj!r}" if not isinstance(obj, type) else f"class {obj.__qualname__}"
+        what = (
+            f"the {type(obj).__name__} {obj!r}" if not isinstance(obj, type) else f"class {obj.__qualname__}"
+        )
         raise fail(f"!pyobject {path} is {what}, but this key takes a {slot} subclass")
 
 
@@ -166,7 +176,13 @@ def resolve_tree(value: Any, *, key: str, imports: Iterable[str], config_dir: Pa
     if isinstance(value, PyObjectRef):
         return resolve_ref(value, slot=None, key=key, imports=imports, config_dir=config_dir)
     if isinstance(value, dict):
-        return {k: resolve_tree(v, key=f"{key}.{k}", imports=imports, config_dir=config_dir) for k, v in value.items()}
+        return {
+            k: resolve_tree(v, key=f"{key}.{k}", imports=imports, config_dir=config_dir)
+            for k, v in value.items()
+        }
     if isinstance(value, list):
-        return [resolve_tree(v, key=f"{key}.{i}", imports=imports, config_dir=config_dir) for i, v in enumerate(value)]
+        return [
+            resolve_tree(v, key=f"{key}.{i}", imports=imports, config_dir=config_dir)
+            for i, v in enumerate(value)
+        ]
     return value

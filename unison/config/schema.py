@@ -13,7 +13,9 @@ from unison.config.errors import ConfigError
 from unison.config.loader import KeyPath, PyObjectRef, RawConfig
 
 
-def option(default: Any = dataclasses.MISSING, doc: str = "", *, alias: str | None = None, slot: str | None = None) -> Any:
+def option(
+    default: Any = dataclasses.MISSING, doc: str = "", *, alias: str | None = None, slot: str | None = None
+) -> Any:
     """A schema field: its default, a line of documentation, an accepted old name, and
     for ``!pyobject`` fields the slot it fills (checked when resolved)."""
     metadata = {"doc": doc, "alias": alias, "slot": slot}
@@ -30,7 +32,9 @@ def section(cls: type, doc: str) -> Any:
 
 @dataclass
 class ParallelConfig:
-    backend: Literal["gloo", "nccl"] | None = option(None, "collective backend; default nccl with CUDA, else gloo")
+    backend: Literal["gloo", "nccl"] | None = option(
+        None, "collective backend; default nccl with CUDA, else gloo"
+    )
     nproc_per_node: int | None = option(
         None, "processes to spawn when no launcher is present (`--nproc`)", alias="world_size"
     )
@@ -60,7 +64,9 @@ class TrainingConfig:
     )
     scheduler_kwargs: dict[str, Any] = option({}, "keyword arguments of the scheduler")
     loss: PyObjectRef = option(
-        PyObjectRef("torch.nn.functional.cross_entropy"), "loss_fn(y_pred, y) -> scalar tensor", slot="callable"
+        PyObjectRef("torch.nn.functional.cross_entropy"),
+        "loss_fn(y_pred, y) -> scalar tensor",
+        slot="callable",
     )
     amp: Literal["none", "bf16", "fp16"] = option("none", "autocast precision")
     accumulation_steps: int = option(1, "micro-batches per optimizer update")
@@ -75,7 +81,9 @@ class TrainingConfig:
     hang_timeout: float | None = option(None, "seconds without progress before a rank dumps its stacks")
     device: str | None = option(None, "kept for compatibility; each rank uses its own device")
     path: str | None = option(None, "output root; the same as logging.root")
-    checkpoint_at: int | None = option(None, "save every this many epochs; the same as checkpoint.every_epochs")
+    checkpoint_at: int | None = option(
+        None, "save every this many epochs; the same as checkpoint.every_epochs"
+    )
 
 
 @dataclass
@@ -111,7 +119,9 @@ class TestingConfig:
 
 @dataclass
 class PredictConfig:
-    enabled: bool = option(False, "after training, predict the test (else validation) set into the run directory")
+    enabled: bool = option(
+        False, "after training, predict the test (else validation) set into the run directory"
+    )
     batch_size: int | None = option(None, "per-rank batch size; default validation.batch_size")
 
 
@@ -228,7 +238,11 @@ def _matches(value: Any, tp: Any) -> bool:
 def _takes_float(tp: Any) -> bool:
     if tp is float:
         return True
-    return typing.get_origin(tp) in (Union, types.UnionType) and float in typing.get_args(tp) and int not in typing.get_args(tp)
+    return (
+        typing.get_origin(tp) in (Union, types.UnionType)
+        and float in typing.get_args(tp)
+        and int not in typing.get_args(tp)
+    )
 
 
 def _section_error(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
@@ -239,7 +253,9 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise _section_error(raw, path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}")
+        raise _section_error(
+            raw, path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls)}
     aliases = {f.metadata["alias"]: f.name for f in fields.values() if f.metadata.get("alias")}
     hints = _hints(cls)
@@ -254,7 +270,9 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             hint = f" Did you mean {near[0]!r}?" if near else ""
             where = ".".join(path) or "the top level"
             raise _section_error(
-                raw, path + (key,), f"unknown key {key!r} in {where}. Valid keys: {', '.join(sorted(fields))}.{hint}"
+                raw,
+                path + (key,),
+                f"unknown key {key!r} in {where}. Valid keys: {', '.join(sorted(fields))}.{hint}",
             )
         if name in values:
             earlier = given_as[name]
@@ -262,7 +280,9 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
                 continue  # the command line's --set wins over the file
             if path + (key,) not in raw.overrides:
                 raise _section_error(
-                    raw, path + (key,), f"the key is set twice, as {earlier!r} and as {key!r}; keep one of them"
+                    raw,
+                    path + (key,),
+                    f"the key is set twice, as {earlier!r} and as {key!r}; keep one of them",
                 )
         given_as[name] = key
         tp = hints[name]
@@ -278,7 +298,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and _takes_float(tp):
             value = float(value)
         values[name] = value
-    for name, f in fields.items():
+    for name in fields:
         if name not in values and _is_section(hints[name]):
             values[name] = hints[name]()
     return cls(**values)
@@ -329,17 +349,29 @@ def _check_values(config: Config, raw: RawConfig) -> None:
     ]
     for path, value in positive:
         if value is not None and value <= 0:
-            raise ConfigError(f"must be > 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path)
-    for path, value in ((("training", "num_workers"), config.training.num_workers), (("checkpoint", "keep_best"), config.checkpoint.keep_best)):
+            raise ConfigError(
+                f"must be > 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path
+            )
+    for path, value in (
+        (("training", "num_workers"), config.training.num_workers),
+        (("checkpoint", "keep_best"), config.checkpoint.keep_best),
+    ):
         if value < 0:
-            raise ConfigError(f"must be >= 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path)
+            raise ConfigError(
+                f"must be >= 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path
+            )
     port = config.parallel.master_port
     if isinstance(port, str):
         if not port.strip().isdigit():
             path = ("parallel", "master_port")
-            raise ConfigError(f"expected a port number, got {port!r}", file=raw.file_of(path), line=raw.line_of(path), key=path)
-        config.parallel.master_port = int(port)
-    if config.parallel.master_port is not None and not 0 < config.parallel.master_port < 65536:
+            raise ConfigError(
+                f"expected a port number, got {port!r}",
+                file=raw.file_of(path),
+                line=raw.line_of(path),
+                key=path,
+            )
+        config.parallel.master_port = port = int(port)
+    if port is not None and not 0 < port < 65536:
         path = ("parallel", "master_port")
         raise ConfigError(
             f"expected a port in 1..65535, got {config.parallel.master_port}",
@@ -380,11 +412,19 @@ def schema_reference() -> list[tuple[str, str, str, str]]:
             if _is_section(tp):
                 walk(tp, key + ".")
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            factory: Any = f.default_factory
+            default = factory() if factory is not dataclasses.MISSING else f.default
             doc = f.metadata.get("doc", "")
             if f.metadata.get("alias"):
                 doc += f" (also read as `{f.metadata['alias']}`)"
-            rows.append((key, _type_name(tp), repr(default) if not isinstance(default, PyObjectRef) else str(default), doc))
+            rows.append(
+                (
+                    key,
+                    _type_name(tp),
+                    repr(default) if not isinstance(default, PyObjectRef) else str(default),
+                    doc,
+                )
+            )
 
     walk(Config, "")
     return rows

@@ -31,7 +31,9 @@ class LauncherInfo:
     def describe(self) -> str:
         if self.kind == "none":
             return "no launcher"
-        who = {"torchrun": "torchrun", "slurm": "srun (SLURM)", "spawn": "unison.distributed.launch"}[self.kind]
+        who = {"torchrun": "torchrun", "slurm": "srun (SLURM)", "spawn": "unison.distributed.launch"}[
+            self.kind
+        ]
         return f"{who} (RANK={self.rank}, LOCAL_RANK={self.local_rank}, WORLD_SIZE={self.world_size})"
 
 
@@ -43,13 +45,9 @@ def detect_launcher(environ: os._Environ[str] | dict[str, str] | None = None) ->
     """
     env = os.environ if environ is None else environ
     if env.get(SPAWNED_VAR) == "1" and all(k in env for k in _TORCHRUN_VARS):
-        return LauncherInfo(
-            "spawn", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
-        )
+        return LauncherInfo("spawn", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]))
     if all(k in env for k in _TORCHRUN_VARS):
-        return LauncherInfo(
-            "torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
-        )
+        return LauncherInfo("torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]))
     # srun sets SLURM_STEP_ID; the batch script itself (SLURM_JOB_ID only) is one process
     # that has not been placed by srun, and treating it as a rank would hang the job.
     if all(k in env for k in _SLURM_VARS) and "SLURM_STEP_ID" in env:

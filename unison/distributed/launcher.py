@@ -153,7 +153,17 @@ def launch(
         if debug:
             start_method = "spawn"  # a fork server's ranks would create their group first
         return _dispatch(
-            fn, args, kwargs, info, nproc_per_node, backend, timeout, master_addr, master_port, start_method, deadline
+            fn,
+            args,
+            kwargs,
+            info,
+            nproc_per_node,
+            backend,
+            timeout,
+            master_addr,
+            master_port,
+            start_method,
+            deadline,
         )
 
 
@@ -203,10 +213,23 @@ def _dispatch(
                 f"{idist.get_world_size()} ranks. Call fn directly instead."
             )
         return _spawn(
-            fn, args, kwargs, nproc_per_node, backend, timeout, master_addr, master_port, start_method, deadline
+            fn,
+            args,
+            kwargs,
+            nproc_per_node,
+            backend,
+            timeout,
+            master_addr,
+            master_port,
+            start_method,
+            deadline,
         )
     launched = info.kind != "none"
-    return [_run_in_process(fn, args, kwargs, backend, timeout, launched=launched, torchrun=info.kind == "torchrun")]
+    return [
+        _run_in_process(
+            fn, args, kwargs, backend, timeout, launched=launched, torchrun=info.kind == "torchrun"
+        )
+    ]
 
 
 @contextlib.contextmanager
@@ -245,7 +268,9 @@ def _as_timedelta(timeout: timedelta | float, fn: str) -> timedelta:
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         value = timedelta(seconds=float(timeout))
     else:
-        raise TypeError(f"{fn}(timeout=...) must be a timedelta or seconds, got {type(timeout).__name__}: {timeout!r}")
+        raise TypeError(
+            f"{fn}(timeout=...) must be a timedelta or seconds, got {type(timeout).__name__}: {timeout!r}"
+        )
     if value.total_seconds() <= 0:
         raise ValueError(
             f"{fn}(timeout=...) must be positive, got {value.total_seconds():g} seconds: it is how long a "
@@ -341,7 +366,9 @@ def _spawn(
     port = master_port if master_port is not None else find_free_port(master_addr)
     if start_method == "forkserver":
         # The fork server imports these once; each rank then starts in a fraction of a second.
-        mp.get_context("forkserver").set_forkserver_preload(["torch", "torch._dynamo", "ignite.engine", "unison"])
+        mp.get_context("forkserver").set_forkserver_preload(
+            ["torch", "torch._dynamo", "ignite.engine", "unison"]
+        )
     with tempfile.TemporaryDirectory(prefix="unison-launch-") as tmp:
         results = Path(tmp)
         started = time.monotonic()

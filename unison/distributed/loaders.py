@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Sequence, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
@@ -109,16 +109,24 @@ def prepare_loaders(
     common = dict(num_workers=num_workers, pin_memory=pin_memory, **loader_kwargs)
     train_loader = None
     if train is not None:
-        sampler = train_sampler if train_sampler is not None else TrainSampler(train, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = (
+            train_sampler
+            if train_sampler is not None
+            else TrainSampler(cast(Sized, train), shuffle=shuffle, seed=seed, drop_last=drop_last)
+        )
         # The loader draws its workers' base seed from this generator, not from torch's
         # global one, so the model's random stream (dropout) does not depend on how many
         # times the data was iterated: a resumed run draws the same numbers. Each rank
         # gets its own stream, so random augmentation differs across ranks.
-        loader_gen = common.pop("generator", None) or torch.Generator().manual_seed(seed * 1_000_003 + get_rank())
+        loader_gen = common.pop("generator", None) or torch.Generator().manual_seed(
+            seed * 1_000_003 + get_rank()
+        )
         train_loader = DataLoader(
             train, batch_size=batch_size, sampler=sampler, drop_last=drop_last, generator=loader_gen, **common
         )
     val_loader = None
     if val is not None:
-        val_loader = DataLoader(val, batch_size=val_batch_size or batch_size, sampler=EvalSampler(val), **common)
+        val_loader = DataLoader(
+            val, batch_size=val_batch_size or batch_size, sampler=EvalSampler(cast(Sized, val)), **common
+        )
     return train_loader, val_loader

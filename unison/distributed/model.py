@@ -55,7 +55,9 @@ def prepare_model(
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare_model(model=...) needs an nn.Module, got {type(model).__name__}.")
     if isinstance(model, DistributedDataParallel):
-        raise ValueError("prepare_model(model=...) got a model already wrapped in DDP; pass the plain module.")
+        raise ValueError(
+            "prepare_model(model=...) got a model already wrapped in DDP; pass the plain module."
+        )
     target = torch.device(device) if device is not None else rank_device()
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
@@ -74,6 +76,6 @@ def model_device(model: nn.Module) -> torch.device:
     """The device of a model's first parameter (or buffer); the CPU for a model with neither."""
     for tensor in model.parameters():
         return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    for buffer in model.buffers():
+        return buffer.device
     return torch.device("cpu")

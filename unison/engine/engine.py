@@ -109,7 +109,9 @@ class Engine(IgniteEngine):
         debug: bool | None = None,
     ) -> None:
         super().__init__(process_function)
-        if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+        if sync_every is not None and (
+            isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
+        ):
             raise ValueError(
                 f"Engine(sync_every={sync_every!r}) must be a positive int (iterations between sync points) "
                 "or None (sync at epoch ends only)."
@@ -289,7 +291,9 @@ class Engine(IgniteEngine):
         reasons = {r: everyone[r][0] for r in decision.ranks}
         skip_completed = any(item[1] for item in everyone)
         if get_rank() == 0:
-            asked = "; ".join(f"rank {r}: {', '.join(reasons[r]) or 'no reason given'}" for r in decision.ranks)
+            asked = "; ".join(
+                f"rank {r}: {', '.join(reasons[r]) or 'no reason given'}" for r in decision.ranks
+            )
             if agreed:
                 asked += "; and " + "; ".join(agreed)
             what = "ending the epoch" if decision.epoch_only else "stopping"
@@ -344,7 +348,9 @@ class Engine(IgniteEngine):
         # is off, naming the handler in errors, and with the sync points that must follow
         # the last handler of an event.
         if self.logger.isEnabledFor(logging.DEBUG):
-            self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}")
+            self.logger.debug(
+                f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}"
+            )
         self.last_event_name = event_name
         if event_name is Events.ITERATION_STARTED:
             self._epoch_iteration += 1

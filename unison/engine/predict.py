@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,9 @@ def predict(
     """
     net = unwrap_model(model)
     device = model_device(net)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=EvalSampler(dataset), num_workers=num_workers)
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=EvalSampler(cast(Sized, dataset)), num_workers=num_workers
+    )
     pick = input_transform or (lambda b: b[0] if isinstance(b, (list, tuple)) else b)
     was_training = net.training
     net.eval()

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from ignite.engine import Engine as IgniteEngine
 from ignite.engine import Events
 from ignite.metrics import Metric
 from ignite.utils import convert_tensor
@@ -78,12 +79,12 @@ def _check_amp(amp: str | None, fn: str) -> torch.dtype | None:
     return _AMP_DTYPES[amp]
 
 
-def _position(engine: Engine) -> int:
+def _position(engine: IgniteEngine) -> int:
     """The 1-based position of the current iteration in its epoch."""
     position = getattr(engine, "epoch_iteration", None)
     if position:
         return int(position)
-    return (engine.state.iteration - 1) % engine.state.epoch_length + 1  # a plain ignite Engine
+    return (engine.state.iteration - 1) % (engine.state.epoch_length or 1) + 1  # a plain ignite Engine
 
 
 class TrainStep:
@@ -127,7 +128,7 @@ class TrainStep:
         self.grad_norm: torch.Tensor | None = None
         """Total gradient norm before clipping at the last update (a device tensor)."""
 
-    def at_boundary(self, engine: Engine) -> bool:
+    def at_boundary(self, engine: IgniteEngine) -> bool:
         """Whether the last iteration closed an accumulation window (gradients are applied).
 
         Sync points and checkpoints inside an epoch wait for a boundary: between two, the
@@ -153,7 +154,7 @@ class TrainStep:
         scaled.backward()
         return loss
 
-    def _window(self, engine: Engine) -> tuple[int, bool]:
+    def _window(self, engine: IgniteEngine) -> tuple[int, bool]:
         """(length of the current accumulation window, whether this iteration ends it)."""
         k = self.accumulation_steps
         if k == 1:
@@ -169,7 +170,7 @@ class TrainStep:
         length = min(k, epoch_length - window_start)
         return length, position - window_start == length - 1
 
-    def __call__(self, engine: Engine, batch: Any) -> torch.Tensor:
+    def __call__(self, engine: IgniteEngine, batch: Any) -> torch.Tensor:
         window, is_last = self._window(engine)
         x, y = self.prepare_batch(batch, self.device, self.non_blocking)
         if not is_last and isinstance(self.model, DistributedDataParallel):
@@ -181,7 +182,9 @@ class TrainStep:
             if self.clip_grad_norm is not None:
                 if self.scaler is not None:
                     self.scaler.unscale_(self.optimizer)
-                self.grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm).detach()
+                self.grad_norm = nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.clip_grad_norm
+                ).detach()
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -257,15 +260,23 @@ def create_trainer(
         )
     if not callable(loss_fn):
         raise TypeError(f"create_trainer(loss_fn=...) must be callable, got {type(loss_fn).__name__}.")
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+    if (
+        isinstance(accumulation_steps, bool)
+        or not isinstance(accumulation_steps, int)
+        or accumulation_steps < 1
+    ):
         raise ValueError(
             f"create_trainer(accumulation_steps={accumulation_steps!r}) must be an int >= 1 "
             "(1 means an optimizer update every iteration)."
         )
     if clip_grad_norm is not None and (
-        isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)) or not clip_grad_norm > 0
+        isinstance(clip_grad_norm, bool)
+        or not isinstance(clip_grad_norm, (int, float))
+        or not clip_grad_norm > 0
     ):
-        raise ValueError(f"create_trainer(clip_grad_norm={clip_grad_norm!r}) must be a positive number or None.")
+        raise ValueError(
+            f"create_trainer(clip_grad_norm={clip_grad_norm!r}) must be a positive number or None."
+        )
     resolved = _check_device(model, device, "create_trainer")
     amp_dtype = _check_amp(amp, "create_trainer")
     if scaler is not None and amp != "fp16":
@@ -334,7 +345,7 @@ class EvalStep:
         self.prepare_batch = prepare_batch
         self.non_blocking = non_blocking
 
-    def __call__(self, engine: Engine, batch: Any) -> tuple[Any, Any]:
+    def __call__(self, engine: IgniteEngine, batch: Any) -> tuple[Any, Any]:
         x, y = self.prepare_batch(batch, self.device, self.non_blocking)
         with torch.no_grad():
             if self.amp_dtype is not None:
@@ -395,7 +406,9 @@ def create_evaluator(
             )
     resolved = _check_device(model, device, "create_evaluator")
     amp_dtype = _check_amp(amp, "create_evaluator")
-    step = EvalStep(model, device=resolved, amp_dtype=amp_dtype, prepare_batch=prepare_batch, non_blocking=non_blocking)
+    step = EvalStep(
+        model, device=resolved, amp_dtype=amp_dtype, prepare_batch=prepare_batch, non_blocking=non_blocking
+    )
     # Evaluation shards differ in length by design: sync at the run's end only.
     evaluator = Engine(step, sync_every=None, name="evaluator")
 
@@ -421,4 +434,3 @@ def create_evaluator(
         if name not in ours:
             metric.attach(evaluator, name)
     return evaluator
-

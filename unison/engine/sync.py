@@ -72,5 +72,5 @@ class SyncPoint:
             return
         self.count += 1
         states = [c.sync_state() for c in active]
-        for contributor, state in zip(active, all_reduce_sum(states)):
+        for contributor, state in zip(active, all_reduce_sum(states), strict=True):
             contributor.load_synced_state(state)

@@ -98,20 +98,28 @@ class Checkpoint:
         prefix: str = "ckpt",
         require_empty: bool = False,
     ) -> None:
-        for name, value in (("every_epochs", every_epochs), ("every_iters", every_iters), ("keep_last", keep_last)):
+        for name, value in (
+            ("every_epochs", every_epochs),
+            ("every_iters", every_iters),
+            ("keep_last", keep_last),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"Checkpoint({name}={value!r}) must be a positive int or None.")
         if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
             raise ValueError(f"Checkpoint(keep_best={keep_best!r}) must be an int >= 0.")
         if keep_best and metric is None:
-            raise ValueError(f"Checkpoint(keep_best={keep_best}) needs metric=<name of a score> to rank checkpoints by.")
+            raise ValueError(
+                f"Checkpoint(keep_best={keep_best}) needs metric=<name of a score> to rank checkpoints by."
+            )
         if mode not in ("max", "min"):
             raise ValueError(f"Checkpoint(mode={mode!r}) must be 'max' or 'min'.")
         if not isinstance(to_save, Mapping) or not to_save:
             raise ValueError("Checkpoint(to_save=...) needs a non-empty mapping of name -> object to save.")
         for name, obj in to_save.items():
             if name in _RESERVED:
-                raise ValueError(f"Checkpoint(to_save={{{name!r}: ...}}): {name!r} is reserved; use another name.")
+                raise ValueError(
+                    f"Checkpoint(to_save={{{name!r}: ...}}): {name!r} is reserved; use another name."
+                )
             if not isinstance(obj, nn.Module) and not callable(getattr(obj, "state_dict", None)):
                 raise TypeError(
                     f"Checkpoint(to_save={{{name!r}: ...}}): a {type(obj).__name__} has no state_dict(); pass "
@@ -218,7 +226,11 @@ class Checkpoint:
         return None if value is None else float(value)
 
     def _sampler_state(self, engine: Engine) -> dict[str, Any] | None:
-        samplers = [s for s in samplers_with_set_epoch(engine.state.dataloader) if callable(getattr(s, "load_state_dict", None))]
+        samplers = [
+            s
+            for s in samplers_with_set_epoch(engine.state.dataloader)
+            if callable(getattr(s, "load_state_dict", None))
+        ]
         if not samplers:
             return None
         length = engine.state.epoch_length or 0
@@ -244,7 +256,8 @@ class Checkpoint:
         import ignite
 
         objects = {
-            name: model_state(obj) if isinstance(obj, nn.Module) else obj.state_dict() for name, obj in self.to_save.items()
+            name: model_state(obj) if isinstance(obj, nn.Module) else obj.state_dict()
+            for name, obj in self.to_save.items()
         }
         return {
             "meta": {
@@ -258,7 +271,11 @@ class Checkpoint:
                 "score": self._score(),
                 "metric": self.metric,
                 "saved_at": time.time(),
-                "versions": {"unison": unison.__version__, "torch": str(torch.__version__), "ignite": str(ignite.__version__)},
+                "versions": {
+                    "unison": unison.__version__,
+                    "torch": str(torch.__version__),
+                    "ignite": str(ignite.__version__),
+                },
             },
             "trainer": dict(engine.state_dict()),
             "sampler": self._sampler_state(engine),
@@ -289,7 +306,9 @@ class Checkpoint:
             # The previous write has finished (wait() above): its buffers are free to reuse.
             snapshot = to_cpu_copy(state, reuse=self._snapshot)
             self._snapshot = snapshot
-            self._writer = threading.Thread(target=self._write, args=(snapshot, path, entry), name="unison-ckpt", daemon=False)
+            self._writer = threading.Thread(
+                target=self._write, args=(snapshot, path, entry), name="unison-ckpt", daemon=False
+            )
             self._writer.start()
         else:
             self._write(state, path, entry)
@@ -355,7 +374,9 @@ class Checkpoint:
             path = self.folder / entry.file
             if is_complete(path):
                 return str(path)
-            _log.warning("Checkpoint %s is damaged (truncated or corrupt); falling back to an older one.", path)
+            _log.warning(
+                "Checkpoint %s is damaged (truncated or corrupt); falling back to an older one.", path
+            )
         return None
 
     def resume(self, which: str | os.PathLike[str] = "auto") -> Path | None:
@@ -379,7 +400,9 @@ class Checkpoint:
         state = load_checkpoint(choice)
         meta = state.get("meta", {})
         if meta.get("format") != FORMAT:
-            raise CheckpointError(f"Checkpoint {choice} has format {meta.get('format')!r}; this unison reads {FORMAT}.")
+            raise CheckpointError(
+                f"Checkpoint {choice} has format {meta.get('format')!r}; this unison reads {FORMAT}."
+            )
         missing = [name for name in self.to_save if name not in state["objects"]]
         if missing:
             raise CheckpointError(
@@ -422,7 +445,11 @@ class Checkpoint:
             self._refit_epoch_length(engine)
         sampler_state = state.get("sampler")
         if sampler_state is not None:
-            samplers = [s for s in samplers_with_set_epoch(engine.state.dataloader) if callable(getattr(s, "load_state_dict", None))]
+            samplers = [
+                s
+                for s in samplers_with_set_epoch(engine.state.dataloader)
+                if callable(getattr(s, "load_state_dict", None))
+            ]
             if samplers:
                 samplers[0].load_state_dict(sampler_state)
             elif meta["mid_epoch"]:
@@ -466,13 +493,18 @@ class Checkpoint:
             "batch_size": getattr(engine.state.dataloader, "batch_size", None),
             "accumulation_steps": getattr(step, "accumulation_steps", 1),
         }
-        changed = [f"{k} {meta.get(k)} -> {v}" for k, v in now.items() if meta.get(k) is not None and meta.get(k) != v]
+        changed = [
+            f"{k} {meta.get(k)} -> {v}"
+            for k, v in now.items()
+            if meta.get(k) is not None and meta.get(k) != v
+        ]
         if not changed:
             return
         message = f"The run differs from its checkpoint: {', '.join(changed)} (per rank)."
         if meta["mid_epoch"]:
             raise CheckpointError(
-                message + " A mid-epoch position is only exact with the same layout; resume with the saved values, "
+                message
+                + " A mid-epoch position is only exact with the same layout; resume with the saved values, "
                 "or from a checkpoint taken at an epoch's end."
             )
         _log.warning("%s Resuming anyway at an epoch boundary.", message)

@@ -67,14 +67,20 @@ class EarlyStopping:
                 f"got {type(trainer).__name__}."
             )
         if not (isinstance(metric, str) or callable(metric)):
-            raise TypeError(f"EarlyStopping(metric=...) must be a metric name or fn(engine) -> float, got {metric!r}.")
+            raise TypeError(
+                f"EarlyStopping(metric=...) must be a metric name or fn(engine) -> float, got {metric!r}."
+            )
         if agreement not in ("rank_zero", "any", "all"):
             raise ValueError(f"EarlyStopping(agreement={agreement!r}) must be 'rank_zero', 'any' or 'all'.")
         self.trainer = trainer
         self.metric = metric
         self.agreement = agreement
         self.checker = EarlyStopChecker(
-            patience, mode=mode, min_delta=min_delta, threshold_mode=threshold_mode, cumulative_delta=cumulative_delta
+            patience,
+            mode=mode,
+            min_delta=min_delta,
+            threshold_mode=threshold_mode,
+            cumulative_delta=cumulative_delta,
         )
         self._pending = False
         self._last_score: float | None = None

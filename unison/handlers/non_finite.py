@@ -90,7 +90,9 @@ class NonFiniteGuard:
         """Registers on ``engine`` (a unison Engine); attaching twice has no effect."""
         sync_point = getattr(engine, "sync_point", None)
         if sync_point is None:
-            raise TypeError(f"NonFiniteGuard needs a unison Engine (it acts at sync points), got {type(engine).__name__}.")
+            raise TypeError(
+                f"NonFiniteGuard needs a unison Engine (it acts at sync points), got {type(engine).__name__}."
+            )
         if engine.has_event_handler(self._record, Events.ITERATION_COMPLETED):
             return
         self.engine = engine

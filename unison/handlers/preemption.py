@@ -12,14 +12,13 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
+from unison.distributed.launcher import EXIT_PREEMPTED  # 75, EX_TEMPFAIL: try again later
 from unison.distributed.primitives import barrier, get_rank
 from unison.handlers._rank_slots import rank_row, split_rows
 from unison.handlers.checkpoint import Checkpoint
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
-
-from unison.distributed.launcher import EXIT_PREEMPTED  # 75, EX_TEMPFAIL: try again later
 
 __all__ = ["EXIT_PREEMPTED", "Preemption"]
 
@@ -57,7 +56,9 @@ class Preemption:
         requeue: bool = False,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
-            raise TypeError(f"Preemption(checkpoint=...) needs a unison Checkpoint, got {type(checkpoint).__name__}.")
+            raise TypeError(
+                f"Preemption(checkpoint=...) needs a unison Checkpoint, got {type(checkpoint).__name__}."
+            )
         self.checkpoint = checkpoint
         self.signals = tuple(signals)
         self.exit = exit
@@ -75,7 +76,9 @@ class Preemption:
     def _install(self, engine: Engine) -> None:
         self.triggered = False
         if threading.current_thread() is not threading.main_thread():
-            _log.warning("Preemption: the run is not in the main thread, where Python delivers signals; not installed.")
+            _log.warning(
+                "Preemption: the run is not in the main thread, where Python delivers signals; not installed."
+            )
             return
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)

@@ -29,7 +29,11 @@ class ProgressBar:
     """
 
     def __init__(
-        self, desc: str = "epoch {epoch}", file: TextIO | None = None, disable: bool = False, leave: bool = True
+        self,
+        desc: str = "epoch {epoch}",
+        file: TextIO | None = None,
+        disable: bool = False,
+        leave: bool = True,
     ) -> None:
         self.desc = desc
         self.file = file

@@ -60,7 +60,9 @@ class TimeLimit:
         """Registers on ``engine`` (a unison Engine); attaching twice has no effect."""
         sync_point = getattr(engine, "sync_point", None)
         if sync_point is None:
-            raise TypeError(f"TimeLimit needs a unison Engine (it acts at sync points), got {type(engine).__name__}.")
+            raise TypeError(
+                f"TimeLimit needs a unison Engine (it acts at sync points), got {type(engine).__name__}."
+            )
         if engine.has_event_handler(self._started, Events.STARTED):
             return
         self.engine = engine

@@ -6,4 +6,12 @@ from unison.metrics.group import MetricGroup
 from unison.metrics.loss import Loss, Perplexity
 from unison.metrics.regression import MeanAbsoluteError, MeanSquaredError
 
-__all__ = ["Accuracy", "Loss", "MeanAbsoluteError", "MeanSquaredError", "MetricGroup", "Perplexity", "SumMetric"]
+__all__ = [
+    "Accuracy",
+    "Loss",
+    "MeanAbsoluteError",
+    "MeanSquaredError",
+    "MetricGroup",
+    "Perplexity",
+    "SumMetric",
+]

@@ -58,7 +58,9 @@ class Accuracy(SumMetric):
             top = y_pred.topk(self.top_k, dim=1).indices
             hits = (top == y.unsqueeze(1)).any(dim=1)
         correct = hits.sum(dtype=torch.float64)
-        return torch.stack([correct, torch.full((), float(y.numel()), dtype=torch.float64, device=correct.device)])
+        return torch.stack(
+            [correct, torch.full((), float(y.numel()), dtype=torch.float64, device=correct.device)]
+        )
 
     def compute_from(self, state: torch.Tensor) -> float:
         correct, count = state.tolist()

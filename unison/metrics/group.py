@@ -58,7 +58,7 @@ class MetricGroup:
         return torch.cat([m.sync_state().to("cpu") for m in self.metrics.values()])
 
     def load_synced_state(self, state: torch.Tensor) -> None:
-        for metric, part in zip(self.metrics.values(), torch.split(state, self._sizes)):
+        for metric, part in zip(self.metrics.values(), torch.split(state, self._sizes), strict=True):
             metric.load_synced_state(part)
 
     def _write_results(self, engine: Engine) -> None:

@@ -26,7 +26,9 @@ class _ElementwiseError(SumMetric):
         y_pred, y = output
         _check_pair(type(self).__name__, y_pred, y)
         total = self._errors(y_pred.to(torch.float64) - y.to(torch.float64)).sum()
-        return torch.stack([total, torch.full((), float(y.numel()), dtype=torch.float64, device=total.device)])
+        return torch.stack(
+            [total, torch.full((), float(y.numel()), dtype=torch.float64, device=total.device)]
+        )
 
     def compute_from(self, state: torch.Tensor) -> float:
         total, count = state.tolist()

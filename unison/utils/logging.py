@@ -36,7 +36,9 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) 
     handler = logging.StreamHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
     prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
-    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
     logger.addHandler(handler)
     if level is None:
         level = logging.INFO if rank == 0 else logging.WARNING
