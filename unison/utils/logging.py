@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 _ROOT = "unison"
@@ -10,7 +11,15 @@ _HANDLER_NAME = "unison-console"
 
 
 def get_logger(name: str) -> logging.Logger:
-    """The logger for a unison module (``name`` is usually ``__name__``)."""
+    """A logger under ``unison`` (``name`` is usually ``__name__``), so its records get the rank prefix.
+
+    A script's ``__name__`` is ``__main__`` when run directly and ``__mp_main__`` in ranks
+    that ``launch`` spawned; both become the script's file name, so the logger is the same
+    however the script was started.
+    """
+    if name in ("__main__", "__mp_main__"):
+        file = getattr(sys.modules.get(name), "__file__", None)
+        name = os.path.splitext(os.path.basename(file))[0] if file else "main"
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
 
 

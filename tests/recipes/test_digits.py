@@ -1,0 +1,126 @@
+"""Smoke tests of recipes/digits/train.py, run as a user runs it: spawned, under torchrun, alone.
+
+Each run is a short one (1 epoch of a few iterations) in a subprocess of its own session, so
+that on a timeout everything it started can be ended: its process group, and the ranks that
+torchrun starts in sessions of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unison.distributed import find_free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "recipes" / "digits" / "train.py"
+TIMEOUT_S = 180
+ITERATIONS = 4
+SHORT_RUN = ("--epochs", "1", "--epoch-length", str(ITERATIONS), "--no-progress")
+EPOCH_LINE = re.compile(
+    r"^(?P<prefix>.*)epoch 1/1  train loss \S+  val loss \S+  val accuracy \S+ \(\d+ samples\)$"
+)
+
+
+def launcher(mode: str) -> list[str]:
+    """The command line before the script's path."""
+    if mode == "torchrun":
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            "--master_addr=127.0.0.1", f"--master_port={find_free_port()}",
+        ]  # fmt: skip
+    return [sys.executable]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def end_job(proc: subprocess.Popen) -> None:
+    """Kills all the recipe started: its process group, and ranks torchrun put in sessions of their own."""
+    tree = descendants(proc.pid)  # listed before the launcher dies and its ranks lose their parent
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def run_recipe(mode: str, out: Path) -> tuple[dict, list[str]]:
+    """Runs the recipe; returns the JSON rank 0 wrote and the lines printed to stdout and stderr."""
+    cmd = [*launcher(mode), str(SCRIPT), *SHORT_RUN, "--out", str(out)]
+    if mode == "spawn":
+        cmd += ["--nproc", "2"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        end_job(proc)
+        output, _ = proc.communicate(timeout=30)
+        pytest.fail(f"{mode} run did not finish in {TIMEOUT_S} s: {' '.join(cmd)}\n{output[-4000:]}")
+    failed = f"{mode} run exited with {proc.returncode}: {' '.join(cmd)}\n{output[-4000:]}"
+    assert proc.returncode == 0, failed
+    return json.loads(out.read_text()), output.splitlines()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Runs each mode at most once per module: the cross-mode test reuses the others' runs."""
+    tmp_dir = tmp_path_factory.mktemp("digits")
+    done: dict[str, tuple[dict, list[str]]] = {}
+
+    def run_once(mode: str) -> tuple[dict, list[str]]:
+        if mode not in done:
+            done[mode] = run_recipe(mode, tmp_dir / f"{mode}.json")
+        return done[mode]
+
+    return run_once
+
+
+@pytest.mark.parametrize(("mode", "world_size"), [("spawn", 2), ("torchrun", 2), ("single", 1)])
+def test_recipe_runs_and_reports(run, mode, world_size):
+    summary, lines = run(mode)
+
+    assert summary["world_size"] == world_size
+    assert summary["epochs"] == 1
+    assert summary["iterations"] == ITERATIONS
+    assert 0.0 <= summary["val_accuracy"] <= 1.0
+    assert summary["val_loss"] > 0.0
+    epoch_lines = [m for m in map(EPOCH_LINE.match, lines) if m]
+    shown = "\n".join(lines)
+    assert len(epoch_lines) == 1, (
+        f"expected the epoch line once (rank 0 only), got {len(epoch_lines)}:\n{shown}"
+    )
+    if world_size > 1:
+        assert epoch_lines[0]["prefix"].startswith(f"[rank 0/{world_size}] ")
+
+
+def test_spawn_and_torchrun_train_the_same_model(run):
+    spawned, _ = run("spawn")
+    torchrun, _ = run("torchrun")
+    for key in ("val_accuracy", "val_loss", "train_loss"):
+        assert spawned[key] == torchrun[key], key
