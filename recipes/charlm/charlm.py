@@ -57,7 +57,9 @@ class Windows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def build_datasets(seed: int, block: int = 64, val_fraction: float = 0.1, limit: int | None = None) -> tuple[Dataset, Dataset]:
+def build_datasets(
+    seed: int, block: int = 64, val_fraction: float = 0.1, limit: int | None = None
+) -> tuple[Dataset, Dataset]:
     """Training and validation windows; ``limit`` keeps only the first characters (smoke runs)."""
     text = load_text()
     vocab = Vocabulary(text)
@@ -69,7 +71,9 @@ def build_datasets(seed: int, block: int = 64, val_fraction: float = 0.1, limit:
 class CharTransformer(nn.Module):
     """A small causal Transformer; scores come out as (batch, vocabulary, time)."""
 
-    def __init__(self, block: int = 64, dim: int = 128, heads: int = 4, layers: int = 2, dropout: float = 0.1) -> None:
+    def __init__(
+        self, block: int = 64, dim: int = 128, heads: int = 4, layers: int = 2, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         vocab = len(Vocabulary(load_text()))
         self.block = block
@@ -119,4 +123,8 @@ def _write_samples(context) -> None:  # noqa: ANN001
     prompts = ["The ", "A list ", "def "]
     texts = [sample(context.model, p, length=160, seed=i) for i, p in enumerate(prompts)]
     (context.run_dir / "samples.txt").write_text("\n\n---\n\n".join(texts) + "\n")
-    log.info("validation perplexity %.2f; samples:\n%s", context.results.get("validation_perplexity", float("nan")), texts[0])
+    log.info(
+        "validation perplexity %.2f; samples:\n%s",
+        context.results.get("validation_perplexity", float("nan")),
+        texts[0],
+    )

@@ -30,4 +30,11 @@ def build_datasets(seed: int, val_fraction: float = 0.2, test_fraction: float = 
 
 def mlp(hidden: int = 64, dropout: float = 0.1) -> nn.Module:
     """10 features -> one standardised prediction."""
-    return nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    return nn.Sequential(
+        nn.Linear(10, hidden),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 1),
+    )

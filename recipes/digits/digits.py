@@ -22,7 +22,9 @@ def load_all() -> TensorDataset:
 def build_datasets(seed: int, val_fraction: float = 0.2, test_fraction: float = 0.0) -> tuple[Dataset, ...]:
     """Train / validation (/ test) splits, identical on every rank: they depend on ``seed`` only."""
     train_fraction = 1.0 - val_fraction - test_fraction
-    parts = split_dataset(load_all(), [train_fraction, val_fraction] + ([test_fraction] if test_fraction else []), seed=seed)
+    parts = split_dataset(
+        load_all(), [train_fraction, val_fraction] + ([test_fraction] if test_fraction else []), seed=seed
+    )
     return tuple(parts)
 
 
