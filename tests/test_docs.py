@@ -1,6 +1,7 @@
 """Every ```python block in the docs and the README runs.
 
-A block is executed in a fresh namespace in this process; a block with an
+A block that starts with ``# continues the example above`` runs after the block before
+it. A block is executed in a fresh namespace in this process; a block with an
 ``if __name__ == "__main__":`` guard (it spawns ranks, which import it by name) runs as
 its own script in a subprocess.
 """
@@ -23,8 +24,13 @@ def _blocks() -> list[tuple[str, str]]:
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         if not path.exists():
             continue
+        previous = ""
         for i, match in enumerate(_BLOCK.finditer(path.read_text())):
-            found.append((f"{path.relative_to(ROOT)}#{i + 1}", match.group(1)))
+            code = match.group(1)
+            if code.startswith("# continues the example above"):
+                code = previous + "\n" + code
+            found.append((f"{path.relative_to(ROOT)}#{i + 1}", code))
+            previous = code
     return found
 
 

@@ -127,6 +127,8 @@ def test_abort_ends_the_stalled_rank_with_exit_hang():
     sleeper = 1
     with pytest.raises(RankFailedError) as info:
         run_distributed(watchdog_abort_worker, sleeper, 0.5, nproc=2, timeout=60)
-    assert info.value.rank == sleeper
+    # The other rank, waiting for the sleeper in a collective, completes no iteration
+    # either: its watchdog may end it first. Either way the job ends by the watchdog.
+    assert info.value.rank in (0, 1)
     assert f"exit code {EXIT_HANG}" in str(info.value)
     assert "deadline" not in str(info.value)  # ended by the watchdog, long before the test's deadline
