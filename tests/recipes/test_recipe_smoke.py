@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
+import torch
+
 from unison.recipe import run
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "recipes" / "diabetes"))
+import diabetes  # noqa: E402
+
 
 
 @pytest.mark.slow
@@ -46,7 +52,12 @@ def test_charlm_reports_perplexity_and_samples_text(tmp_path: Path) -> None:
 def test_diabetes_regression_learns_and_tests_the_best_checkpoint(tmp_path: Path) -> None:
     results = run(
         ROOT / "recipes" / "diabetes" / "config.yaml",
-        overrides=["training.max_epochs=8", "logging.progress=false", f"logging.root={tmp_path}"],
+        overrides=[
+            "training.max_epochs=8",
+            "logging.progress=false",
+            "predict.enabled=true",
+            f"logging.root={tmp_path}",
+        ],
     )
     history = results["history"]
     assert len(history) == 8
@@ -57,3 +68,6 @@ def test_diabetes_regression_learns_and_tests_the_best_checkpoint(tmp_path: Path
     manifest = json.loads((Path(results["run_dir"]) / "checkpoints" / "manifest.json").read_text())
     best = min(manifest["checkpoints"], key=lambda e: e["score"])
     assert best["score"] == pytest.approx(min(row["val_mse"] for row in history))
+    # predict.enabled: one prediction per test sample, in dataset order, on rank 0.
+    predictions = torch.load(results["predictions"], weights_only=True)
+    assert predictions.shape == (len(diabetes.build_datasets(seed=0)[2]), 1)
