@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from unison.recipe import run
@@ -16,7 +15,6 @@ from unison.recipe import run
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes" / "diabetes"))
 import diabetes  # noqa: E402
-
 
 
 @pytest.mark.slow
