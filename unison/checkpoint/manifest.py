@@ -31,6 +31,7 @@ class Entry:
 
 
 def checkpoint_name(prefix: str, epoch: int, iteration: int) -> str:
+    """The file name of the checkpoint taken at ``epoch`` and ``iteration``: ``<prefix>-e0003-i000001200.pt``."""
     return f"{prefix}-e{epoch:04d}-i{iteration:09d}.pt"
 
 
