@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", type=Path, default=None, help="where checkpoints are written (default: a temp folder)"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the report here, as JSON")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if async stall > {TARGET:.0%} of sync")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if async stall > {TARGET * 100:.0f}%% of sync")
     args = parser.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
     if repeats < 1 or args.steps < 2:

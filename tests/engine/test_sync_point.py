@@ -114,18 +114,27 @@ def test_no_contributor_no_sync():
 
 
 @pytest.mark.parametrize("epochs", [1, 3])
-def test_engine_reduces_epoch_contributors_once_per_epoch(epochs):
+@pytest.mark.parametrize("with_control", [False, True])
+def test_engine_reduces_epoch_contributors_once_per_epoch(epochs, with_control):
     engine = Engine(lambda e, b: b, sync_every=None)
     epoch_scope = Contributor(1, 2)
     engine.sync_point.register(epoch_scope)
+    if with_control:
+        engine.sync_point.register(Contributor(2, 1), scope="every")
     events = []
     engine.add_event_handler(Events.EPOCH_COMPLETED, lambda e: events.append(engine.sync_point.count))
     engine.run([1, 2, 3], max_epochs=epochs)
     assert len(epoch_scope.received) == epochs
-    # A sync point opens each EPOCH_COMPLETED; another follows its handlers (for requests they
-    # made) unless the run ends there.
-    assert engine.sync_point.count == 2 * epochs - 1
-    assert events == [2 * e - 1 for e in range(1, epochs + 1)]
+    if with_control:
+        # A sync point opens each EPOCH_COMPLETED; another follows its handlers (for what
+        # they asked) unless the run ends there.
+        assert engine.sync_point.count == 2 * epochs - 1
+        assert events == [2 * e - 1 for e in range(1, epochs + 1)]
+    else:
+        # With one rank and nothing but stop requests to agree on (they act at once), the
+        # sync point after the handlers has nothing to do and is skipped.
+        assert engine.sync_point.count == epochs
+        assert events == list(range(1, epochs + 1))
 
 
 # --- several ranks ---------------------------------------------------------------------------------

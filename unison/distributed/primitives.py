@@ -133,7 +133,8 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if not sizes:
         return []
     comm = _comm_device()
-    flat = torch.cat([t.detach().reshape(-1).to(device=comm, dtype=torch.float64) for t in tensors])
+    parts = [t.detach().reshape(-1).to(device=comm, dtype=torch.float64) for t in tensors]
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
     if is_distributed():
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat = flat.cpu()

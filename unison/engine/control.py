@@ -51,8 +51,9 @@ class StopRequests:
 
     def load_synced_state(self, state: torch.Tensor) -> None:
         world = get_world_size()
-        stop = [r for r in range(world) if state[r] > 0]
-        epoch = [r for r in range(world) if state[world + r] > 0]
+        values = state.tolist()  # one read, not one per element
+        stop = [r for r in range(world) if values[r] > 0]
+        epoch = [r for r in range(world) if values[world + r] > 0]
         if stop:
             self.decision = StopDecision(ranks=stop, epoch_only=False)
         elif epoch:

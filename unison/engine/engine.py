@@ -131,6 +131,7 @@ class Engine(IgniteEngine):
         self._keep_requests = False
         self._iteration_syncs = False
         self._sync_due = False
+        self._control_contributors = True
         self._epoch_iteration = 0
         self._resume_offset = 0
         self._terminate_at_boundary: bool | None = None
@@ -223,7 +224,14 @@ class Engine(IgniteEngine):
         self._terminate_at_boundary = None
         length = self.state.epoch_length
         self._resume_offset = self.state.iteration % length if length else 0
-        self._iteration_syncs = self.sync_every is not None and self._equal_epoch_lengths()
+        # With one rank a stop request acts at once; sync points inside an epoch (and after
+        # its handlers) only serve the other contributors (guards, time limits, votes).
+        self._control_contributors = is_distributed() or any(
+            c is not self._stop for c in self.sync_point.contributors(epoch_end=False)
+        )
+        self._iteration_syncs = (
+            self.sync_every is not None and self._control_contributors and self._equal_epoch_lengths()
+        )
 
     def _equal_epoch_lengths(self) -> bool:
         """Collective when distributed: do all ranks run epochs of the same length?"""
@@ -381,7 +389,12 @@ class Engine(IgniteEngine):
                     self._sync_due = True
                 if self._sync_due and not self._epoch_ends_here() and self.at_boundary():
                     self._sync(epoch_end=False)
-        elif event_name is Events.EPOCH_COMPLETED and not self._is_last_epoch() and not self.should_terminate:
+        elif (
+            event_name is Events.EPOCH_COMPLETED
+            and self._control_contributors
+            and not self._is_last_epoch()
+            and not self.should_terminate
+        ):
             self._sync(epoch_end=False)
 
     @property
