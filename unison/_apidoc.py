@@ -49,9 +49,9 @@ def api_markdown() -> str:
         for name in sorted(getattr(module, "__all__", [])):
             obj = getattr(module, name)
             if inspect.isclass(obj):
-                kind, home = "class", obj.__module__
+                kind = "class"
             elif callable(obj):
-                kind, home = "function", getattr(obj, "__module__", module_name)
+                kind = "function"
             else:
                 lines += [f"- **`{name}`** = `{obj!r}`", ""]
                 continue
