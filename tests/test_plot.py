@@ -18,13 +18,6 @@ from unison.plot import group_tags, plot_run
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: torch's intra-op threads only contend on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _tiny_run(run_dir) -> None:

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 # The training set-ups are shared with the checkpoint tests in tests/handlers/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handlers"))
@@ -152,9 +151,3 @@ def test_a_mid_epoch_resume_loads_only_the_unconsumed_samples_on_two_ranks(tmp_p
     assert sorted(seen) == list(range(SIZE))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

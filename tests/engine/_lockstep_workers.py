@@ -8,7 +8,6 @@ in the parent process.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import threading
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 from _collective_probe import count_collectives
+from _log_capture import LogRecords
 from torch.utils.data import DataLoader, Dataset
 
 from unison.distributed import get_rank, get_world_size
@@ -45,24 +45,6 @@ def record_events(engine: Engine, into: list, events: tuple = RECORDED_EVENTS) -
         engine.add_event_handler(
             event, lambda e, *_, name=event.name, **__: into.append((name, e.state.epoch, e.state.iteration))
         )
-
-
-class LogRecords(logging.Handler):
-    """Collects the messages of the ``unison`` logger written while it is installed."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> LogRecords:
-        logging.getLogger("unison").addHandler(self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        logging.getLogger("unison").removeHandler(self)
 
 
 # --- agreed stopping ------------------------------------------------------------------------------

@@ -8,35 +8,17 @@ plain data for the test to assert on in the parent process.
 from __future__ import annotations
 
 import io
-import logging
 import threading
 import time
 from typing import Any
 
 import torch
+from _log_capture import LogRecords
 
 from unison.distributed import get_rank
 from unison.engine import Engine, Events
 from unison.handlers import EarlyStopping, NonFiniteGuard, TimeLimit, Watchdog
 from unison.handlers._rank_slots import split_rows
-
-
-class LogRecords(logging.Handler):
-    """Collects the messages of the ``unison`` logger written while it is installed."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> LogRecords:
-        logging.getLogger("unison").addHandler(self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        logging.getLogger("unison").removeHandler(self)
 
 
 def ones(engine: Any, batch: Any) -> torch.Tensor:

@@ -32,14 +32,6 @@ from unison.handlers import Checkpoint
 from unison.testing import run_distributed
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def on_disk(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*.pt"))
 

@@ -32,12 +32,6 @@ HANDLERS = Path(__file__).resolve().parent
 JOB = dict(size=40, sync_every=3, at=7, max_epochs=3)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

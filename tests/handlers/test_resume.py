@@ -32,13 +32,6 @@ from unison.testing import run_distributed
 MAX_EPOCHS = 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Spawned ranks compute on one thread each; in-process runs do too (fast on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def scenarios(world_size: int) -> dict[str, dict]:

@@ -23,13 +23,6 @@ N_SAMPLES, BATCH, EPOCHS = 12, 4, 3
 ITERS = N_SAMPLES // BATCH  # per epoch
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: torch's intra-op threads only contend on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _data(scale: float = 1.0) -> TensorDataset:
