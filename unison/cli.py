@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 
 def _run(args: argparse.Namespace) -> int:
     from unison.config import ConfigError
+    from unison.distributed import detect_launcher
     from unison.recipe import run
 
+    first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own
     try:
         results = run(args.config, nproc=args.nproc, overrides=args.set, resume=args.resume)
     except ConfigError as err:
         print(f"unison run: {err}", file=sys.stderr)
         return 2
-    if results is not None and os.environ.get("RANK", "0") == "0":  # under torchrun, once
+    if results is not None and first_rank:  # under torchrun or srun, once
         print(f"run directory: {results['run_dir']}")
     return 0
 

@@ -132,6 +132,8 @@ class Engine(IgniteEngine):
         self._iteration_syncs = False
         self._sync_due = False
         self._control_contributors = True
+        self.epoch_length_given = False
+        """Whether the last ``run`` was given ``epoch_length`` (else the data's length decides)."""
         self._epoch_iteration = 0
         self._resume_offset = 0
         self._terminate_at_boundary: bool | None = None
@@ -459,6 +461,7 @@ class Engine(IgniteEngine):
             ValueError: with more than one rank, when ``data`` is a DataLoader drawing from
                 a ``RandomSampler``.
         """
+        self.epoch_length_given = epoch_length is not None
         if data is not None:
             _check_sharded(data)
             if epoch_length is None and _is_empty(data) and max_iters is None:

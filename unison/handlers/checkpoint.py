@@ -441,7 +441,7 @@ class Checkpoint:
             return
         meta = state["meta"]
         self._check_layout(engine, meta)
-        if not meta["mid_epoch"]:
+        if not meta["mid_epoch"] and not getattr(engine, "epoch_length_given", False):
             self._refit_epoch_length(engine)
         sampler_state = state.get("sampler")
         if sampler_state is not None:
