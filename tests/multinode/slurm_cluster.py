@@ -115,7 +115,11 @@ def node_line(name: str) -> tuple[str, int]:
     ).stdout.split()
     fields = dict(item.split("=", 1) for item in out if "=" in item)
     cpus = int(fields.get("CPUs", os.cpu_count() or 1))
-    topology = [f"{k}={fields[k]}" for k in ("Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore") if k in fields]
+    topology = [
+        f"{k}={fields[k]}"
+        for k in ("Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore")
+        if k in fields
+    ]
     if cpus < 2:
         # Two one-CPU tasks need two CPUs; slurmd accepts more than it sees with config_overrides.
         cpus, topology = 2, []
@@ -159,12 +163,20 @@ class SlurmCluster:
     def write_config(self) -> None:
         b = self.base
         self.base.chmod(0o755)  # munged wants every folder above its socket searchable
-        for sub, mode in (("key", 0o700), ("munge", 0o755), ("state", 0o755), ("spool", 0o755), ("log", 0o755)):
+        for sub, mode in (
+            ("key", 0o700),
+            ("munge", 0o755),
+            ("state", 0o755),
+            ("spool", 0o755),
+            ("log", 0o755),
+        ):
             (b / sub).mkdir(mode=mode, exist_ok=True)
             (b / sub).chmod(mode)
         key = b / "key" / "munge.key"
         if not key.exists():
-            subprocess.run([which("mungekey") or "mungekey", "--create", f"--keyfile={key}"], check=True, timeout=30)
+            subprocess.run(
+                [which("mungekey") or "mungekey", "--create", f"--keyfile={key}"], check=True, timeout=30
+            )
         key.chmod(0o600)
         node, self.cpus = node_line(self.NODE)
         lines = [
@@ -241,7 +253,9 @@ class SlurmCluster:
         )  # fmt: skip
         self._wait_for(lambda: self.socket.exists(), timeout, "munged to create its socket")
         self._start("slurmctld", [which("slurmctld") or "slurmctld", "-D", "-f", str(self.conf)])
-        self._wait_for(lambda: self._run(["scontrol", "ping"], check=False).returncode == 0, timeout, "slurmctld")
+        self._wait_for(
+            lambda: self._run(["scontrol", "ping"], check=False).returncode == 0, timeout, "slurmctld"
+        )
         self._start("slurmd", [which("slurmd") or "slurmd", "-D", "-N", self.NODE, "-f", str(self.conf)])
         self._wait_for(lambda: self.node_state().startswith("IDLE"), timeout, f"node {self.NODE} to be idle")
         return self
@@ -259,7 +273,9 @@ class SlurmCluster:
 
     # -- using it -------------------------------------------------------------------------
 
-    def _run(self, cmd: list[str], check: bool = True, timeout: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def _run(
+        self, cmd: list[str], check: bool = True, timeout: float = 30.0, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         done = subprocess.run(
             [which(cmd[0]) or cmd[0], *cmd[1:]],
             env=env or self.client_env(),
@@ -271,6 +287,10 @@ class SlurmCluster:
         if check and done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` exited with {done.returncode}: {done.stderr.strip()}")
         return done
+
+    def scontrol(self, *args: str) -> str:
+        """Runs ``scontrol ARGS`` against this cluster; returns its output."""
+        return self._run(["scontrol", *args]).stdout
 
     def node_state(self) -> str:
         done = self._run(["sinfo", "-h", "-N", "-n", self.NODE, "-o", "%T"], check=False)
@@ -307,16 +327,32 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             info = self.job(job_id)
-            if info.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
+            if info.get("JobState") not in (
+                None,
+                "PENDING",
+                "CONFIGURING",
+                "RUNNING",
+                "COMPLETING",
+                "SUSPENDED",
+            ):
                 return info
             time.sleep(poll)
         self.cancel(job_id)
-        raise TimeoutError(f"job {job_id} did not end in {timeout:.0f} s: {self.job(job_id)}\n{self.diagnostics()}")
+        raise TimeoutError(
+            f"job {job_id} did not end in {timeout:.0f} s: {self.job(job_id)}\n{self.diagnostics()}"
+        )
 
     def cancel(self, job_id: int, sig: str | None = None) -> None:
         """``scancel [--signal=SIG] JOB``: with a signal, to the job's steps (its srun tasks)."""
         cmd = ["scancel", str(job_id)] if sig is None else ["scancel", f"--signal={sig}", str(job_id)]
         self._run(cmd, check=sig is not None)
+
+    def batch_step_done(self, job_id: int) -> int:
+        """How many times the job's batch step has finished, from slurmd's log."""
+        path = self.logs / "slurmd.log"
+        return (
+            path.read_text(errors="replace").count(f"[{job_id}.batch] done with job") if path.exists() else 0
+        )
 
     def diagnostics(self, lines: int = 25) -> str:
         out = []

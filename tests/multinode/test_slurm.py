@@ -8,9 +8,12 @@ tasks and each is a rank, placed from SLURM_PROCID / SLURM_LOCALID / SLURM_NTASK
 
 - an uninterrupted job trains, checkpoints and writes its metrics, with world size 2;
 - a second job gets ``scancel --signal=USR1`` while training: the ranks save at an agreed
-  iteration and the job ends with exit code 75; submitting the template again (it passes
-  ``--resume auto``) continues from that checkpoint to the end, with the parameters of the
-  uninterrupted job.
+  iteration and exit with 75 (the job's exit code is 75, or 143 when srun's
+  ``--kill-on-bad-exit=1`` ended a rank still tearing down); submitting the template again
+  (it passes ``--resume auto``) continues from that checkpoint to the end, with the
+  parameters of the uninterrupted job;
+- with ``checkpoint.requeue=true`` the job requeues itself after the save, and its second
+  start resumes and ends with the same parameters.
 
 When SLURM is missing and cannot be installed (no root, no apt-get, no mirror), the tests
 skip with the reason; with ``UNISON_REQUIRE_SLURM=1`` they fail instead.
@@ -74,8 +77,10 @@ def cluster():
     cluster.stop()
 
 
-def submit(cluster: SlurmCluster, root: Path, outputs: Path) -> int:
-    """Submits the template for a CPU job; its runs go under ``root``."""
+def submit(
+    cluster: SlurmCluster, root: Path, outputs: Path, sbatch: tuple[str, ...] = (), run: tuple[str, ...] = ()
+) -> int:
+    """Submits the template for a CPU job; its runs go under ``root``, its output to ``outputs``."""
     venv_bin = Path(sys.executable).parent
     assert (venv_bin / "unison").exists(), f"the unison command is not next to {sys.executable}"
     env = {
@@ -83,8 +88,8 @@ def submit(cluster: SlurmCluster, root: Path, outputs: Path) -> int:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
     }
     args = [
-        *CPU_JOB, "--job-name=unison-test", f"--output={outputs}/slurm-%j.out", f"--chdir={ROOT}",
-        str(TEMPLATE), str(CONFIG), *RUN, "--set", f"logging.root={root}",
+        *CPU_JOB, "--job-name=unison-test", f"--output={outputs}/slurm-%j.out", f"--chdir={ROOT}", *sbatch,
+        str(TEMPLATE), str(CONFIG), *RUN, "--set", f"logging.root={root}", *run,
     ]  # fmt: skip
     return cluster.sbatch(args, env=env)
 
@@ -202,10 +207,13 @@ def test_usr1_saves_exits_75_and_resubmission_resumes_exactly(cluster, reference
 
     # -- preempted: USR1 to the tasks while training ------------------------------------
     started = time.monotonic()
-    job = submit(cluster, root, tmp_path)
+    # The template asks for a requeue after a preemption save; this test resubmits by hand.
+    job = submit(cluster, root, tmp_path, run=("--set", "checkpoint.requeue=false"))
     preempt_when_training(cluster, job, root, tmp_path)
     info, output = finish(cluster, job, tmp_path)
-    print(f"\npreempted job {job}: {info.get('JobState')} {info.get('ExitCode')} in {time.monotonic() - started:.1f} s")
+    print(
+        f"\npreempted job {job}: {info.get('JobState')} {info.get('ExitCode')} in {time.monotonic() - started:.1f} s"
+    )
     assert "stopping after iteration" in output and "preempted" in output, output
     # Every rank saved and exited with 75. srun (--kill-on-bad-exit=1 in the template) ends the
     # other tasks as soon as the first exits non-zero: a rank still tearing down Python then
@@ -226,7 +234,9 @@ def test_usr1_saves_exits_75_and_resubmission_resumes_exactly(cluster, reference
     started = time.monotonic()
     job = submit(cluster, root, tmp_path)
     info, output = finish(cluster, job, tmp_path)
-    print(f"resumed job {job}: {info.get('JobState')} {info.get('ExitCode')} in {time.monotonic() - started:.1f} s")
+    print(
+        f"resumed job {job}: {info.get('JobState')} {info.get('ExitCode')} in {time.monotonic() - started:.1f} s"
+    )
     assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), (
         f"job {job}: {info}\n{output}\n{cluster.diagnostics()}"
     )
@@ -243,44 +253,38 @@ def test_usr1_with_requeue_resumes_in_the_same_job(cluster, reference, tmp_path)
     run_a, total = reference
     root = tmp_path / "runs"
     started = time.monotonic()
-    venv_bin = Path(sys.executable).parent
-    env = {
-        "PATH": os.pathsep.join([str(venv_bin), os.environ.get("PATH", "")]),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-    }
-    job = cluster.sbatch(
-        [
-            *CPU_JOB, "--job-name=unison-requeue", f"--output={tmp_path}/slurm-%j.out", "--open-mode=append",
-            f"--chdir={ROOT}", str(TEMPLATE), str(CONFIG), *RUN,
-            "--set", f"logging.root={root}", "--set", "checkpoint.requeue=true",
-        ],
-        env=env,
-    )  # fmt: skip
+    job = submit(cluster, root, tmp_path)
     preempt_when_training(cluster, job, root, tmp_path)
-    # SLURM holds a requeued job (Reason=BeginTime) for about two minutes; release it now.
+    # SLURM holds a requeued job (Reason=BeginTime) for about two minutes; release it once
+    # the first start's batch step has ended (released earlier, the new start can be marked
+    # FAILED by the old step's exit).
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while True:
         info = cluster.job(job)
-        if info.get("Restarts") == "1" and info.get("JobState") == "PENDING":
-            cluster._run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        if info.get("Restarts") == "1" and info.get("JobState") == "PENDING" and cluster.batch_step_done(job):
+            cluster.scontrol("update", f"JobId={job}", "StartTime=now")
             break
+        if info.get("Restarts") == "1" and info.get("JobState") in ("RUNNING", "COMPLETED"):
+            break  # a SLURM without the requeue delay
         assert info.get("JobState") in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), (
             f"job {job} was not requeued: {info}\n{(tmp_path / f'slurm-{job}.out').read_text()}"
         )
         assert time.monotonic() < deadline, f"job {job} was not requeued in {JOB_TIMEOUT_S} s: {info}"
         time.sleep(0.2)
-    run_dir = only_run(root)
-    entry, _ = last_checkpoint(run_dir)
-    saved_at = entry["iteration"]
-    assert EVERY <= saved_at < total, (saved_at, total)
     info, output = finish(cluster, job, tmp_path)
-    print(f"\nrequeued job {job}: {info.get('JobState')} {info.get('ExitCode')} in {time.monotonic() - started:.1f} s")
+    print(
+        f"\nrequeued job {job}: {info.get('JobState')} {info.get('ExitCode')} in {time.monotonic() - started:.1f} s"
+    )
     assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", "1"), (
         f"job {job}: {info}\n{output}\n{cluster.diagnostics()}"
     )
     assert "DUE TO JOB REQUEUE" in output, output
+    stopped = re.findall(r"all 2 ranks stopping after iteration (\d+) .*: preempted", output)
+    assert len(stopped) == 1 and EVERY <= int(stopped[0]) < total, output
+    run_dir = only_run(root)
     resumed = re.findall(r"Resumed from (\S+) \(epoch \d+, iteration (\d+)\)", output)
-    assert resumed == [(str(run_dir / "checkpoints" / entry["file"]), str(saved_at))], output
+    assert len(resumed) == 1 and resumed[0][1] == stopped[0], output
+    assert Path(resumed[0][0]).parent == run_dir / "checkpoints", resumed
     for r in range(2):
         placed = json.loads((run_dir / "placement" / f"rank{r}.json").read_text())
         assert placed["env"]["SLURM_RESTART_COUNT"] == "1", placed

@@ -116,7 +116,7 @@ def run_two_nodes(root: Path, tag: str, *extra: str) -> list[str]:
         shown = "\n".join(f"--- agent {i} ---\n{p.read_text()[-3000:]}" for i, p in enumerate(outputs))
         pytest.fail(f"the 2x2 torchrun run ({tag}) did not finish in {RUN_TIMEOUT_S} s:\n{shown}")
     texts = [p.read_text() for p in outputs]
-    for node, (proc, text) in enumerate(zip(procs, texts)):
+    for node, (proc, text) in enumerate(zip(procs, texts, strict=True)):
         assert proc.returncode == 0, f"agent {node} ({tag}) exited with {proc.returncode}:\n{text[-4000:]}"
     return texts
 
@@ -210,7 +210,9 @@ def test_two_agents_checkpoint_log_and_resume_once(tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == WORLD
     assert metrics["iterations"] == 2 * length and metrics["epochs"] == 2, metrics
-    expected = sorted({*range(length + EVERY_ITERS - length % EVERY_ITERS, 2 * length + 1, EVERY_ITERS), 2 * length})
+    expected = sorted(
+        {*range(length + EVERY_ITERS - length % EVERY_ITERS, 2 * length + 1, EVERY_ITERS), 2 * length}
+    )
     assert saved_iterations(both) == expected, both
     assert check_folder(folder)[-1]["iteration"] == 2 * length
     for r in range(WORLD):
