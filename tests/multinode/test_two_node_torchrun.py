@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _procs import descendants
 
 from unison.distributed import find_free_port
 
@@ -37,23 +38,6 @@ WORLD = NNODES * NPROC
 EVERY_ITERS = 3
 RUN_TIMEOUT_S = 150  # one 2x2 run: ~35 s on an idle 2-core machine, 4 ranks + 2 agents
 SAVE_LINE = re.compile(r"Saved checkpoint (?P<path>\S+\.pt)$")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def end_agents(procs: list[subprocess.Popen]) -> None:

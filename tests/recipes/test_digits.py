@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _procs import descendants
 
 from unison.distributed import find_free_port
 
@@ -40,23 +41,6 @@ def launcher(mode: str) -> list[str]:
             "--master_addr=127.0.0.1", f"--master_port={find_free_port()}",
         ]  # fmt: skip
     return [sys.executable]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, read from /proc (empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def end_job(proc: subprocess.Popen) -> None:
