@@ -55,5 +55,10 @@ def api_markdown() -> str:
             else:
                 lines += [f"- **`{name}`** = `{obj!r}`", ""]
                 continue
-            lines += [f"### `{module_name}.{name}{_signature(obj)}`", "", f"*{kind}* — {_summary(obj) or 'no summary.'}", ""]
+            lines += [
+                f"### `{module_name}.{name}{_signature(obj)}`",
+                "",
+                f"*{kind}* — {_summary(obj) or 'no summary.'}",
+                "",
+            ]
     return "\n".join(lines).rstrip() + "\n"

@@ -11,6 +11,17 @@ from unison.distributed.primitives import all_reduce_sum
 Scope = Literal["epoch", "every"]
 
 
+def require_sync_point(engine: object, who: str, hint: str = "") -> SyncPoint:
+    """The sync point of a unison Engine, or a TypeError naming ``who`` needs one."""
+    sync_point = getattr(engine, "sync_point", None)
+    if not isinstance(sync_point, SyncPoint):
+        raise TypeError(
+            f"{who} needs a unison Engine (it acts at sync points, where ranks agree), got "
+            f"{type(engine).__name__}.{' ' + hint if hint else ''}"
+        )
+    return sync_point
+
+
 @runtime_checkable
 class SyncContributor(Protocol):
     """Something that adds a vector of sums to a sync point and reads back the total.

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
+from unison.engine.sync import require_sync_point
 from unison.handlers._rank_slots import rank_row, split_rows
 
 _COMPACT_AFTER = 4096
@@ -88,11 +89,7 @@ class NonFiniteGuard:
 
     def attach(self, engine: Engine) -> None:
         """Registers on ``engine`` (a unison Engine); attaching twice has no effect."""
-        sync_point = getattr(engine, "sync_point", None)
-        if sync_point is None:
-            raise TypeError(
-                f"NonFiniteGuard needs a unison Engine (it acts at sync points), got {type(engine).__name__}."
-            )
+        sync_point = require_sync_point(engine, "NonFiniteGuard")
         if engine.has_event_handler(self._record, Events.ITERATION_COMPLETED):
             return
         self.engine = engine

@@ -14,6 +14,7 @@ from ignite.engine import Engine, Events
 
 from unison.distributed.launcher import EXIT_PREEMPTED  # 75, EX_TEMPFAIL: try again later
 from unison.distributed.primitives import barrier, get_rank
+from unison.engine.sync import require_sync_point
 from unison.handlers._rank_slots import rank_row, split_rows
 from unison.handlers.checkpoint import Checkpoint
 from unison.utils.logging import get_logger
@@ -119,9 +120,7 @@ class Preemption:
 
     def attach(self, engine: Engine) -> None:
         """Registers on the trainer; attaching twice has no effect."""
-        sync_point = getattr(engine, "sync_point", None)
-        if sync_point is None:
-            raise TypeError(f"Preemption needs a unison Engine, got {type(engine).__name__}.")
+        sync_point = require_sync_point(engine, "Preemption")
         if engine.has_event_handler(self._install, Events.STARTED):
             return
         self._engine = engine

@@ -7,6 +7,7 @@ import time
 import torch
 from ignite.engine import Engine, Events
 
+from unison.engine.sync import require_sync_point
 from unison.handlers._rank_slots import rank_row, split_rows
 
 
@@ -58,11 +59,7 @@ class TimeLimit:
 
     def attach(self, engine: Engine) -> None:
         """Registers on ``engine`` (a unison Engine); attaching twice has no effect."""
-        sync_point = getattr(engine, "sync_point", None)
-        if sync_point is None:
-            raise TypeError(
-                f"TimeLimit needs a unison Engine (it acts at sync points), got {type(engine).__name__}."
-            )
+        sync_point = require_sync_point(engine, "TimeLimit")
         if engine.has_event_handler(self._started, Events.STARTED):
             return
         self.engine = engine

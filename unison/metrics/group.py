@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from ignite.engine import Engine, Events
 
+from unison.engine.sync import require_sync_point
 from unison.metrics.base import SumMetric
 
 
@@ -39,12 +40,11 @@ class MetricGroup:
 
     def attach(self, engine: Engine) -> None:
         """Registers the metrics on ``engine``, which must own a sync point (unison's Engine)."""
-        sync_point = getattr(engine, "sync_point", None)
-        if sync_point is None:
-            raise TypeError(
-                f"MetricGroup needs unison.engine.Engine (it owns the sync point), got {type(engine).__name__}. "
-                "With an ignite Engine, attach each metric on its own: metric.attach(engine, name)."
-            )
+        sync_point = require_sync_point(
+            engine,
+            "MetricGroup",
+            "With an ignite Engine, attach each metric on its own: metric.attach(engine, name).",
+        )
         if engine.has_event_handler(self._write_results, Events.EPOCH_COMPLETED):
             return
         for metric in self.metrics.values():
