@@ -21,7 +21,6 @@ import torch.multiprocessing as mp
 
 from unison.distributed.env import (
     SPAWNED_VAR,
-    LauncherInfo,
     default_backend,
     detect_launcher,
     device_for_local_rank,
@@ -152,11 +151,33 @@ def launch(
     with _debug_environment(debug):
         if debug:
             start_method = "spawn"  # a fork server's ranks would create their group first
-        return _dispatch(
+        if nproc_per_node is None:
+            return [
+                _run_in_process(
+                    fn,
+                    args,
+                    kwargs,
+                    backend,
+                    timeout,
+                    launched=info.kind != "none",
+                    torchrun=info.kind == "torchrun",
+                )
+            ]
+        if info.kind != "none":
+            raise RuntimeError(
+                f"launch(nproc_per_node={nproc_per_node}) was called in a process that is already one rank of "
+                f"a job started by {info.describe()}. Spawning here would start extra processes with "
+                "duplicate ranks. " + _nested_fix(info.kind)
+            )
+        if idist.get_world_size() > 1:
+            raise RuntimeError(
+                f"launch(nproc_per_node={nproc_per_node}) was called inside a process group of "
+                f"{idist.get_world_size()} ranks. Call fn directly instead."
+            )
+        return _spawn(
             fn,
             args,
             kwargs,
-            info,
             nproc_per_node,
             backend,
             timeout,
@@ -185,51 +206,6 @@ def _debug_environment(debug: bool) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _dispatch(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    info: LauncherInfo,
-    nproc_per_node: int | None,
-    backend: str,
-    timeout: timedelta,
-    master_addr: str,
-    master_port: int | None,
-    start_method: str,
-    deadline: float | None,
-) -> list[Any]:
-    if nproc_per_node is not None:
-        if info.kind != "none":
-            raise RuntimeError(
-                f"launch(nproc_per_node={nproc_per_node}) was called in a process that is already one rank of "
-                f"a job started by {info.describe()}. Spawning here would start extra processes with "
-                "duplicate ranks. " + _nested_fix(info.kind)
-            )
-        if idist.get_world_size() > 1:
-            raise RuntimeError(
-                f"launch(nproc_per_node={nproc_per_node}) was called inside a process group of "
-                f"{idist.get_world_size()} ranks. Call fn directly instead."
-            )
-        return _spawn(
-            fn,
-            args,
-            kwargs,
-            nproc_per_node,
-            backend,
-            timeout,
-            master_addr,
-            master_port,
-            start_method,
-            deadline,
-        )
-    launched = info.kind != "none"
-    return [
-        _run_in_process(
-            fn, args, kwargs, backend, timeout, launched=launched, torchrun=info.kind == "torchrun"
-        )
-    ]
 
 
 @contextlib.contextmanager
