@@ -3,7 +3,7 @@
 from unison.distributed import launch, prepare_loaders, prepare_model
 from unison.engine import Engine, Events, create_evaluator, create_trainer
 
-__version__ = "0.1.0"
+from unison.utils.version import __version__
 
 __all__ = [
     "Engine",

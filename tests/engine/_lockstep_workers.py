@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from unison.distributed import get_rank, get_world_size
 from unison.engine import Engine, Events
-from unison.handlers import EpochAverage, NonFiniteGuard
+from unison.handlers import NonFiniteGuard
+from unison.metrics import EpochAverage
 
 RECORDED_EVENTS = (
     Events.STARTED,

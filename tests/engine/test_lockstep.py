@@ -509,4 +509,5 @@ def test_recorded_events_are_all_fired_by_a_plain_run():
     assert torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)["unison"]["stop"] == {
         "reasons": [],
         "epoch_reasons": [],
+        "interrupt_reasons": [],
     }

@@ -18,7 +18,7 @@ from _log_capture import LogRecords
 from unison.distributed import get_rank
 from unison.engine import Engine, Events
 from unison.handlers import EarlyStopping, NonFiniteGuard, TimeLimit, Watchdog
-from unison.handlers._rank_slots import split_rows
+from unison.distributed.sync import split_rows
 
 
 def ones(engine: Any, batch: Any) -> torch.Tensor:

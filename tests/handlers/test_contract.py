@@ -17,16 +17,14 @@ from unison.engine import Engine, Events, create_evaluator, create_trainer
 from unison.handlers import (
     Checkpoint,
     EarlyStopping,
-    EpochAverage,
     NonFiniteGuard,
     Preemption,
     ProgressBar,
-    SetSamplerEpoch,
     TensorBoardLogger,
     TimeLimit,
     Watchdog,
 )
-from unison.metrics import Loss, MetricGroup
+from unison.metrics import EpochAverage, Loss, MetricGroup
 from unison.testing import run_distributed
 
 
@@ -43,7 +41,6 @@ def _trainer() -> tuple[Engine, Engine, list]:
 
 # name -> fn(trainer, evaluator, folder) -> (handler, attach(handler))
 FACTORIES: dict[str, Callable[[Engine, Engine, Path], tuple[Any, Callable[[Any], None]]]] = {
-    "SetSamplerEpoch": lambda t, e, d: (SetSamplerEpoch(), lambda h: h.attach(t)),
     "EpochAverage": lambda t, e, d: (EpochAverage("second_loss"), lambda h: h.attach(t)),
     "ProgressBar": lambda t, e, d: (ProgressBar(file=io.StringIO()), lambda h: h.attach(t)),
     "EarlyStopping": lambda t, e, d: (
@@ -99,6 +96,24 @@ def test_attaching_twice_registers_once(name: str, tmp_path: Path) -> None:
     assert (_registrations(trainer, evaluator), _sync_contributors(trainer, evaluator)) == once
     state = trainer.run(data, max_epochs=2)
     assert state.iteration == 10
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_running_twice_keeps_registrations_and_counts(name: str, tmp_path: Path) -> None:
+    """A handler survives a second run() of the same engine: nothing is registered again, no
+    state of the first run leaks into the second (a stop, a pending save, a started clock)."""
+    trainer, evaluator, data = _trainer()
+    handler, attach = FACTORIES[name](trainer, evaluator, tmp_path)
+    attach(handler)
+    first = trainer.run(data, max_epochs=2)
+    assert (first.iteration, first.epoch) == (10, 2)
+    registered = (_registrations(trainer, evaluator), _sync_contributors(trainer, evaluator))
+    syncs = trainer.sync_point.count
+    second = trainer.run(data, max_epochs=3)  # ignite continues a finished run to the new max_epochs
+    assert (second.iteration, second.epoch) == (15, 3)
+    assert (_registrations(trainer, evaluator), _sync_contributors(trainer, evaluator)) == registered
+    assert trainer.sync_point.count > syncs  # the second run synced again, with the same contributors
+    assert not trainer.stop_requested
 
 
 STATEFUL = sorted(name for name in FACTORIES if hasattr(getattr(handlers, name, MetricGroup), "state_dict"))

@@ -10,7 +10,8 @@ import torch
 
 from unison.distributed import get_rank
 from unison.engine import Engine, Events
-from unison.handlers import EpochAverage, ProgressBar
+from unison.handlers import ProgressBar
+from unison.metrics import EpochAverage
 from unison.testing import run_distributed
 
 DATA = [1.0, 2.0, 6.0, 3.0, 8.0]

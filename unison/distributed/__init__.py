@@ -16,12 +16,23 @@ from unison.distributed.primitives import (
     rank_zero_only,
     sync_bool,
 )
-from unison.distributed.samplers import EvalSampler, TrainSampler
+from unison.distributed.samplers import EvalSampler, TrainSampler, samplers_with_set_epoch, set_sampler_epoch
+from unison.distributed.sync import (
+    SyncContributor,
+    SyncEngine,
+    SyncPoint,
+    rank_row,
+    require_sync_point,
+    split_rows,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "EvalSampler",
     "RankFailedError",
+    "SyncContributor",
+    "SyncEngine",
+    "SyncPoint",
     "TrainSampler",
     "all_reduce_sum",
     "barrier",
@@ -38,8 +49,13 @@ __all__ = [
     "model_device",
     "prepare_loaders",
     "prepare_model",
+    "rank_row",
     "rank_zero_only",
+    "require_sync_point",
+    "samplers_with_set_epoch",
+    "set_sampler_epoch",
     "split_dataset",
+    "split_rows",
     "sync_bool",
     "unwrap_model",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -19,6 +20,40 @@ def _check_placement(rank: int | None, world_size: int | None) -> tuple[int, int
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size - 1}] for world_size={world_size}, got {rank}.")
     return rank, world_size
+
+
+def samplers_with_set_epoch(data: Any) -> list[Any]:
+    """The distinct objects behind ``data`` that have a ``set_epoch`` method.
+
+    Looks at a DataLoader's batch sampler, the sampler inside that batch sampler, and its
+    sampler, in that order; a custom batch sampler that shuffles (bucketing, say) is found
+    as well as the usual ``DataLoader(sampler=...)``.
+    """
+    found: list[Any] = []
+    batch_sampler = getattr(data, "batch_sampler", None)
+    for candidate in (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(data, "sampler", None)):
+        if candidate is not None and callable(getattr(candidate, "set_epoch", None)):
+            if not any(candidate is f for f in found):
+                found.append(candidate)
+    return found
+
+
+def set_sampler_epoch(data: Any, epoch: int) -> None:
+    """Calls ``set_epoch(epoch)`` on every sampler behind ``data`` (see :func:`samplers_with_set_epoch`).
+
+    unison's Engine does this at every epoch start, with the 0-based epoch; call it at
+    ``EPOCH_STARTED`` in a loop of your own (or on ignite's Engine), or every epoch
+    repeats the same order.
+
+    Example:
+        >>> sampler = TrainSampler(range(8), seed=0, rank=0, world_size=2)
+        >>> loader = torch.utils.data.DataLoader(range(8), batch_size=2, sampler=sampler)
+        >>> set_sampler_epoch(loader, 3)
+        >>> sampler.epoch
+        3
+    """
+    for sampler in samplers_with_set_epoch(data):
+        sampler.set_epoch(epoch)
 
 
 class TrainSampler(Sampler[int]):

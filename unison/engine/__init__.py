@@ -2,9 +2,9 @@
 
 from ignite.engine import Events, State
 
+from unison.distributed.sync import SyncContributor, SyncPoint
 from unison.engine.engine import Engine
 from unison.engine.steps import EvalStep, TrainStep, create_evaluator, create_trainer, prepare_batch
-from unison.engine.sync import SyncContributor, SyncPoint
 
 __all__ = [
     "Engine",

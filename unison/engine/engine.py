@@ -24,9 +24,9 @@ from ignite.engine import Events, State
 from torch.utils.data import DataLoader, RandomSampler
 
 from unison.distributed.primitives import all_reduce_sum, get_rank, get_world_size, is_distributed
-from unison.engine.control import StopDecision, StopRequests
-from unison.engine.sync import SyncPoint
-from unison.handlers.sampler_epoch import SetSamplerEpoch
+from unison.distributed.samplers import set_sampler_epoch
+from unison.distributed.sync import SyncPoint
+from unison.engine.control import Kind, StopControl
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -126,8 +126,8 @@ class Engine(IgniteEngine):
         self.sync_every = sync_every
         self.debug = os.environ.get("UNISON_DEBUG", "0") not in ("", "0") if debug is None else bool(debug)
         self.sync_point = SyncPoint()
-        self._stop = StopRequests()
-        self._skip_completed = False
+        self._control = StopControl(name)
+        self._waiting_boundary = False
         self._keep_requests = False
         self._iteration_syncs = False
         self._sync_due = False
@@ -136,11 +136,8 @@ class Engine(IgniteEngine):
         """Whether the last ``run`` was given ``epoch_length`` (else the data's length decides)."""
         self._epoch_iteration = 0
         self._resume_offset = 0
-        self._terminate_at_boundary: bool | None = None
-        self._agreed: list[str] = []
         self._failure_callbacks: list[Callable[[], None]] = []
-        self.sync_point.register(self._stop, scope="every")
-        SetSamplerEpoch().attach(self)
+        self.sync_point.register(self._control, scope="every")
         self.add_event_handler(Events.STARTED, self._on_started)
         self.add_event_handler(Events.EPOCH_COMPLETED, self._sync_epoch)
 
@@ -150,36 +147,36 @@ class Engine(IgniteEngine):
         holding model, optimizer, scaler and last gradient norm)."""
         return self._process_function
 
-    # -- stopping ---------------------------------------------------------------------
+    # -- stopping (every path goes through engine/control.py) ---------------------------
 
     def terminate(self, skip_completed: bool = False) -> None:
         """Stops the run; with several ranks, all stop after the same iteration.
 
-        At world size 1 this is ignite's ``terminate``: the run stops after the current
-        event. With more ranks the call is a request: every rank stops at the first sync
-        point at or after it (see :meth:`request_stop`), whichever ranks made it.
+        At world size 1 the run stops after the current event, as ignite's does. With more
+        ranks the call is a request: every rank stops at the first sync point at or after
+        it (see :meth:`request_stop`), whichever ranks made it. Either way a stop never
+        splits a gradient-accumulation window: it waits for the window's last micro-batch.
         """
-        if get_world_size() == 1:
-            if self.at_boundary():
-                super().terminate(skip_completed=skip_completed)
-            else:
-                # Mid gradient-accumulation window: stopping here would drop the gradients
-                # accumulated so far (and no checkpoint could hold them).
-                self._terminate_at_boundary = skip_completed
-        else:
-            self.request_stop("terminate() was called", skip_completed=skip_completed)
+        self._request("stop", "terminate() was called", skip_completed)
 
     def terminate_epoch(self, skip_epoch_completed: bool = False) -> None:
         """Ends the current epoch; with several ranks, all end it after the same iteration."""
-        if get_world_size() == 1:
-            super().terminate_epoch(skip_epoch_completed=skip_epoch_completed)
-            return
-        if skip_epoch_completed:
+        if skip_epoch_completed and get_world_size() > 1:
             raise ValueError(
                 "terminate_epoch(skip_epoch_completed=True) is not supported with several ranks: the "
                 "epoch's sync point runs at EPOCH_COMPLETED and every rank must reach it."
             )
-        self._stop.epoch_reasons.append("terminate_epoch() was called")
+        self._request("epoch", "terminate_epoch() was called", skip_epoch_completed)
+
+    def interrupt(self) -> None:
+        """Pauses the run after the current iteration; ``run()`` continues it (see ignite).
+
+        With several ranks every rank pauses after the same iteration, the first sync point
+        at or after the call.
+        """
+        if not self.interrupt_resume_enabled:
+            super().interrupt()  # ignite's error: interrupting is switched off
+        self._request("interrupt", "interrupt() was called")
 
     def request_stop(self, reason: str = "requested", *, skip_completed: bool = False) -> None:
         """Asks every rank to stop at the next sync point; call it from any rank, any handler.
@@ -192,12 +189,7 @@ class Engine(IgniteEngine):
             Not a collective: one rank may call it alone. The stop itself is agreed at
             the next sync point, where every rank learns who asked.
         """
-        if get_world_size() == 1:
-            _log.info("%s: stop requested: %s", self.name, reason)
-            super().terminate(skip_completed=skip_completed)
-            return
-        self._stop.reasons.append(str(reason))
-        self._skip_completed = self._skip_completed or skip_completed
+        self._request("stop", reason, skip_completed)
 
     def stop_agreed(self, reason: str) -> None:
         """Stops every rank at the end of the current sync point, for a decision all ranks share.
@@ -207,29 +199,37 @@ class Engine(IgniteEngine):
         calls this, so no further agreement is needed. Anywhere else, use
         :meth:`request_stop`.
         """
-        self._agreed.append(str(reason))
+        self._control.agree(reason)
 
     @property
     def stop_requested(self) -> bool:
         """Whether this rank has asked to stop and the ranks have not agreed yet."""
-        return bool(self._stop.reasons or self._stop.epoch_reasons)
+        return self._control.requested
+
+    def _request(self, kind: Kind, reason: str, skip_completed: bool = False) -> None:
+        self._control.request(kind, reason, skip_completed)
+        if get_world_size() == 1:
+            # Nothing to agree on: decide now, and apply at once unless a window is open.
+            self._control.decide_alone()
+            self._waiting_boundary = not self.at_boundary()
+            if not self._waiting_boundary:
+                self._control.apply(self)
 
     # -- sync points ------------------------------------------------------------------
 
     def _on_started(self, _: IgniteEngine) -> None:
         if not self._keep_requests:
-            self._stop.clear()
-            self._skip_completed = False
+            self._control.clear()
         self._keep_requests = False
-        self._agreed.clear()
+        self._control.agreed.clear()
         self._sync_due = False
-        self._terminate_at_boundary = None
+        self._waiting_boundary = False
         length = self.state.epoch_length
         self._resume_offset = self.state.iteration % length if length else 0
         # With one rank a stop request acts at once; sync points inside an epoch (and after
         # its handlers) only serve the other contributors (guards, time limits, votes).
         self._control_contributors = is_distributed() or any(
-            c is not self._stop for c in self.sync_point.contributors(epoch_end=False)
+            c is not self._control for c in self.sync_point.contributors(epoch_end=False)
         )
         self._iteration_syncs = (
             self.sync_every is not None and self._control_contributors and self._equal_epoch_lengths()
@@ -272,56 +272,7 @@ class Engine(IgniteEngine):
         if self.debug and is_distributed():
             self._check_lockstep(epoch_end)
         self.sync_point(epoch_end=epoch_end)
-        decision = self._stop.decision
-        if decision is None and self._agreed:
-            decision = StopDecision(ranks=[], epoch_only=False)
-        if decision is not None:
-            self._apply(decision)
-
-    def _apply(self, decision: StopDecision) -> None:
-        agreed, self._agreed = self._agreed, []
-        if not decision.ranks:  # decided from synced state: every rank knows why
-            if get_rank() == 0:
-                _log.warning(
-                    "%s: all %d ranks stopping after iteration %d (epoch %d): %s",
-                    self.name,
-                    get_world_size(),
-                    self.state.iteration,
-                    self.state.epoch,
-                    "; ".join(agreed),
-                )
-            self._stop.clear()
-            IgniteEngine.terminate(self)
-            return
-        local = (self._stop.epoch_reasons if decision.epoch_only else self._stop.reasons) or []
-        everyone: list[Any] = [(list(local), self._skip_completed)]
-        if is_distributed():
-            everyone = [None] * get_world_size()
-            dist.all_gather_object(everyone, (list(local), self._skip_completed))
-        reasons = {r: everyone[r][0] for r in decision.ranks}
-        skip_completed = any(item[1] for item in everyone)
-        if get_rank() == 0:
-            asked = "; ".join(
-                f"rank {r}: {', '.join(reasons[r]) or 'no reason given'}" for r in decision.ranks
-            )
-            if agreed:
-                asked += "; and " + "; ".join(agreed)
-            what = "ending the epoch" if decision.epoch_only else "stopping"
-            _log.warning(
-                "%s: all %d ranks %s after iteration %d (epoch %d). Asked by %s",
-                self.name,
-                get_world_size(),
-                what,
-                self.state.iteration,
-                self.state.epoch,
-                asked,
-            )
-        self._stop.clear()
-        self._skip_completed = False
-        if decision.epoch_only and not agreed:
-            IgniteEngine.terminate_epoch(self)
-        else:
-            IgniteEngine.terminate(self, skip_completed=skip_completed)
+        self._control.apply(self)
 
     def _check_lockstep(self, epoch_end: bool) -> None:
         here = (
@@ -366,6 +317,8 @@ class Engine(IgniteEngine):
             self._epoch_iteration += 1
         elif event_name is Events.EPOCH_STARTED:
             self._epoch_iteration, self._resume_offset = self._resume_offset, 0
+            # Engine behaviour, before any handler: without it every epoch repeats one order.
+            set_sampler_epoch(self.state.dataloader, self.state.epoch - 1)
         for func, args, kwargs in self._event_handlers[event_name]:
             kwargs.update(event_kwargs)
             if args and isinstance(args[0], weakref.ref):
@@ -383,9 +336,9 @@ class Engine(IgniteEngine):
                     _add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
                 raise
         if event_name is Events.ITERATION_COMPLETED:
-            if self._terminate_at_boundary is not None and self.at_boundary():
-                skip, self._terminate_at_boundary = self._terminate_at_boundary, None
-                IgniteEngine.terminate(self, skip_completed=skip)
+            if self._waiting_boundary and self.at_boundary():
+                self._waiting_boundary = False
+                self._control.apply(self)
             if self._iteration_syncs:
                 if self.state.iteration % self.sync_every == 0:  # type: ignore[operator]
                     self._sync_due = True
@@ -494,14 +447,14 @@ class Engine(IgniteEngine):
     def state_dict(self) -> OrderedDict:
         """ignite's engine state, plus this rank's pending stop requests and sync count."""
         state = super().state_dict()
-        state[_STATE_KEY] = {"stop": self._stop.state_dict(), "syncs": self.sync_point.count}
+        state[_STATE_KEY] = {"stop": self._control.state_dict(), "syncs": self.sync_point.count}
         return state
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         ours = state_dict.get(_STATE_KEY)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != _STATE_KEY})
         if ours is not None:
-            self._stop.load_state_dict(ours.get("stop", {}))
+            self._control.load_state_dict(ours.get("stop", {}))
             self.sync_point.count = int(ours.get("syncs", 0))
             self._keep_requests = True
 

@@ -16,8 +16,8 @@ from torch.optim import Optimizer
 
 from unison.distributed.model import model_device, unwrap_model
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
-from unison.handlers.epoch_average import EpochAverage
 from unison.metrics.base import SumMetric
+from unison.metrics.epoch_average import EpochAverage
 from unison.metrics.group import MetricGroup
 
 AmpMode = Literal["bf16", "fp16"]

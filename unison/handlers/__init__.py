@@ -3,11 +3,9 @@
 from unison.handlers.checkpoint import Checkpoint
 from unison.handlers.early_stop_checker import EarlyStopChecker
 from unison.handlers.early_stopping import EarlyStopping
-from unison.handlers.epoch_average import EpochAverage
 from unison.handlers.non_finite import NonFiniteGuard
 from unison.handlers.preemption import EXIT_PREEMPTED, Preemption
 from unison.handlers.progress import ProgressBar
-from unison.handlers.sampler_epoch import SetSamplerEpoch
 from unison.handlers.tensorboard import TensorBoardLogger
 from unison.handlers.time_limit import TimeLimit
 from unison.handlers.watchdog import EXIT_HANG, Watchdog
@@ -18,11 +16,9 @@ __all__ = [
     "Checkpoint",
     "EarlyStopChecker",
     "EarlyStopping",
-    "EpochAverage",
     "NonFiniteGuard",
     "Preemption",
     "ProgressBar",
-    "SetSamplerEpoch",
     "TensorBoardLogger",
     "TimeLimit",
     "Watchdog",

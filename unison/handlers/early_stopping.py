@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-import torch
 from ignite.engine import Engine, Events
 
-from unison.handlers._rank_slots import rank_row, split_rows
+from unison.distributed.sync import require_sync_point
 from unison.handlers.early_stop_checker import EarlyStopChecker, Mode, ThresholdMode
+from unison.handlers.synced import SyncedHandler
 
 Agreement = Literal["rank_zero", "any", "all"]
 
 
-class EarlyStopping:
+class EarlyStopping(SyncedHandler):
     """Stops training when a score has not improved for ``patience`` evaluations.
 
     Attach it to the evaluator (or to the trainer): after each evaluation it reads the
@@ -61,17 +61,14 @@ class EarlyStopping:
         cumulative_delta: bool = False,
         agreement: Agreement = "rank_zero",
     ) -> None:
-        if getattr(trainer, "sync_point", None) is None:
-            raise TypeError(
-                f"EarlyStopping(trainer=...) needs a unison Engine (it owns the sync point where ranks agree), "
-                f"got {type(trainer).__name__}."
-            )
+        require_sync_point(trainer, "EarlyStopping(trainer=...)")
         if not (isinstance(metric, str) or callable(metric)):
             raise TypeError(
                 f"EarlyStopping(metric=...) must be a metric name or fn(engine) -> float, got {metric!r}."
             )
         if agreement not in ("rank_zero", "any", "all"):
             raise ValueError(f"EarlyStopping(agreement={agreement!r}) must be 'rank_zero', 'any' or 'all'.")
+        super().__init__()
         self.trainer = trainer
         self.metric = metric
         self.agreement = agreement
@@ -101,11 +98,11 @@ class EarlyStopping:
         self._last_score = self._score(engine)
         self._pending = self.checker.update(self._last_score)
 
-    def sync_state(self) -> torch.Tensor:
-        return rank_row(1.0 if self._pending else 0.0)
+    def local_values(self) -> tuple[float]:
+        return (1.0 if self._pending else 0.0,)
 
-    def load_synced_state(self, state: torch.Tensor) -> None:
-        (votes,) = split_rows(state, 1)
+    def on_agreed(self, values: list[list[float]]) -> str | None:
+        (votes,) = values
         self._pending = False
         if self.agreement == "rank_zero":
             stop = votes[0] > 0
@@ -113,22 +110,29 @@ class EarlyStopping:
             stop = any(v > 0 for v in votes)
         else:
             stop = all(v > 0 for v in votes)
-        if stop:
-            who = [r for r, v in enumerate(votes) if v > 0]
-            name = self.metric if isinstance(self.metric, str) else "the score"
-            self.trainer.stop_agreed(  # type: ignore[attr-defined]
-                f"early stopping: {name} did not improve for {self.checker.patience} evaluations "
-                f"(agreement {self.agreement!r}; ranks voting to stop: {who})"
-            )
+        if not stop:
+            return None
+        who = [r for r, v in enumerate(votes) if v > 0]
+        name = self.metric if isinstance(self.metric, str) else "the score"
+        return (
+            f"early stopping: {name} did not improve for {self.checker.patience} evaluations "
+            f"(agreement {self.agreement!r}; ranks voting to stop: {who})"
+        )
+
+    def sync_engine(self, engine: Engine) -> Engine:
+        return self.trainer
 
     def attach(self, engine: Engine, event: Any = None) -> None:
         """Registers on ``engine`` at ``event``: ``COMPLETED`` of an evaluator by default, or
-        ``EPOCH_COMPLETED`` when ``engine`` is the trainer itself. Attaching twice has no effect."""
+        ``EPOCH_COMPLETED`` when ``engine`` is the trainer itself. Attaching twice has no effect.
+
+        The verdict always travels in the trainer's sync point.
+        """
         if event is None:
             event = Events.EPOCH_COMPLETED if engine is self.trainer else Events.COMPLETED
         if not engine.has_event_handler(self, event):
             engine.add_event_handler(event, self)
-        self.trainer.sync_point.register(self, scope="every")  # type: ignore[attr-defined]
+        super().attach(engine)
 
     def state_dict(self) -> dict[str, Any]:
         return {"checker": self.checker.state_dict()}

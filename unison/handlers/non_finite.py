@@ -8,13 +8,12 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
-from unison.engine.sync import require_sync_point
-from unison.handlers._rank_slots import rank_row, split_rows
+from unison.handlers.synced import SyncedHandler
 
 _COMPACT_AFTER = 4096
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(SyncedHandler):
     """Stops all ranks at the next sync point after a non-finite loss on any rank.
 
     Each iteration keeps a reference to the loss tensor: no kernel, no host sync. At the
@@ -36,11 +35,11 @@ class NonFiniteGuard:
     """
 
     def __init__(self, output_transform: Callable[[Any], Any] = lambda output: output) -> None:
+        super().__init__()
         self.output_transform = output_transform
         self._losses: list[torch.Tensor] = []
         self._iterations: list[int] = []
         self._first_bad: torch.Tensor | None = None  # device scalar: first bad iteration, or inf
-        self.engine: Engine | None = None
         self.report: dict[int, int] = {}
         """After a stop: rank -> first iteration with a non-finite loss."""
 
@@ -70,28 +69,23 @@ class NonFiniteGuard:
         else:
             self._first_bad = torch.minimum(self._first_bad.to(first.device), first)
 
-    def sync_state(self) -> torch.Tensor:
+    def attach_events(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self._record)
+
+    def local_values(self) -> tuple[float]:
         self._compact()
         first = -1.0
         if self._first_bad is not None:
-            value = float(self._first_bad.item())
+            value = float(self._first_bad.item())  # read at the sync point only
             first = value if value != float("inf") else -1.0
-        return rank_row(first)
+        return (first,)
 
-    def load_synced_state(self, state: torch.Tensor) -> None:
-        (firsts,) = split_rows(state, 1)
-        bad = {rank: int(it) for rank, it in enumerate(firsts) if it >= 0}
-        if bad and self.engine is not None:
-            self.report = bad
-            where = ", ".join(f"rank {r} at iteration {it}" for r, it in sorted(bad.items()))
-            self.engine.stop_agreed(f"non-finite loss on {where}")  # type: ignore[attr-defined]
+    def on_agreed(self, values: list[list[float]]) -> str | None:
+        (firsts,) = values
         self._first_bad = None
-
-    def attach(self, engine: Engine) -> None:
-        """Registers on ``engine`` (a unison Engine); attaching twice has no effect."""
-        sync_point = require_sync_point(engine, "NonFiniteGuard")
-        if engine.has_event_handler(self._record, Events.ITERATION_COMPLETED):
-            return
-        self.engine = engine
-        engine.add_event_handler(Events.ITERATION_COMPLETED, self._record)
-        sync_point.register(self, scope="every")
+        bad = {rank: int(it) for rank, it in enumerate(firsts) if it >= 0}
+        if not bad:
+            return None
+        self.report = bad
+        where = ", ".join(f"rank {r} at iteration {it}" for r, it in sorted(bad.items()))
+        return f"non-finite loss on {where}"

@@ -9,14 +9,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from ignite.engine import Engine, Events
 
 from unison.distributed.launcher import EXIT_PREEMPTED  # 75, EX_TEMPFAIL: try again later
 from unison.distributed.primitives import barrier, get_rank
-from unison.engine.sync import require_sync_point
-from unison.handlers._rank_slots import rank_row, split_rows
 from unison.handlers.checkpoint import Checkpoint
+from unison.handlers.synced import SyncedHandler
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -24,7 +22,7 @@ _log = get_logger(__name__)
 __all__ = ["EXIT_PREEMPTED", "Preemption"]
 
 
-class Preemption:
+class Preemption(SyncedHandler):
     """Turns SIGTERM or SIGUSR1 on any rank into a checkpoint at an agreed iteration.
 
     The signal handler only sets a flag: no I/O, no lock, nothing that could deadlock
@@ -60,6 +58,7 @@ class Preemption:
             raise TypeError(
                 f"Preemption(checkpoint=...) needs a unison Checkpoint, got {type(checkpoint).__name__}."
             )
+        super().__init__()
         self.checkpoint = checkpoint
         self.signals = tuple(signals)
         self.exit = exit
@@ -69,7 +68,6 @@ class Preemption:
         self.triggered = False
         """Whether the ranks agreed to stop for a preemption."""
         self._previous: dict[int, Any] = {}
-        self._engine: Engine | None = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = signum  # only a flag: the sync point does the rest
@@ -89,20 +87,20 @@ class Preemption:
             signal.signal(sig, previous)
         self._previous.clear()
 
-    def sync_state(self) -> torch.Tensor:
-        return rank_row(float(self.signalled or 0))
+    def local_values(self) -> tuple[float]:
+        return (float(self.signalled or 0),)
 
-    def load_synced_state(self, state: torch.Tensor) -> None:
-        (signals,) = split_rows(state, 1)
+    def on_agreed(self, values: list[list[float]]) -> str | None:
+        (signals,) = values
         hit = {rank: int(s) for rank, s in enumerate(signals) if s}
-        if not hit or self._engine is None or self.triggered:
-            return
+        if not hit or self.engine is None or self.triggered:
+            return None
         self.triggered = True
         names = ", ".join(f"rank {r}: {signal.Signals(s).name}" for r, s in sorted(hit.items()))
-        self.checkpoint.save(self._engine)
+        self.checkpoint.save()
         self.checkpoint.wait()
         barrier()  # no rank exits (and gets its launcher to end the others) before the file is durable
-        self._engine.stop_agreed(f"preempted ({names}); checkpoint saved")  # type: ignore[attr-defined]
+        return f"preempted ({names}); checkpoint saved"
 
     def _finish(self, engine: Engine) -> None:
         self._uninstall()
@@ -118,15 +116,9 @@ class Preemption:
         if self.exit:
             raise SystemExit(EXIT_PREEMPTED)
 
-    def attach(self, engine: Engine) -> None:
-        """Registers on the trainer; attaching twice has no effect."""
-        sync_point = require_sync_point(engine, "Preemption")
-        if engine.has_event_handler(self._install, Events.STARTED):
-            return
-        self._engine = engine
+    def attach_events(self, engine: Engine) -> None:
         engine.add_event_handler(Events.STARTED, self._install)
         engine.add_event_handler(Events.COMPLETED, self._finish)
         add_failure_callback = getattr(engine, "add_failure_callback", None)
         if add_failure_callback is not None:
             add_failure_callback(self._uninstall)
-        sync_point.register(self, scope="every")

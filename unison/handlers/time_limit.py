@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import time
 
-import torch
 from ignite.engine import Engine, Events
 
-from unison.engine.sync import require_sync_point
-from unison.handlers._rank_slots import rank_row, split_rows
+from unison.handlers.synced import SyncedHandler
 
 
-class TimeLimit:
+class TimeLimit(SyncedHandler):
     """Stops training on all ranks at the first sync point after ``seconds`` have passed.
 
     Ranks' clocks and start times differ, so each rank only reports whether its own
@@ -34,9 +32,9 @@ class TimeLimit:
     def __init__(self, seconds: float) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
             raise ValueError(f"TimeLimit(seconds={seconds!r}) must be a positive number.")
+        super().__init__()
         self.seconds = float(seconds)
         self._start: float | None = None
-        self.engine: Engine | None = None
 
     def _started(self, _: Engine) -> None:
         self._start = time.monotonic()
@@ -44,24 +42,15 @@ class TimeLimit:
     def elapsed(self) -> float:
         return 0.0 if self._start is None else time.monotonic() - self._start
 
-    def sync_state(self) -> torch.Tensor:
-        return rank_row(self.elapsed())
-
-    def load_synced_state(self, state: torch.Tensor) -> None:
-        (elapsed,) = split_rows(state, 1)
-        over = [r for r, e in enumerate(elapsed) if e >= self.seconds]
-        if over and self.engine is not None:
-            self.engine.stop_agreed(  # type: ignore[attr-defined]
-                f"time limit of {self.seconds:g} s reached (elapsed: "
-                + ", ".join(f"rank {r} {e:.1f} s" for r, e in enumerate(elapsed))
-                + ")"
-            )
-
-    def attach(self, engine: Engine) -> None:
-        """Registers on ``engine`` (a unison Engine); attaching twice has no effect."""
-        sync_point = require_sync_point(engine, "TimeLimit")
-        if engine.has_event_handler(self._started, Events.STARTED):
-            return
-        self.engine = engine
+    def attach_events(self, engine: Engine) -> None:
         engine.add_event_handler(Events.STARTED, self._started)
-        sync_point.register(self, scope="every")
+
+    def local_values(self) -> tuple[float]:
+        return (self.elapsed(),)
+
+    def on_agreed(self, values: list[list[float]]) -> str | None:
+        (elapsed,) = values
+        if not any(e >= self.seconds for e in elapsed):
+            return None
+        spent = ", ".join(f"rank {r} {e:.1f} s" for r, e in enumerate(elapsed))
+        return f"time limit of {self.seconds:g} s reached (elapsed: {spent})"

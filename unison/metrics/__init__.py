@@ -2,12 +2,14 @@
 
 from unison.metrics.base import SumMetric
 from unison.metrics.classification import Accuracy
+from unison.metrics.epoch_average import EpochAverage
 from unison.metrics.group import MetricGroup
 from unison.metrics.loss import Loss, Perplexity
 from unison.metrics.regression import MeanAbsoluteError, MeanSquaredError
 
 __all__ = [
     "Accuracy",
+    "EpochAverage",
     "Loss",
     "MeanAbsoluteError",
     "MeanSquaredError",

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from ignite.engine import Engine, Events
 
-from unison.engine.sync import require_sync_point
+from unison.distributed.sync import require_sync_point
 from unison.metrics.base import SumMetric
 
 
@@ -16,7 +16,7 @@ class MetricGroup:
 
     Each metric resets at ``EPOCH_STARTED`` and updates at ``ITERATION_COMPLETED`` as with
     ignite's ``attach``. At ``EPOCH_COMPLETED`` the group's states travel, concatenated, in
-    the engine's sync point (see :class:`~unison.engine.sync.SyncPoint`), and every value is
+    the engine's sync point (see :class:`~unison.distributed.sync.SyncPoint`), and every value is
     written to ``engine.state.metrics``. With 4 metrics that is 1 collective where ignite
     issues 8.
 
@@ -44,7 +44,7 @@ class MetricGroup:
             engine,
             "MetricGroup",
             "With an ignite Engine, attach each metric on its own: metric.attach(engine, name).",
-        )
+        ).sync_point
         if engine.has_event_handler(self._write_results, Events.EPOCH_COMPLETED):
             return
         for metric in self.metrics.values():

@@ -1,4 +1,11 @@
-"""Sync points: where per-rank state is reduced across ranks, in one collective."""
+"""Sync points: a collective protocol in which ranks agree on state in one all-reduce.
+
+Contributors (metrics, the engine's stop requests, guards) each add a vector of sums; one
+all-reduce carries them all; every contributor reads the same totals back, so whatever it
+decides from them is decided alike on every rank. The protocol knows nothing of engines
+or handlers: an engine owns a :class:`SyncPoint` and calls it; a handler or metric
+registers on it through :func:`require_sync_point`.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +13,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from unison.distributed.primitives import all_reduce_sum
+from unison.distributed.primitives import all_reduce_sum, get_rank, get_world_size
 
 Scope = Literal["epoch", "every"]
-
-
-def require_sync_point(engine: object, who: str, hint: str = "") -> SyncPoint:
-    """The sync point of a unison Engine, or a TypeError naming ``who`` needs one."""
-    sync_point = getattr(engine, "sync_point", None)
-    if not isinstance(sync_point, SyncPoint):
-        raise TypeError(
-            f"{who} needs a unison Engine (it acts at sync points, where ranks agree), got "
-            f"{type(engine).__name__}.{' ' + hint if hint else ''}"
-        )
-    return sync_point
 
 
 @runtime_checkable
@@ -85,3 +81,55 @@ class SyncPoint:
         states = [c.sync_state() for c in active]
         for contributor, state in zip(active, all_reduce_sum(states), strict=True):
             contributor.load_synced_state(state)
+
+
+@runtime_checkable
+class SyncEngine(Protocol):
+    """What a handler or metric needs of an engine to take part in agreement.
+
+    unison's :class:`~unison.engine.Engine` is one. ``stop_agreed`` is for decisions
+    every rank takes alike from the sums a sync point handed back.
+    """
+
+    sync_point: SyncPoint
+
+    def stop_agreed(self, reason: str) -> None: ...
+
+    def at_boundary(self) -> bool: ...
+
+
+def require_sync_point(engine: object, who: str, hint: str = "") -> SyncEngine:
+    """``engine`` if it owns a sync point (a unison Engine); else a TypeError naming ``who``.
+
+    The one check every handler and metric that joins a sync point makes, so they all fail
+    alike, at attach time, with the fix.
+    """
+    if not isinstance(getattr(engine, "sync_point", None), SyncPoint) or not isinstance(engine, SyncEngine):
+        raise TypeError(
+            f"{who} needs a unison Engine (unison.engine.Engine, or one built by create_trainer / "
+            f"create_evaluator): it acts at sync points, where ranks agree. Got {type(engine).__name__}."
+            f"{' ' + hint if hint else ''}"
+        )
+    return engine
+
+
+def rank_row(*values: float) -> torch.Tensor:
+    """``len(values)`` rows of ``world_size`` zeros, this rank's column holding ``values``.
+
+    What a contributor returns from ``sync_state`` to tell every rank what each rank saw:
+    after the sum, row ``i`` column ``r`` is rank ``r``'s ``values[i]`` (see :func:`split_rows`).
+
+    Example:
+        >>> rank_row(3.0, 1.0)  # one rank: two rows of one column
+        tensor([3., 1.], dtype=torch.float64)
+    """
+    world = get_world_size()
+    state = torch.zeros(len(values) * world, dtype=torch.float64)
+    for i, value in enumerate(values):
+        state[i * world + get_rank()] = float(value)
+    return state
+
+
+def split_rows(state: torch.Tensor, rows: int) -> list[list[float]]:
+    """The rows of a reduced :func:`rank_row` state, as lists indexed by rank (one host read)."""
+    return state.reshape(rows, get_world_size()).tolist()

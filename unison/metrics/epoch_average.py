@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
+from unison.distributed.sync import require_sync_point
+
 
 class EpochAverage:
     """Averages a scalar the process function returns (the loss) over the epoch, on all ranks.
@@ -74,9 +76,7 @@ class EpochAverage:
 
     def attach(self, engine: Engine) -> None:
         """Registers on ``engine`` (a unison Engine); attaching twice has no effect."""
-        sync_point = getattr(engine, "sync_point", None)
-        if sync_point is None:
-            raise TypeError(f"EpochAverage needs unison.engine.Engine, got {type(engine).__name__}.")
+        sync_point = require_sync_point(engine, "EpochAverage").sync_point
         if engine.has_event_handler(self._write, Events.EPOCH_COMPLETED):
             return
         engine.add_event_handler(Events.EPOCH_STARTED, self.reset)

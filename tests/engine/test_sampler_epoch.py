@@ -1,4 +1,4 @@
-"""SetSamplerEpoch: the engine tells the data's sampler which epoch it is, 0-based."""
+"""set_epoch: the engine tells the data's sampler which epoch it is, 0-based."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler,
 
 from unison.distributed import TrainSampler
 from unison.engine import Engine, Events
-from unison.handlers import SetSamplerEpoch
-from unison.handlers.sampler_epoch import samplers_with_set_epoch
+from unison.distributed.samplers import samplers_with_set_epoch, set_sampler_epoch
 
 N = 10
 EPOCH_LENGTH = 5  # batches of 2 over 10 samples
@@ -168,23 +167,18 @@ def test_train_sampler_order_changes_with_the_epoch():
     assert seen[1] != seen[2] or seen[2] != seen[3]
 
 
-def test_attaching_twice_calls_once_and_works_on_ignites_engine():
+def test_set_sampler_epoch_on_ignites_engine():
     loader, (sampler,) = _loader_with_sampler()
     engine = IgniteEngine(lambda e, b: b)
-    handler = SetSamplerEpoch()
-    handler.attach(engine)
-    handler.attach(engine)
+    engine.add_event_handler(Events.EPOCH_STARTED, lambda e: set_sampler_epoch(e.state.dataloader, e.state.epoch - 1))
     engine.run(loader, max_epochs=2)
     assert sampler.epochs == [0, 1]
 
 
-def test_unisons_engine_attaches_it_once():
+def test_unisons_engine_sets_the_epoch_without_a_handler():
     loader, (sampler,) = _loader_with_sampler()
     engine = Engine(lambda e, b: b)
-    handlers = [
-        h for h, _, _ in engine._event_handlers[Events.EPOCH_STARTED] if isinstance(h, SetSamplerEpoch)
-    ]
-    assert len(handlers) == 1
+    assert not engine._event_handlers[Events.EPOCH_STARTED]  # engine behaviour, not a handler
     engine.run(loader, max_epochs=2)
     assert sampler.epochs == [0, 1]
 
