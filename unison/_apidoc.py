@@ -27,7 +27,7 @@ def _summary(obj: object) -> str:
 
 def _signature(obj: object) -> str:
     try:
-        text = str(inspect.signature(obj))  # type: ignore[arg-type]
+        text = str(inspect.signature(obj))  # type: ignore[arg-type]  # callables only reach here; others raise, handled
     except (TypeError, ValueError):
         return ""
     return re.sub(r" at 0x[0-9a-f]+", "", text)  # function defaults print their address

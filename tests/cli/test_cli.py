@@ -1,4 +1,4 @@
-"""unison/cli.py: `unison run | doctor`, as a user types them.
+"""unison/cli/__init__.py: `unison run | doctor | plot`, as a user types them.
 
 The training run is a real one (2 spawned gloo ranks, one short epoch of the digits recipe)
 in a subprocess of its own session, so that a timeout can end every process it started.
@@ -22,7 +22,7 @@ import torch
 from unison.cli import main
 from unison.config import load_config, to_plain
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "recipes" / "digits" / "config.yaml"
 RUN_TIMEOUT_S = 240
 QUICK_TIMEOUT_S = 120
@@ -121,7 +121,7 @@ def test_run_bad_override_exits_2_in_process(capsys, tmp_path):
 
 def test_doctor_passes_on_this_machine(capsys):
     """With a port known to be free (the default 29500 may be held by another job's torchrun)."""
-    pytest.importorskip("unison.doctor")
+    pytest.importorskip("unison.cli.doctor")
     port = free_port()
     rc = main(["doctor", "--master-port", str(port)])
     out = capsys.readouterr().out
@@ -130,7 +130,7 @@ def test_doctor_passes_on_this_machine(capsys):
 
 
 def test_doctor_fails_when_the_master_port_is_taken(capsys):
-    pytest.importorskip("unison.doctor")
+    pytest.importorskip("unison.cli.doctor")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.bind(("0.0.0.0", 0))
         holder.listen()

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from unison.cli.doctor import _ifname_matches, run_doctor
 from unison.distributed.env import find_free_port
-from unison.doctor import _ifname_matches, run_doctor
 
 
 def _doctor(master_port: int | None = None, **env: str) -> tuple[int, str]:

@@ -1,4 +1,4 @@
-"""unison.plot: a PNG of a run's curves, drawn from its TensorBoard event files."""
+"""unison.cli.plot: a PNG of a run's curves, drawn from its TensorBoard event files."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from tensorboardX import SummaryWriter
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from unison.cli.plot import group_tags, plot_run
 from unison.engine import Events, create_evaluator, create_trainer
 from unison.handlers.tensorboard import TensorBoardLogger
 from unison.metrics import Accuracy, Loss
-from unison.plot import group_tags, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from unison.cli.run import scaled_lr
 from unison.engine.predict import predict
-from unison.recipe import scaled_lr
 from unison.testing import run_distributed
 
 

@@ -1,4 +1,9 @@
-"""The ``unison`` command: ``run`` a config, check a machine with ``doctor``, ``plot`` a run."""
+"""The ``unison`` command: ``run`` a config, check a machine with ``doctor``, ``plot`` a run.
+
+The parser and :func:`main` live here; each command's code is a module of this package
+(:mod:`unison.cli.run`, :mod:`unison.cli.doctor`, :mod:`unison.cli.plot`), imported only
+when its command runs, so ``unison --help`` stays quick.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+__all__ = ["build_parser", "main"]
+
 
 def _run(args: argparse.Namespace) -> int:
+    from unison.cli.run import run
     from unison.config import ConfigError
     from unison.distributed import detect_launcher
-    from unison.recipe import run
 
     first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own
     try:
@@ -24,19 +31,20 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from unison.doctor import run_doctor
+    from unison.cli.doctor import run_doctor
 
     return run_doctor(master_port=args.master_port)
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from unison.plot import plot_run
+    from unison.cli.plot import plot_run
 
     print(plot_run(args.run_dir, out=args.out))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``unison`` argument parser: one sub-command each for ``run``, ``doctor`` and ``plot``."""
     parser = argparse.ArgumentParser(
         prog="unison", description="Distributed training in which every rank moves in unison."
     )
@@ -80,9 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``unison`` command (the console script and ``python -m unison``).
+
+    Args:
+        argv: the arguments after the program name; default ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 on success, 2 for a config error, 1 when the doctor finds a blocker.
+
+    Example:
+        .. code-block:: python
+
+            from unison.cli import main
+
+            main(["doctor", "--master-port", "29501"])
+    """
     args = build_parser().parse_args(argv)
     return int(args.handler(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

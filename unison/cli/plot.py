@@ -112,7 +112,7 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     Example:
         .. code-block:: python
 
-            from unison.plot import plot_run
+            from unison.cli.plot import plot_run
 
             print(plot_run("runs/digits"))  # runs/digits/curves.png
     """

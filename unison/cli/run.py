@@ -1,7 +1,20 @@
-"""Wiring a validated config into a training run: the code behind ``unison run``.
+"""Wiring a validated config into a training run, in named steps: the code behind ``unison run``.
 
 Everything a config can name is checked in the launching process, before any rank is
-spawned; each rank then builds the same objects and attaches the same handlers.
+spawned (:func:`resolve`); each rank then builds the same objects and attaches the same
+handlers (:func:`build_run`), one step at a time, into a :class:`RunParts`:
+
+1. data: :func:`build_datasets`, :func:`build_loaders`;
+2. model: :func:`build_model`;
+3. optimizer and scheduler: :func:`build_optimizer`;
+4. trainer: :func:`build_trainer`;
+5. evaluator: :func:`build_evaluator`, :func:`attach_validation`, :func:`attach_scheduler`;
+6. handlers: :func:`attach_handlers` (early stopping and guards, checkpoint and
+   preemption, TensorBoard, progress);
+7. resume: :func:`resume_run`;
+
+then training, and the test phase: :func:`finish_run` (test set, predictions, the
+recipe's hook, ``metrics.json``).
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from unison.config import (
     Config,
@@ -40,7 +54,7 @@ from unison.distributed import (
     prepare_loaders,
     prepare_model,
 )
-from unison.engine import Events, TrainStep, create_evaluator, create_trainer
+from unison.engine import Engine, Events, TrainStep, create_evaluator, create_trainer
 from unison.engine.predict import predict
 from unison.handlers import (
     Checkpoint,
@@ -240,72 +254,228 @@ def train_from_config(config: Config, resume: str | None = None) -> dict[str, An
 
 
 def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str | None) -> dict[str, Any]:
-    t = config.training
+    """Builds the run in its steps, resumes it when asked, trains, then tests and writes results."""
     world = get_world_size()
     _log.info("run directory: %s (world size %d)", run_dir, world)
+    parts = build_run(config, resolved, run_dir, world)
+    resume_run(parts, resume_from)
+    t = config.training
+    parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
+    results = collect_results(parts, run_dir, world)
+    finish_run(config, resolved, parts, run_dir, results)
+    return results
 
-    manual_seed(t.seed)
-    built = resolved.data_build(seed=t.seed, **resolved.data_kwargs)
+
+# -- the steps, in the order a run takes them -------------------------------------------------
+
+
+@dataclass
+class Datasets:
+    """The datasets ``data.build`` returned; ``test`` is None when it returned two."""
+
+    train: Any
+    val: Any
+    test: Any = None
+
+
+@dataclass
+class RunParts:
+    """What the build steps make, step by step; every rank holds the same parts.
+
+    Attributes:
+        datasets: the datasets of :func:`build_datasets`.
+        train_loader: the training loader of this rank (:func:`build_loaders`).
+        val_loader: the validation loader of this rank, sharded without padding.
+        model: the model on its device, wrapped for the world size (:func:`build_model`).
+        optimizer: the optimizer over the model's parameters (:func:`build_optimizer`).
+        scheduler: the learning-rate scheduler, or None.
+        trainer: the training engine (:func:`build_trainer`).
+        evaluator: the validation engine (:func:`build_evaluator`).
+        watched: the validation metric that checkpoints, early stopping and a
+            ``ReduceLROnPlateau`` scheduler watch.
+        history: one row per validation, appended by the handler of :func:`attach_validation`.
+        checkpoint: the checkpoint handler, None when ``checkpoint.enabled`` is false.
+    """
+
+    datasets: Datasets
+    train_loader: DataLoader | None
+    val_loader: DataLoader | None
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    trainer: Engine
+    evaluator: Engine
+    watched: str
+    history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+
+
+def build_run(config: Config, resolved: Resolved, run_dir: Path, world_size: int) -> RunParts:
+    """Collective: call on every rank. Takes the build steps in order and attaches every handler.
+
+    Args:
+        config: the run's config.
+        resolved: the objects it names (:func:`resolve`).
+        run_dir: the run directory, the same on every rank.
+        world_size: the number of ranks (it scales the learning rate).
+
+    Returns:
+        The parts, ready for :func:`resume_run` and ``parts.trainer.run``.
+    """
+    datasets = build_datasets(config, resolved)
+    train_loader, val_loader = build_loaders(config, datasets)
+    model = build_model(config, resolved)
+    optimizer, scheduler = build_optimizer(config, resolved, model, world_size)
+    trainer = build_trainer(config, resolved, model, optimizer)
+    evaluator, watched = build_evaluator(config, resolved, model)
+    parts = RunParts(
+        datasets, train_loader, val_loader, model, optimizer, scheduler, trainer, evaluator, watched
+    )
+    attach_validation(config, parts)
+    attach_scheduler(parts)
+    attach_handlers(config, parts, run_dir)
+    return parts
+
+
+def build_datasets(config: Config, resolved: Resolved) -> Datasets:
+    """Data, first half: seeds every generator with ``training.seed`` and calls ``data.build``.
+
+    Raises:
+        TypeError: ``data.build`` returned something other than 2 or 3 datasets.
+    """
+    seed = config.training.seed
+    manual_seed(seed)
+    built = resolved.data_build(seed=seed, **resolved.data_kwargs)
     if not isinstance(built, (tuple, list)) or len(built) not in (2, 3):
         raise TypeError(
             f"data.build must return (train, val) or (train, val, test) datasets, got {type(built).__name__}"
         )
-    train_set, val_set, test_set = (*built, None)[:3]
-    loader_kwargs: dict[str, Any] = {"num_workers": t.num_workers, "pin_memory": t.pin_memory}
-    if t.prefetch_factor is not None:
-        loader_kwargs["prefetch_factor"] = t.prefetch_factor
-    train_loader, val_loader = prepare_loaders(
-        train_set,
-        val_set,
-        batch_size=t.batch_size,
-        val_batch_size=config.validation.batch_size,
-        seed=t.seed,
-        drop_last=t.drop_last,
-        **loader_kwargs,
-    )
+    return Datasets(*built)
 
-    model = prepare_model(
+
+def build_loaders(config: Config, datasets: Datasets) -> tuple[DataLoader | None, DataLoader | None]:
+    """Data, second half: this rank's training and validation loaders.
+
+    The training loader takes the ``training`` section's loader keys (``batch_size``,
+    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``drop_last``); the validation
+    loader takes the ``validation`` section's (``batch_size``, default the training one;
+    ``num_workers``), with ``training.pin_memory``, and ``training.prefetch_factor`` when
+    it has worker processes of its own.
+
+    Returns:
+        ``(train_loader, val_loader)``, each None when its dataset is None.
+
+    Distributed:
+        Call it on every rank with the same config: the samplers shard by rank.
+    """
+    t, v = config.training, config.validation
+    train_kwargs: dict[str, Any] = {"num_workers": t.num_workers, "pin_memory": t.pin_memory}
+    val_kwargs: dict[str, Any] = {"num_workers": v.num_workers, "pin_memory": t.pin_memory}
+    if t.prefetch_factor is not None:
+        train_kwargs["prefetch_factor"] = t.prefetch_factor
+        if v.num_workers > 0:  # a DataLoader without workers refuses prefetch_factor
+            val_kwargs["prefetch_factor"] = t.prefetch_factor
+    train_loader, _ = prepare_loaders(
+        datasets.train, None, batch_size=t.batch_size, seed=t.seed, drop_last=t.drop_last, **train_kwargs
+    )
+    _, val_loader = prepare_loaders(
+        None, datasets.val, batch_size=v.batch_size or t.batch_size, seed=t.seed, **val_kwargs
+    )
+    return train_loader, val_loader
+
+
+def build_model(config: Config, resolved: Resolved) -> nn.Module:
+    """Model: builds ``model.type(**model.kwargs)``, moves it to this rank's device and wraps it.
+
+    Distributed:
+        Call it on every rank: wrapping in DDP broadcasts rank 0's parameters.
+    """
+    return prepare_model(
         resolved.model_type(**resolved.model_kwargs),
         sync_batchnorm=config.parallel.sync_batchnorm,
         find_unused_parameters=config.parallel.find_unused_parameters,
     )
+
+
+def build_optimizer(
+    config: Config, resolved: Resolved, model: nn.Module, world_size: int
+) -> tuple[torch.optim.Optimizer, Any]:
+    """Optimizer and scheduler: ``training.lr`` overrides the optimizer's ``lr``, then scaled.
+
+    The learning rate is scaled by ``training.lr_scaling`` in ``world_size`` (see
+    :func:`scaled_lr`).
+
+    Returns:
+        ``(optimizer, scheduler)``; the scheduler is None without ``training.scheduler_type``.
+    """
+    t = config.training
     opt_kwargs = dict(resolved.optimizer_kwargs)
     if t.lr is not None:
         opt_kwargs["lr"] = t.lr
     if "lr" in opt_kwargs and t.lr_scaling != "none":
         base = float(opt_kwargs["lr"])
-        opt_kwargs["lr"] = scaled_lr(base, t.lr_scaling, world)
-        _log.info("lr scaling %r: %g x %d ranks -> lr %g", t.lr_scaling, base, world, opt_kwargs["lr"])
+        opt_kwargs["lr"] = scaled_lr(base, t.lr_scaling, world_size)
+        _log.info("lr scaling %r: %g x %d ranks -> lr %g", t.lr_scaling, base, world_size, opt_kwargs["lr"])
     optimizer = resolved.optimizer_type(model.parameters(), **opt_kwargs)
     scheduler = (
         resolved.scheduler_type(optimizer, **resolved.scheduler_kwargs) if resolved.scheduler_type else None
     )
+    return optimizer, scheduler
 
-    sync_every = t.sync_every
-    trainer = create_trainer(
+
+def build_trainer(
+    config: Config, resolved: Resolved, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> Engine:
+    """Trainer: the training engine, with the ``training`` section's amp, accumulation and clipping."""
+    t = config.training
+    return create_trainer(
         model,
         optimizer,
         resolved.loss,
         amp=None if t.amp == "none" else t.amp,
         accumulation_steps=t.accumulation_steps,
         clip_grad_norm=t.clip_grad_norm,
-        sync_every=sync_every,
+        sync_every=t.sync_every,
     )
+
+
+def build_evaluator(config: Config, resolved: Resolved, model: nn.Module) -> tuple[Engine, str]:
+    """Evaluator: the validation engine with fresh metrics, and the metric the run watches.
+
+    Returns:
+        ``(evaluator, watched)``: ``watched`` is ``checkpoint.metric``, default the first
+        validation metric.
+
+    Raises:
+        ConfigError: ``checkpoint.metric`` names no validation metric.
+    """
+    amp = config.training.amp
     metrics = make_metrics(resolved)
-    evaluator = create_evaluator(model, metrics, amp=None if t.amp == "none" else t.amp)
+    evaluator = create_evaluator(model, metrics, amp=None if amp == "none" else amp)
     watched = config.checkpoint.metric or next(iter(metrics))
     if watched not in metrics:
         raise ConfigError(
             f"no validation metric named {watched!r}; metrics: {sorted(metrics)}",
             key=["checkpoint", "metric"],
         )
+    return evaluator, watched
 
-    history: list[dict[str, Any]] = []
 
-    def validate(engine: Any) -> None:
+def attach_validation(config: Config, parts: RunParts) -> None:
+    """Evaluator, wired: evaluates every ``validation.every`` epochs and at the last one.
+
+    Each evaluation appends a row (epoch, training loss, ``val_<metric>``) to
+    ``parts.history`` and logs one line.
+
+    Distributed:
+        Every rank attaches it: evaluating is a collective.
+    """
+    evaluator, history = parts.evaluator, parts.history
+
+    def validate(engine: Engine) -> None:
         if engine.state.epoch % config.validation.every and engine.state.epoch != engine.state.max_epochs:
             return
-        values = evaluator.run(val_loader).metrics
+        values = evaluator.run(parts.val_loader).metrics
         row = {"epoch": engine.state.epoch, "train_loss": engine.state.metrics.get("loss")}
         row.update({f"val_{k}": v for k, v in values.items() if isinstance(v, float)})
         history.append(row)
@@ -318,26 +488,58 @@ def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str |
             shown,
         )
 
-    trainer.add_event_handler(Events.EPOCH_COMPLETED, validate)
-    if scheduler is not None:
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            trainer.add_event_handler(
-                Events.EPOCH_COMPLETED, lambda e: scheduler.step(evaluator.state.metrics[watched])
-            )
-        else:
-            trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: scheduler.step())
+    parts.trainer.add_event_handler(Events.EPOCH_COMPLETED, validate)
 
-    to_save: dict[str, Any] = {"model": model, "optimizer": optimizer}
-    if scheduler is not None:
-        to_save["scheduler"] = scheduler
-    step = cast(TrainStep, trainer.process_function)
+
+def attach_scheduler(parts: RunParts) -> None:
+    """Scheduler, wired: steps once per epoch, after validation (on the watched metric for plateaus)."""
+    scheduler, evaluator, watched = parts.scheduler, parts.evaluator, parts.watched
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        parts.trainer.add_event_handler(
+            Events.EPOCH_COMPLETED, lambda e: scheduler.step(evaluator.state.metrics[watched])
+        )
+    else:
+        parts.trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: scheduler.step())
+
+
+def attach_handlers(config: Config, parts: RunParts, run_dir: Path) -> None:
+    """Handlers: early stopping and guards, the checkpoint (and preemption), logging, progress.
+
+    Sets ``parts.checkpoint``.
+
+    Distributed:
+        Every rank attaches every handler; each filters by rank inside its side effects.
+    """
+    to_save = checkpoint_objects(parts)
+    attach_control(config, parts, run_dir, to_save)
+    parts.checkpoint = attach_checkpoint(config, parts, run_dir, to_save)
+    attach_logging(config, parts, run_dir)
+
+
+def checkpoint_objects(parts: RunParts) -> dict[str, Any]:
+    """What a checkpoint holds: model, optimizer, and the scheduler and grad scaler when there are."""
+    to_save: dict[str, Any] = {"model": parts.model, "optimizer": parts.optimizer}
+    if parts.scheduler is not None:
+        to_save["scheduler"] = parts.scheduler
+    step = cast(TrainStep, parts.trainer.process_function)
     if step.scaler is not None:
         to_save["scaler"] = step.scaler
-    es = config.early_stopping
+    return to_save
+
+
+def attach_control(config: Config, parts: RunParts, run_dir: Path, to_save: dict[str, Any]) -> None:
+    """Handlers that stop or watch the run: early stopping, non-finite guard, time limit, watchdog.
+
+    Early stopping, when ``early_stopping.patience`` is set, joins ``to_save``.
+    """
+    t, es = config.training, config.early_stopping
+    trainer, evaluator = parts.trainer, parts.evaluator
     if es.patience is not None:
         stopper = EarlyStopping(
             trainer,
-            es.metric or watched,
+            es.metric or parts.watched,
             patience=es.patience,
             mode=es.mode or config.checkpoint.mode,
             min_delta=es.min_delta,
@@ -356,78 +558,132 @@ def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str |
         watchdog.attach(trainer)
         watchdog.watch(evaluator)
 
-    checkpoint = None
+
+def attach_checkpoint(
+    config: Config, parts: RunParts, run_dir: Path, to_save: dict[str, Any]
+) -> Checkpoint | None:
+    """The checkpoint handler, writing ``to_save`` to ``run_dir/checkpoints``, and preemption.
+
+    Returns:
+        The checkpoint handler, or None when ``checkpoint.enabled`` is false.
+    """
     ck = config.checkpoint
-    if ck.enabled:
-        checkpoint = Checkpoint(
-            run_dir / "checkpoints",
-            to_save,
-            trainer,
-            every_epochs=t.checkpoint_at or ck.every_epochs,
-            every_iters=ck.every_iters,
-            keep_last=ck.keep_last,
-            keep_best=ck.keep_best,
-            metric=watched,
-            mode=ck.mode,
-            metric_engine=evaluator,
-            async_save=ck.async_save,
-            config=to_plain(config),
-        )
-        checkpoint.attach()
-        if ck.preemption:
-            Preemption(checkpoint, requeue=ck.requeue).attach(trainer)
-        if resume_from is not None:
-            checkpoint.resume(resume_from)
+    if not ck.enabled:
+        return None
+    checkpoint = Checkpoint(
+        run_dir / "checkpoints",
+        to_save,
+        parts.trainer,
+        every_epochs=config.training.checkpoint_at or ck.every_epochs,
+        every_iters=ck.every_iters,
+        keep_last=ck.keep_last,
+        keep_best=ck.keep_best,
+        metric=parts.watched,
+        mode=ck.mode,
+        metric_engine=parts.evaluator,
+        async_save=ck.async_save,
+        config=to_plain(config),
+    )
+    checkpoint.attach()
+    if ck.preemption:
+        Preemption(checkpoint, requeue=ck.requeue).attach(parts.trainer)
+    return checkpoint
+
+
+def attach_logging(config: Config, parts: RunParts, run_dir: Path) -> None:
+    """TensorBoard event files in ``run_dir/tb`` and the progress bar, as ``logging`` asks."""
     if config.logging.tensorboard:
-        _attach_tensorboard(run_dir, trainer, evaluator, config)
+        try:
+            from unison.handlers.tensorboard import TensorBoardLogger
+        except ImportError as err:  # pragma: no cover - tensorboardX is a dependency
+            _log.warning("TensorBoard logging is off: %s", err)
+        else:
+            TensorBoardLogger(
+                run_dir / "tb",
+                trainer=parts.trainer,
+                evaluators={"val": parts.evaluator},
+                log_every=config.logging.log_every,
+            ).attach(parts.trainer)
     if config.logging.progress:
-        ProgressBar().attach(trainer)
+        ProgressBar().attach(parts.trainer)
 
-    trainer.run(train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
 
-    results: dict[str, Any] = {
+def resume_run(parts: RunParts, resume_from: str | None) -> Path | None:
+    """Resume: loads ``resume_from`` (``"auto"`` or a checkpoint file) into the parts.
+
+    Nothing happens without a checkpoint handler or without ``resume_from``.
+
+    Returns:
+        The checkpoint file resumed from, or None for a fresh start.
+
+    Distributed:
+        Collective: call on every rank, before ``parts.trainer.run``.
+    """
+    if parts.checkpoint is None or resume_from is None:
+        return None
+    return parts.checkpoint.resume(resume_from)
+
+
+def collect_results(parts: RunParts, run_dir: Path, world_size: int) -> dict[str, Any]:
+    """The results of training: counters, final training loss and validation metrics, history."""
+    trainer, evaluator = parts.trainer, parts.evaluator
+    return {
         "run_dir": str(run_dir),
-        "world_size": world,
+        "world_size": world_size,
         "epochs": trainer.state.epoch,
         "iterations": trainer.state.iteration,
         "train_loss": trainer.state.metrics.get("loss"),
         "validation": {k: v for k, v in evaluator.state.metrics.items() if isinstance(v, float)},
-        "history": history,
+        "history": parts.history,
     }
-    if test_set is not None and config.testing.enabled:
-        results["test"] = _test(config, checkpoint, model, test_set, resolved)
+
+
+def finish_run(
+    config: Config, resolved: Resolved, parts: RunParts, run_dir: Path, results: dict[str, Any]
+) -> None:
+    """Test phase: the test set, predictions, the recipe's ``hooks.after_training``, metrics.json.
+
+    Adds ``test`` and ``predictions`` to ``results`` when they are made; rank 0 writes
+    ``run_dir/metrics.json`` last, after the hook (which may add results of its own).
+
+    Distributed:
+        Collective: call on every rank.
+    """
+    datasets = parts.datasets
+    if datasets.test is not None and config.testing.enabled:
+        results["test"] = evaluate_test_set(config, resolved, parts)
     if config.predict.enabled:
-        target = test_set if test_set is not None else val_set
-        out = predict(
-            model,
-            target,
-            batch_size=config.predict.batch_size or config.validation.batch_size or t.batch_size,
-        )
-        if get_rank() == 0 and out is not None:
-            torch.save(out, run_dir / "predictions.pt")
-            results["predictions"] = str(run_dir / "predictions.pt")
+        written = write_predictions(config, parts, run_dir)
+        if written is not None:
+            results["predictions"] = str(written)
     context = RunContext(
         config,
         run_dir,
-        model,
-        optimizer,
-        trainer,
-        evaluator,
-        {"train": train_set, "val": val_set, "test": test_set},
+        parts.model,
+        parts.optimizer,
+        parts.trainer,
+        parts.evaluator,
+        {"train": datasets.train, "val": datasets.val, "test": datasets.test},
         results,
     )
     if resolved.after_training is not None:
         resolved.after_training(context)
     if get_rank() == 0:
         (run_dir / "metrics.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    return results
 
 
-def _test(
-    config: Config, checkpoint: Checkpoint | None, model: nn.Module, test_set: Any, resolved: Resolved
-) -> dict[str, float]:
+def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> dict[str, float]:
+    """Test phase: evaluates the test set, with the best checkpoint's weights if ``testing.use_best``.
+
+    Returns:
+        The test metrics, by name.
+
+    Distributed:
+        Collective: call on every rank.
+    """
     from unison.checkpoint import load_checkpoint, load_model_state
 
+    checkpoint, model = parts.checkpoint, parts.model
     if config.testing.use_best and checkpoint is not None:
         best = checkpoint.best if get_rank() == 0 else None
         path = broadcast_object(None if best is None else str(checkpoint.folder / best.file))
@@ -437,22 +693,31 @@ def _test(
     metrics = make_metrics(resolved)
     amp = config.training.amp
     batch = config.testing.batch_size or config.validation.batch_size or config.training.batch_size
-    _, test_loader = prepare_loaders(None, test_set, batch_size=batch)
+    _, test_loader = prepare_loaders(None, parts.datasets.test, batch_size=batch)
     tester = create_evaluator(model, metrics, amp=None if amp == "none" else amp)
     values = {k: v for k, v in tester.run(test_loader).metrics.items() if isinstance(v, float)}
     _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
     return values
 
 
-def _attach_tensorboard(run_dir: Path, trainer: Any, evaluator: Any, config: Config) -> None:
-    try:
-        from unison.handlers.tensorboard import TensorBoardLogger
-    except ImportError as err:  # pragma: no cover - tensorboardX is a dependency
-        _log.warning("TensorBoard logging is off: %s", err)
-        return
-    TensorBoardLogger(
-        run_dir / "tb", trainer=trainer, evaluators={"val": evaluator}, log_every=config.logging.log_every
-    ).attach(trainer)
+def write_predictions(config: Config, parts: RunParts, run_dir: Path) -> Path | None:
+    """Test phase: predicts the test set (else the validation set) into ``run_dir/predictions.pt``.
+
+    Returns:
+        The file, on rank 0; None on the other ranks.
+
+    Distributed:
+        Collective: call on every rank; rank 0 gathers and writes.
+    """
+    datasets = parts.datasets
+    target = datasets.test if datasets.test is not None else datasets.val
+    batch = config.predict.batch_size or config.validation.batch_size or config.training.batch_size
+    out = predict(parts.model, target, batch_size=batch)
+    if get_rank() != 0 or out is None:
+        return None
+    path = run_dir / "predictions.pt"
+    torch.save(out, path)
+    return path
 
 
 def run(

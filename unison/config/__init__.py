@@ -43,7 +43,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     """
     raw = apply_overrides(load_yaml(path), list(overrides or []))
     config = validate(raw)
-    config.source = str(Path(path).resolve())  # type: ignore[attr-defined]
+    config.source = str(Path(path).resolve())  # type: ignore[attr-defined]  # set after validation, for error messages
     config.lines = dict(raw.lines)  # type: ignore[attr-defined]  # for errors found when resolving
     return config
 

@@ -26,6 +26,7 @@ from unison.distributed.env import (
     device_for_local_rank,
     find_free_port,
 )
+from unison.utils.errors import add_note, has_note
 from unison.utils.logging import get_logger, setup_logging
 
 _log = get_logger(__name__)
@@ -300,11 +301,8 @@ def _run_in_process(
 
 def _note_rank(err: BaseException) -> None:
     note = f"on rank {idist.get_rank()} of {idist.get_world_size()} (pid {os.getpid()})"
-    if note not in getattr(err, "__notes__", []):
-        if hasattr(err, "add_note"):
-            err.add_note(note)
-        else:  # Python 3.10
-            err.__notes__ = [*getattr(err, "__notes__", []), note]  # type: ignore[attr-defined]
+    if not has_note(err, note):
+        add_note(err, note)
 
 
 def _is_peer_failure(err: BaseException) -> bool:

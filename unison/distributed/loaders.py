@@ -41,7 +41,7 @@ def split_dataset(dataset: Dataset, fractions: Sequence[float], *, seed: int) ->
         raise ValueError(
             f"split_dataset(fractions=...) needs non-negative fractions summing to 1, got {fractions}."
         )
-    n = len(dataset)  # type: ignore[arg-type]
+    n = len(dataset)  # type: ignore[arg-type]  # a map-style Dataset: sized, though torch's type does not say so
     sizes = [math.floor(f * n + 1e-9) for f in fractions]  # 0.29 * 100 is 28.999...
     sizes[0] += n - sum(sizes)
     gen = torch.Generator()

@@ -27,6 +27,7 @@ from unison.distributed.primitives import all_reduce_sum, get_rank, get_world_si
 from unison.distributed.samplers import set_sampler_epoch
 from unison.distributed.sync import SyncPoint
 from unison.engine.control import Kind, StopControl
+from unison.utils.errors import add_note, has_note
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -333,14 +334,14 @@ class Engine(IgniteEngine):
                 func(*first, *(event_args + others), **kwargs)
             except Exception as err:
                 if event_name is not Events.EXCEPTION_RAISED:  # a re-raise is not a new failure
-                    _add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
+                    add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
                 raise
         if event_name is Events.ITERATION_COMPLETED:
             if self._waiting_boundary and self.at_boundary():
                 self._waiting_boundary = False
                 self._control.apply(self)
             if self._iteration_syncs:
-                if self.state.iteration % self.sync_every == 0:  # type: ignore[operator]
+                if self.state.iteration % self.sync_every == 0:  # type: ignore[operator]  # _iteration_syncs implies an int
                     self._sync_due = True
                 if self._sync_due and not self._epoch_ends_here() and self.at_boundary():
                     self._sync(epoch_end=False)
@@ -388,15 +389,15 @@ class Engine(IgniteEngine):
         # ignite keeps the dead run generator, and the next run() would return None
         # without running; a failed run must leave the engine ready to run again.
         self._internal_run_generator = None
-        if isinstance(e, Exception) and not _has_note(e):
+        if isinstance(e, Exception) and not has_note(e):
             if self.last_event_name is Events.GET_BATCH_STARTED:
-                _add_note(
+                add_note(
                     e,
                     f"raised while fetching the batch of iteration {self.state.iteration + 1} from the data, at "
                     f"{self._where('GET_BATCH_STARTED')}",
                 )
             elif self.last_event_name is Events.ITERATION_STARTED:
-                _add_note(e, f"raised by the process function (the step) at {self._where('ITERATION')}")
+                add_note(e, f"raised by the process function (the step) at {self._where('ITERATION')}")
         super()._handle_exception(e)
 
     # -- running ----------------------------------------------------------------------
@@ -468,17 +469,6 @@ def _handler_name(func: Callable[..., Any]) -> str:
     return getattr(handler, "__qualname__", None) or type(handler).__name__
 
 
-def _add_note(err: BaseException, note: str) -> None:
-    if hasattr(err, "add_note"):
-        err.add_note(note)
-    else:  # Python 3.10: keep the note where the 3.11 machinery would
-        err.__notes__ = [*getattr(err, "__notes__", []), note]  # type: ignore[attr-defined]
-
-
-def _has_note(err: BaseException) -> bool:
-    return bool(getattr(err, "__notes__", None))
-
-
 def _describe(where: Any) -> str:
     name, event, iteration, contributors = where
     return f"{name} {event} iteration {iteration} with sync contributors {contributors}"
@@ -486,7 +476,7 @@ def _describe(where: Any) -> str:
 
 def _is_empty(data: Iterable) -> bool:
     try:
-        return len(data) == 0  # type: ignore[arg-type]
+        return len(data) == 0  # type: ignore[arg-type]  # probing: no __len__ raises TypeError, handled below
     except TypeError:
         return False
 

@@ -68,7 +68,7 @@ def predict(
     present = [s for s in shards if s is not None]
     if not present:
         return None
-    result = present[0].new_empty((len(dataset), *present[0].shape[1:]))  # type: ignore[arg-type]
+    result = present[0].new_empty((len(dataset), *present[0].shape[1:]))  # type: ignore[arg-type]  # a map-style Dataset: sized, though torch's type does not say so
     for rank, shard in enumerate(shards):
         if shard is not None:
             result[rank::world] = shard  # EvalSampler: rank r holds samples r, r + world, ...

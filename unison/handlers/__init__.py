@@ -6,6 +6,7 @@ from unison.handlers.early_stopping import EarlyStopping
 from unison.handlers.non_finite import NonFiniteGuard
 from unison.handlers.preemption import EXIT_PREEMPTED, Preemption
 from unison.handlers.progress import ProgressBar
+from unison.handlers.synced import SyncedHandler
 from unison.handlers.tensorboard import TensorBoardLogger
 from unison.handlers.time_limit import TimeLimit
 from unison.handlers.watchdog import EXIT_HANG, Watchdog
@@ -19,6 +20,7 @@ __all__ = [
     "NonFiniteGuard",
     "Preemption",
     "ProgressBar",
+    "SyncedHandler",
     "TensorBoardLogger",
     "TimeLimit",
     "Watchdog",
