@@ -143,7 +143,7 @@ def test_positive_control_probe_catches_a_sync_in_the_loss():
 def test_fp16_reads_the_host_only_inside_grad_scaler_step():
     """With fp16 the step's reads are GradScaler.step's overflow check, as documented."""
     trainer, steps = _trainer(amp="fp16", clip_grad_norm=1.0, accumulation_steps=2)
-    scaler = trainer._process_function.scaler
+    scaler = trainer.process_function.scaler
     inside: list[int] = []
     original = scaler.step
     probe = IterationProbe(count_host_syncs).attach(trainer)

@@ -8,8 +8,8 @@ from ignite.engine import Engine as IgniteEngine
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
 
 from unison.distributed import TrainSampler
-from unison.engine import Engine, Events
 from unison.distributed.samplers import samplers_with_set_epoch, set_sampler_epoch
+from unison.engine import Engine, Events
 
 N = 10
 EPOCH_LENGTH = 5  # batches of 2 over 10 samples

@@ -77,7 +77,7 @@ def test_model_on_another_device_is_refused(model_device, asked, factory):
 def test_device_left_unset_follows_the_model():
     model = nn.Linear(3, 2, device="meta")
     trainer = create_trainer(model, _sgd(model), F.mse_loss)
-    assert trainer._process_function.device == torch.device("meta")
+    assert trainer.process_function.device == torch.device("meta")
 
 
 def test_scaler_with_bf16_is_refused():
@@ -224,7 +224,7 @@ def test_bf16_autocast_trains_on_cpu():
     before = flat_params(model)
     dtypes = _record_linear_dtype(model)
     trainer = create_trainer(model, _sgd(model), F.mse_loss, amp="bf16")
-    assert trainer._process_function.scaler is None
+    assert trainer.process_function.scaler is None
     losses = []
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: losses.append(e.state.output))
     trainer.run(_batches(4), max_epochs=2)
@@ -252,7 +252,7 @@ def test_fp16_creates_a_grad_scaler_and_trains():
     before = flat_params(model)
     dtypes = _record_linear_dtype(model)
     trainer = create_trainer(model, _sgd(model), F.mse_loss, amp="fp16")
-    scaler = trainer._process_function.scaler
+    scaler = trainer.process_function.scaler
     assert isinstance(scaler, torch.amp.GradScaler)
     assert scaler.is_enabled()
     losses = []
@@ -268,7 +268,7 @@ def test_fp16_uses_the_given_scaler():
     model = make_mlp()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     trainer = create_trainer(model, _sgd(model), F.mse_loss, amp="fp16", scaler=scaler)
-    assert trainer._process_function.scaler is scaler
+    assert trainer.process_function.scaler is scaler
     calls = []
     original = scaler.step
     scaler.step = lambda opt, *a, **kw: calls.append(1) or original(opt, *a, **kw)
@@ -285,7 +285,7 @@ def test_clip_grad_norm(max_norm):
     model = make_mlp()
     optimizer = _sgd(model)
     trainer = create_trainer(model, optimizer, F.mse_loss, clip_grad_norm=max_norm)
-    step: TrainStep = trainer._process_function
+    step: TrainStep = trainer.process_function
     assert step.grad_norm is None
     seen = []
 
@@ -407,4 +407,4 @@ def test_trainer_is_a_unison_engine():
     model = make_mlp()
     trainer = create_trainer(model, _sgd(model), F.mse_loss)
     assert isinstance(trainer, Engine) and isinstance(trainer, IgniteEngine)
-    assert isinstance(trainer._process_function, TrainStep)
+    assert isinstance(trainer.process_function, TrainStep)

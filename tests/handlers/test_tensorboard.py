@@ -47,7 +47,7 @@ def _run(log_dir: Path, *, scale: float = 1.0, **logger_kwargs: Any) -> dict[str
         evaluator.run(loader)
         seen["loss"].append(engine.state.metrics["loss"])
         seen["val"].append(dict(evaluator.state.metrics))
-        seen["grad_norm"].append(float(engine._process_function.grad_norm))
+        seen["grad_norm"].append(float(engine.process_function.grad_norm))
 
     trainer.add_event_handler(Events.EPOCH_COMPLETED, _validate)
     trainer.run(loader, max_epochs=EPOCHS)

@@ -1,13 +1,21 @@
 """unison's Engine: ignite's Engine, with every control decision agreed by all ranks.
 
-Compatibility note: the Engine overrides three private methods of ignite 0.5's Engine,
-``_fire_event`` (to skip a debug f-string per event, name the failing handler, and run
-sync points after the last handler of an event), ``_handle_exception`` (to name the
-rank and iteration of a failure) and ``terminate``/``terminate_epoch`` (public, to make
-them agreed). ``tests/engine/test_engine.py`` checks the event sequence against ignite's
-own Engine, so an upstream change breaks a test rather than a run.
-"""
+Compatibility note. ignite has no public hook for what the Engine adds, so it touches
+these members of ignite 0.5's ``Engine`` (pinned ``>=0.5.5,<0.6`` in pyproject.toml):
 
+- overrides ``_fire_event`` (no debug f-string per event, the failing handler named in
+  errors, ``set_epoch`` before any ``EPOCH_STARTED`` handler, sync points after the last
+  handler of an event) and reads ``_event_handlers`` there, as ignite's own does;
+- overrides ``_handle_exception`` (the rank and iteration of a failure, failure callbacks)
+  and clears ``_internal_run_generator`` there, so that a failed engine can run again;
+- calls ``_init_timers`` when it runs the epoch events of a rank with no data;
+- reads ``_process_function`` (exposed as the public :attr:`Engine.process_function`);
+- overrides the public ``terminate``, ``terminate_epoch`` and ``interrupt`` (agreed, in
+  ``engine/control.py``), which calls ignite's own versions to apply a decision.
+
+``tests/engine/test_engine.py`` checks the event sequence against ignite's own Engine, so
+an upstream change breaks a test rather than a run.
+"""
 from __future__ import annotations
 
 import logging

@@ -235,7 +235,7 @@ def create_trainer(
 
     Returns:
         The trainer. Its process function is the :class:`TrainStep`
-        (``trainer._process_function``), which holds model, optimizer and scaler.
+        (``trainer.process_function``), which holds model, optimizer and scaler.
 
     Example:
         >>> import torch

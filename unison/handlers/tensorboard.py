@@ -26,7 +26,7 @@ class TensorBoardLogger:
     - ``train/loss``: the epoch's mean loss over all ranks,
       ``trainer.state.metrics["loss"]``, at every ``EPOCH_COMPLETED``.
     - ``train/lr``: the learning rate of the trainer's optimizer
-      (``trainer._process_function.optimizer``), at every ``EPOCH_COMPLETED`` and every
+      (``trainer.process_function.optimizer``), at every ``EPOCH_COMPLETED`` and every
       ``log_every`` iterations; ``train/lr/<i>`` for each group when the optimizer has
       several parameter groups. At an epoch's end, it is the value when the logger's
       handler runs: attach a scheduler that steps at ``EPOCH_COMPLETED`` before the
@@ -136,7 +136,7 @@ class TensorBoardLogger:
     # -- what to log --------------------------------------------------------------------
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        optimizer = getattr(self.trainer._process_function, "optimizer", None)
+        optimizer = getattr(getattr(self.trainer, "process_function", None), "optimizer", None)
         return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
     def _learning_rates(self, device_ok: bool) -> dict[str, float]:
@@ -169,7 +169,7 @@ class TensorBoardLogger:
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             scalars["train/loss"] = float(loss)
         scalars.update(self._learning_rates(device_ok=True))
-        grad_norm = getattr(self.trainer._process_function, "grad_norm", None)
+        grad_norm = getattr(getattr(self.trainer, "process_function", None), "grad_norm", None)
         if isinstance(grad_norm, torch.Tensor):
             scalars["train/grad_norm"] = float(grad_norm)  # epoch end: the device has been synced
         if self._epoch_start is not None:
