@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 
@@ -20,3 +24,19 @@ def descendants(pid: int) -> list[int]:
         found += below
         todo += below
     return found
+
+
+def kill_tree(*procs: subprocess.Popen) -> None:
+    """SIGKILLs what a test started: each process's group (started with ``start_new_session``)
+    and every process below it, listed first so that ranks that lose their parent (torchrun puts
+    them in sessions of their own) are still found. Waits for the direct children."""
+    trees = {proc.pid: descendants(proc.pid) for proc in procs}
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: pgid == pid
+        for pid in trees[proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)

@@ -3,8 +3,6 @@ or data that raised, the event and the iteration, with the original exception.""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from _lockstep_workers import Boom, ExplodingDataset, boom_message, explode, failing_run
+from _procs import kill_tree
 from torch.utils.data import DataLoader
 
 from unison.distributed import RankFailedError, find_free_port
@@ -126,7 +125,7 @@ class _Job:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_tree(self.proc)
 
     def rank_pids(self) -> list[int]:
         return [int(p.read_text()) for p in sorted(self.cwd.glob("rank-*.pid"))]

@@ -12,11 +12,9 @@ below the agents (listed from /proc before they die), and nothing else.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _procs import descendants
+from _procs import kill_tree
 
 from unison.distributed import find_free_port
 
@@ -42,16 +40,7 @@ SAVE_LINE = re.compile(r"Saved checkpoint (?P<path>\S+\.pt)$")
 
 def end_agents(procs: list[subprocess.Popen]) -> None:
     """Kills what the test started: each agent's process group and the ranks below it."""
-    trees = {proc.pid: descendants(proc.pid) for proc in procs}  # before the ranks lose their parent
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: pgid == pid
-        for pid in trees[proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+    kill_tree(*procs)
 
 
 def run_two_nodes(root: Path, tag: str, *extra: str) -> list[str]:
