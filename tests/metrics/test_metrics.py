@@ -11,7 +11,7 @@ from _sync_probe import count_host_syncs
 from ignite.engine import Engine as IgniteEngine
 from ignite.exceptions import NotComputableError
 
-from unison.metrics import Accuracy, Loss, MeanAbsoluteError, MeanSquaredError, MetricGroup, SumMetric
+from unison.metrics import Accuracy, Loss, MeanAbsoluteError, MeanSquaredError, MetricGroup, Perplexity, SumMetric
 
 
 def _logits(n: int, c: int, seed: int, *extra: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,3 +311,41 @@ def test_update_reads_nothing_back_to_the_host(metric, make_output):
         value = metric.compute()
     assert syncs.count >= 1
     assert math.isfinite(value)
+
+
+def _padded_batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two language-model batches whose padding (-100) differs a lot: the weighting matters."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for n, t, real in ((2, 8, 3), (3, 8, 8)):
+        scores = torch.randn(n, 5, t, generator=g) * 3
+        targets = torch.randint(0, 5, (n, t), generator=g)
+        targets[:, real:] = -100
+        batches.append((scores, targets))
+    return batches
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_perplexity_counts_only_the_tokens_the_loss_counts(seed: int) -> None:
+    batches = _padded_batches(seed)
+    ppl = Perplexity()
+    for batch in batches:
+        ppl.update(batch)
+    total = sum(F.cross_entropy(s, t, reduction="sum") for s, t in batches)
+    tokens = sum(int((t != -100).sum()) for _, t in batches)
+    assert ppl.compute() == pytest.approx(math.exp(float(total) / tokens), rel=1e-6)  # float32 losses
+
+
+def test_perplexity_of_a_batch_of_padding_only_adds_nothing() -> None:
+    scores = torch.zeros(1, 4, 3)
+    ppl = Perplexity()
+    ppl.update((scores, torch.tensor([[0, 1, 2]])))
+    ppl.update((scores, torch.full((1, 3), -100)))
+    assert ppl.compute() == pytest.approx(4.0)
+
+
+def test_perplexity_honours_another_ignore_index() -> None:
+    ppl = Perplexity(ignore_index=0)
+    ppl.update((torch.zeros(1, 4, 3), torch.tensor([[0, 1, 2]])))
+    assert ppl.compute() == pytest.approx(4.0)
+    assert ppl.sync_state()[1].item() == 2

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from unison.metrics.base import SumMetric
 
@@ -68,30 +70,53 @@ class Loss(SumMetric):
 class Perplexity(Loss):
     """``exp`` of the mean per-token loss: the perplexity of a language model.
 
-    The state counts every target element (token), so batches of different lengths weigh
-    what they hold. ``loss_fn`` defaults to cross-entropy over scores of shape
-    ``(N, C, T)`` and targets ``(N, T)``.
+    The state is (sum of per-token losses, number of tokens counted), where a token is
+    counted exactly when the loss counts it: targets equal to ``ignore_index`` (padding,
+    -100 by default, as in PyTorch's cross-entropy) are left out of both. Batches with
+    different numbers of real tokens therefore weigh what they hold, and the count stays on
+    the device (no host read per batch). ``loss_fn`` defaults to cross-entropy over scores
+    of shape ``(N, C, T)`` and targets ``(N, T)`` with the same ``ignore_index``; a custom
+    ``loss_fn`` must return the mean over the tokens that are not ``ignore_index``.
+
+    Args:
+        loss_fn: ``loss_fn(scores, targets) -> scalar``, the mean over counted tokens.
+        ignore_index: the target value that marks a token not to count.
+        output_transform: maps the engine's output to ``(scores, targets)``.
+        device: where the state is kept.
 
     Example:
         >>> import torch
         >>> ppl = Perplexity()
-        >>> ppl.update((torch.zeros(1, 4, 3), torch.tensor([[0, 1, 2]])))
-        >>> round(ppl.compute(), 6)  # uniform over 4 classes
+        >>> ppl.update((torch.zeros(1, 4, 3), torch.tensor([[0, 1, -100]])))
+        >>> round(ppl.compute(), 6)  # uniform over 4 classes; the padding is not counted
         4.0
     """
 
     def __init__(
         self,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        ignore_index: int = -100,
         output_transform: Callable[[Any], Any] = lambda x: x,
         device: str | torch.device = "cpu",
     ) -> None:
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"Perplexity(ignore_index=...) must be an int, got {ignore_index!r}.")
+        self.ignore_index = ignore_index
         super().__init__(
-            loss_fn if loss_fn is not None else torch.nn.functional.cross_entropy,
-            batch_size=lambda y: y.numel(),
+            loss_fn if loss_fn is not None else functools.partial(F.cross_entropy, ignore_index=ignore_index),
             output_transform=output_transform,
             device=device,
         )
+
+    def batch_state(self, output: Any) -> torch.Tensor:
+        scores, targets = output
+        value = self.loss_fn(scores, targets)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ValueError("Perplexity: loss_fn must return a scalar tensor (the mean over counted tokens).")
+        count = (targets != self.ignore_index).sum().to(torch.float64)
+        # A batch of padding only: the loss's mean is NaN, and it adds nothing.
+        total = torch.where(count > 0, value.detach().reshape(()).to(torch.float64) * count, 0.0)
+        return torch.stack([total, count])
 
     def compute_from(self, state: torch.Tensor) -> float:
         return math.exp(super().compute_from(state))
