@@ -23,7 +23,8 @@ from _ckpt_workers import (
 from ignite.engine import Engine as IgniteEngine
 
 from unison.checkpoint.manifest import checkpoint_name
-from unison.handlers import EXIT_PREEMPTED, Preemption
+from unison.engine import Engine, Events
+from unison.handlers import EXIT_PREEMPTED, Checkpoint, Preemption
 from unison.testing import run_distributed
 
 HANDLERS = Path(__file__).resolve().parent
@@ -283,3 +284,31 @@ def test_preemption_needs_a_checkpoint_and_a_unison_engine(tmp_path):
     preemption.attach(run.trainer)
     preemption.attach(run.trainer)
     assert sum(c is preemption for c in run.trainer.sync_point.contributors()) == 1
+
+
+@pytest.mark.parametrize("how", ["terminate", "terminate_skip_completed", "complete", "raise"])
+def test_the_previous_signal_handlers_are_back_however_the_run_ends(tmp_path, fallback_handlers, how):
+    _, installed = fallback_handlers
+    engine = Engine(lambda e, b: None)
+    model = torch.nn.Linear(1, 1)
+    Preemption(Checkpoint(tmp_path, {"model": model}, engine, at_end=False), exit=False).attach(engine)
+    during: list = []
+
+    @engine.on(Events.ITERATION_COMPLETED(once=2))
+    def end(engine: Engine) -> None:
+        during.append(signal.getsignal(signal.SIGTERM))
+        if how == "terminate":
+            engine.terminate()
+        elif how == "terminate_skip_completed":
+            engine.terminate(skip_completed=True)
+        elif how == "raise":
+            raise RuntimeError("boom")
+
+    if how == "raise":
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.run(range(4))
+    else:
+        engine.run(range(4))
+    assert during and during[0] is not installed[signal.SIGTERM]  # Preemption's, while running
+    for sig, handler in installed.items():
+        assert signal.getsignal(sig) is handler, f"{how}: {signal.Signals(sig).name} handler not restored"

@@ -119,6 +119,9 @@ class Preemption(SyncedHandler):
     def attach_events(self, engine: Engine) -> None:
         engine.add_event_handler(Events.STARTED, self._install)
         engine.add_event_handler(Events.COMPLETED, self._finish)
+        # A run stopped with terminate(skip_completed=True) never fires COMPLETED: uninstall
+        # at TERMINATE too, so a later signal in this process reaches its previous handler.
+        engine.add_event_handler(Events.TERMINATE, self._uninstall)
         add_failure_callback = getattr(engine, "add_failure_callback", None)
         if add_failure_callback is not None:
             add_failure_callback(self._uninstall)
