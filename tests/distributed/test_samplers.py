@@ -192,3 +192,21 @@ def test_samplers_take_rank_and_world_size_from_the_process_group():
     results = run_distributed(default_placement, nproc=3)
     for rank, result in enumerate(results):
         assert result == {"train": (rank, 3), "eval": (rank, 3), "rank": rank, "world_size": 3}
+
+
+@pytest.mark.parametrize("size", [1, 5, 10, 17])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_train_sampler_is_torchs_distributed_sampler(size: int, world: int, drop_last: bool) -> None:
+    from torch.utils.data import DistributedSampler
+
+    if drop_last and size < world:
+        pytest.skip("no sample for some rank: refused, tested elsewhere")
+    for rank in range(world):
+        ours = TrainSampler(range(size), seed=7, drop_last=drop_last, rank=rank, world_size=world)
+        theirs = DistributedSampler(range(size), num_replicas=world, rank=rank, seed=7, drop_last=drop_last)
+        assert isinstance(ours, DistributedSampler)
+        for epoch in (0, 3):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs) and len(ours) == len(theirs)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sized
 from typing import Any
 
-import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from unison.distributed.primitives import get_rank, get_world_size
 
@@ -47,7 +47,8 @@ def set_sampler_epoch(data: Any, epoch: int) -> None:
 
     Example:
         >>> sampler = TrainSampler(range(8), seed=0, rank=0, world_size=2)
-        >>> loader = torch.utils.data.DataLoader(range(8), batch_size=2, sampler=sampler)
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(range(8), batch_size=2, sampler=sampler)
         >>> set_sampler_epoch(loader, 3)
         >>> sampler.epoch
         3
@@ -56,10 +57,12 @@ def set_sampler_epoch(data: Any, epoch: int) -> None:
         sampler.set_epoch(epoch)
 
 
-class TrainSampler(Sampler[int]):
-    """Shards a dataset for training: a seeded shuffle per epoch, equal-length shards.
+class TrainSampler(DistributedSampler[int]):
+    """Shards a dataset for training: torch's ``DistributedSampler``, resumable mid-epoch.
 
-    Every rank draws the same permutation (it depends on ``seed`` and the epoch only) and
+    It is a ``DistributedSampler`` (tools that look for one recognise it, and its order is
+    torch's, bit for bit) that adds a position: after :meth:`load_state_dict` the saved
+    epoch skips the samples already trained on, without loading them. Every rank draws the same permutation (it depends on ``seed`` and the epoch only) and
     takes every ``world_size``-th index from its rank on, so shards are disjoint. To give
     every rank the same number of samples, the permutation is padded with its own first
     indices (``drop_last=False``) or its tail is dropped (``drop_last=True``).
@@ -97,23 +100,30 @@ class TrainSampler(Sampler[int]):
     ) -> None:
         if not hasattr(dataset, "__len__"):
             raise TypeError(f"TrainSampler needs a dataset with __len__, got {type(dataset).__name__}.")
-        self.rank, self.world_size = _check_placement(rank, world_size)
-        self.dataset_size = len(dataset)
-        self.shuffle = shuffle
-        self.seed = int(seed)
-        self.drop_last = drop_last
-        self.epoch = 0
-        self._resume: tuple[int, int] | None = None  # (epoch, samples of the shard to skip)
-        if drop_last:
-            self.num_samples = self.dataset_size // self.world_size
-        else:
-            self.num_samples = math.ceil(self.dataset_size / self.world_size)
-        if self.num_samples == 0:
+        rank, world_size = _check_placement(rank, world_size)
+        size = len(dataset)
+        if (size // world_size if drop_last else math.ceil(size / world_size)) == 0:
             fix = "Use a larger dataset or fewer ranks" + (", or drop_last=False." if drop_last else ".")
             raise ValueError(
-                f"TrainSampler: {self.dataset_size} samples cannot give each of {self.world_size} ranks one "
+                f"TrainSampler: {size} samples cannot give each of {world_size} ranks one "
                 f"with drop_last={drop_last}. {fix}"
             )
+        # torch's sampler draws the order and shards it; this class adds the resume offset.
+        super().__init__(
+            dataset,  # type: ignore[arg-type]  # any Sized will do: torch only takes its len()
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=int(seed),
+            drop_last=drop_last,
+        )
+        self.dataset_size = size
+        self._resume: tuple[int, int] | None = None  # (epoch, samples of the shard to skip)
+
+    @property
+    def world_size(self) -> int:
+        """The number of shards (torch's ``num_replicas``)."""
+        return self.num_replicas
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the permutation of ``epoch`` (0-based); the engine calls it at each epoch start."""
@@ -167,21 +177,11 @@ class TrainSampler(Sampler[int]):
         self.epoch = int(state["epoch"])
         self._resume = (self.epoch, consumed) if consumed else None
 
-    def _global_order(self) -> list[int]:
-        if self.shuffle:
-            gen = torch.Generator()
-            gen.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_size, generator=gen).tolist()
-        else:
-            order = list(range(self.dataset_size))
-        total = self.num_samples * self.world_size
-        if total <= len(order):
-            return order[:total]
-        reps = math.ceil(total / len(order))
-        return (order * reps)[:total]
-
     def __iter__(self) -> Iterator[int]:
-        return iter(self._global_order()[self.rank :: self.world_size][self.start :])
+        shard = super().__iter__()
+        if self.start:
+            return itertools.islice(shard, self.start, None)  # skipped samples are never loaded
+        return shard
 
     def __len__(self) -> int:
         return self.num_samples - self.start
