@@ -1,10 +1,12 @@
-"""What a checkpoint holds: generator states, weights without DDP's prefix, CPU copies."""
+"""What a checkpoint holds (generator states, weights without DDP's prefix, CPU copies, the payload
+and the sampler's position) and the checks a resume makes, all from plain values."""
 
 from __future__ import annotations
 
 import io
 import random
 
+import ignite
 import numpy as np
 import pytest
 import torch
@@ -12,8 +14,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from unison.checkpoint import capture_rng, load_model_state, model_state, restore_rng
-from unison.checkpoint.state import to_cpu_copy
+import unison
+from unison.checkpoint import CheckpointError, capture_rng, load_model_state, model_state, restore_rng
+from unison.checkpoint.state import (
+    FORMAT,
+    Position,
+    build_checkpoint,
+    check_checkpoint,
+    check_layout,
+    check_to_save,
+    checkpoint_meta,
+    data_length,
+    load_object_states,
+    object_states,
+    refit_epoch_length,
+    resumable_sampler,
+    rng_of_rank,
+    sampler_position,
+    sampler_state,
+    to_cpu_copy,
+)
+from unison.distributed import TrainSampler
 
 
 def _draws() -> tuple:
@@ -121,3 +142,235 @@ def test_to_cpu_copy_is_deep_and_keeps_the_structure():
     assert copy["list"][1] == 5 and copy["tuple"][1] == "s" and copy["none"] is None
     assert isinstance(copy["tuple"], tuple) and isinstance(copy["list"], list)
     assert copy["w"].device.type == "cpu" and not copy["w"].requires_grad
+
+
+# --- the payload, from plain values -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "epoch, iteration, length, mid",
+    [
+        (1, 3, 5, True),
+        (1, 5, 5, False),
+        (2, 10, 5, False),
+        (0, 0, 5, False),
+        (3, 7, None, False),
+        (3, 7, 0, False),
+    ],
+)
+def test_a_position_is_mid_epoch_only_inside_a_known_epoch(epoch, iteration, length, mid):
+    assert Position(epoch, iteration, length).mid_epoch is mid
+
+
+def test_the_meta_record_holds_the_position_and_the_layout():
+    meta = checkpoint_meta(
+        Position(2, 7, 5),
+        world_size=3,
+        batch_size=4,
+        accumulation_steps=2,
+        score=0.25,
+        metric="acc",
+        saved_at=123.0,
+    )
+    assert meta == {
+        "format": FORMAT,
+        "epoch": 2,
+        "iteration": 7,
+        "mid_epoch": True,
+        "world_size": 3,
+        "batch_size": 4,
+        "accumulation_steps": 2,
+        "score": 0.25,
+        "metric": "acc",
+        "saved_at": 123.0,
+        "versions": {
+            "unison": unison.__version__,
+            "torch": str(torch.__version__),
+            "ignite": ignite.__version__,
+        },
+    }
+
+
+def test_a_built_checkpoint_holds_its_parts_and_loads_with_weights_only():
+    torch.manual_seed(0)
+    model = _model(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    objects = object_states({"model": model, "optimizer": optimizer})
+    meta = checkpoint_meta(
+        Position(1, 3, 5),
+        world_size=1,
+        batch_size=2,
+        accumulation_steps=1,
+        score=None,
+        metric=None,
+        saved_at=1.0,
+    )
+    sampler = {"seed": 0, "epoch": 0, "consumed": 6}
+    state = build_checkpoint(
+        meta=meta,
+        trainer={"iteration": 3, "epoch_length": 5, "max_epochs": 2},
+        sampler=sampler,
+        rng=[capture_rng()],
+        objects=objects,
+        config={"a": [1, 2]},
+    )
+    assert list(state) == ["meta", "trainer", "sampler", "rng", "objects", "config"]
+    loaded = _through_weights_only(state)
+    assert loaded["meta"] == meta and loaded["sampler"] == sampler and loaded["config"] == {"a": [1, 2]}
+    assert _same(loaded["objects"]["model"], model.state_dict())
+    fresh = _model(1)
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    load_object_states({"model": fresh, "optimizer": fresh_optimizer}, loaded["objects"])
+    assert _same(fresh.state_dict(), model.state_dict())
+    for key, value in optimizer.state_dict()["state"][0].items():
+        assert torch.equal(fresh_optimizer.state_dict()["state"][0][key], value), key
+
+
+def test_objects_without_a_state_or_with_reserved_names_are_refused():
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        check_to_save({})
+    with pytest.raises(ValueError, match="'rng' is reserved"):
+        check_to_save({"rng": nn.Linear(1, 1)})
+    with pytest.raises(TypeError, match="a int has no state_dict"):
+        check_to_save({"count": 3})
+    check_to_save(
+        {"model": nn.Linear(1, 1), "optimizer": torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1)}
+    )
+
+
+# --- the sampler's position ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "position, batch_size, expected",
+    [
+        (Position(1, 3, 5), 4, (0, 12)),  # 3 batches into the first epoch
+        (Position(2, 7, 5), 4, (1, 8)),  # 2 batches into the second
+        (Position(1, 5, 5), 4, (1, 0)),  # at the first epoch's end: the next epoch, nothing consumed
+        (Position(2, 7, 5), None, (1, 2)),  # no batch size: one sample a batch
+        (Position(3, 7, None), 4, (3, 0)),  # no epoch length: the trainer's epoch, nothing skipped
+        (Position(3, 7, 0), 4, (3, 0)),
+    ],
+)
+def test_the_sampler_position_follows_the_trainer(position, batch_size, expected):
+    assert sampler_position(position, batch_size) == expected
+
+
+def test_the_sampler_state_comes_from_a_resumable_sampler_only():
+    data = list(range(10))
+    sampler = TrainSampler(data, seed=3, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+    assert resumable_sampler(loader) is sampler
+    state = sampler_state(loader, Position(1, 2, 5), 2)
+    assert state == {**sampler.state_dict(consumed=4), "epoch": 0}
+    plain = torch.utils.data.DataLoader(data, batch_size=2)
+    assert resumable_sampler(plain) is None and sampler_state(plain, Position(1, 2, 5), 2) is None
+
+
+# --- resume checks ------------------------------------------------------------------------------
+
+
+def _saved(**meta) -> dict:
+    base = {"format": FORMAT, "world_size": 2, "mid_epoch": False, "iteration": 6, "epoch": 2}
+    return {"meta": {**base, **meta}, "objects": {"model": {}, "optimizer": {}}}
+
+
+def test_a_checkpoint_of_this_run_passes():
+    assert check_checkpoint(_saved(), source="f.pt", names=["model", "optimizer"], world_size=2) is None
+    assert check_checkpoint(_saved(), source="f.pt", names=["model"], world_size=2) is None
+
+
+@pytest.mark.parametrize(
+    "state, names, world_size, message",
+    [
+        (_saved(format=0), ["model"], 2, r"Checkpoint f.pt has format 0; this unison reads 1\."),
+        ({"objects": {}}, ["model"], 2, r"has format None"),
+        (
+            _saved(),
+            ["model", "scheduler"],
+            2,
+            r"Checkpoint f.pt holds no state for \['scheduler'\] \(it has \['model', 'optimizer'\]\)\. "
+            r"Use the same to_save names",
+        ),
+        (
+            _saved(mid_epoch=True, iteration=7),
+            ["model"],
+            3,
+            r"Checkpoint f.pt was taken mid-epoch \(iteration 7\) with world size 2; this run has 3\. "
+            r"Resume with 2 ranks, or from a checkpoint taken at an epoch's end\.",
+        ),
+    ],
+    ids=["format", "no-format", "missing-object", "world-size-mid-epoch"],
+)
+def test_a_checkpoint_that_does_not_fit_is_refused(state, names, world_size, message):
+    with pytest.raises(CheckpointError, match=message):
+        check_checkpoint(state, source="f.pt", names=names, world_size=world_size)
+
+
+def test_another_world_size_at_an_epoch_boundary_is_a_warning():
+    warning = check_checkpoint(_saved(), source="f.pt", names=["model"], world_size=1)
+    assert warning == (
+        "Resuming f.pt, saved with world size 2, on 1 ranks: the global batch changes from here on."
+    )
+
+
+@pytest.mark.parametrize(
+    "meta, batch_size, accumulation_steps, expected",
+    [
+        ({"batch_size": 4, "accumulation_steps": 1}, 4, 1, None),
+        (
+            {"batch_size": None, "accumulation_steps": None},
+            8,
+            3,
+            None,
+        ),  # nothing recorded: nothing to compare
+        ({}, 8, 3, None),
+        (
+            {"batch_size": 4, "accumulation_steps": 1},
+            2,
+            1,
+            "The run differs from its checkpoint: batch_size 4 -> 2 (per rank).",
+        ),
+        (
+            {"batch_size": 4, "accumulation_steps": 1},
+            2,
+            2,
+            "The run differs from its checkpoint: batch_size 4 -> 2, accumulation_steps 1 -> 2 (per rank).",
+        ),
+    ],
+)
+def test_a_changed_layout_is_described_at_an_epoch_boundary(meta, batch_size, accumulation_steps, expected):
+    meta = {**meta, "mid_epoch": False}
+    assert check_layout(meta, batch_size=batch_size, accumulation_steps=accumulation_steps) == expected
+
+
+def test_a_changed_layout_is_refused_mid_epoch():
+    meta = {"batch_size": 4, "accumulation_steps": 1, "mid_epoch": True}
+    assert check_layout(meta, batch_size=4, accumulation_steps=1) is None
+    with pytest.raises(
+        CheckpointError, match=r"accumulation_steps 1 -> 2 \(per rank\)\. A mid-epoch position"
+    ):
+        check_layout(meta, batch_size=4, accumulation_steps=2)
+
+
+@pytest.mark.parametrize(
+    "position, length, expected",
+    [
+        (Position(2, 10, 5), 5, None),  # the same length
+        (Position(2, 10, 5), None, None),  # data without a length
+        (Position(2, 10, 5), 0, None),
+        (Position(2, 10, 5), 3, Position(2, 6, 3)),  # more ranks: shorter epochs
+        (Position(2, 6, 3), 5, Position(2, 10, 5)),
+        (Position(0, 0, 3), 5, Position(0, 0, 5)),
+    ],
+)
+def test_the_epoch_length_is_refit_to_the_data(position, length, expected):
+    assert refit_epoch_length(position, length) == expected
+
+
+def test_data_length_and_each_ranks_generators():
+    assert data_length([1, 2, 3]) == 3 and data_length(iter([1])) is None
+    assert rng_of_rank([{"r": 0}, {"r": 1}], 1) == {"r": 1}
+    assert rng_of_rank([{"r": 0}], 2) is None

@@ -13,6 +13,7 @@ consumed). The dataset records which indices were loaded.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from unison.checkpoint import capture_rng
 from unison.distributed import get_rank, get_world_size, prepare_loaders, prepare_model, unwrap_model
 from unison.engine import Engine, Events, create_trainer
 from unison.handlers import Checkpoint, EarlyStopping, Preemption
@@ -278,6 +280,8 @@ def checkpoint_contents(folder: str, *, stop_epoch_position: int = 2) -> dict[st
     @run.trainer.on(Events.TERMINATE)
     def _state_at_save(engine: Engine) -> None:  # attached before the Checkpoint: runs just before its save
         at_save["torch_rng"] = torch.get_rng_state()
+        at_save["rng"] = capture_rng()
+        at_save["optimizer"] = copy.deepcopy(run.optimizer.state_dict())
         at_save["iteration"] = engine.state.iteration
         at_save["epoch"] = engine.state.epoch
 

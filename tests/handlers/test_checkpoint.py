@@ -1,7 +1,9 @@
-"""Checkpoint: when it saves, what a file holds, rotation across restarts, asynchronous writes."""
+"""Checkpoint: its arguments, when it saves, what a file holds, rotation across restarts, asynchronous
+writes, and a complete round trip from the live objects to a file and back into fresh ones."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import threading
@@ -21,12 +23,14 @@ from _ckpt_workers import (
     require_empty_on_every_rank,
     window_end,
 )
+from ignite.engine import Engine as IgniteEngine
 from torch import nn
 
 import unison
 import unison.handlers.checkpoint as checkpoint_module
-from unison.checkpoint import Manifest, load_checkpoint
+from unison.checkpoint import Manifest, capture_rng, load_checkpoint
 from unison.checkpoint.manifest import checkpoint_name
+from unison.checkpoint.state import load_object_states
 from unison.engine import Engine, Events
 from unison.handlers import Checkpoint
 from unison.testing import run_distributed
@@ -129,6 +133,7 @@ def test_a_two_rank_checkpoint_loads_with_weights_only_and_holds_an_exact_resume
     assert len(state["rng"]) == 2
     for rank, result in enumerate(results):
         assert torch.equal(state["rng"][rank]["torch"], result["torch_rng"]), f"rank {rank}'s torch generator"
+        assert_same_state(state["rng"][rank], result["rng"], f"rank {rank}'s generators")
     assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
 
     # the loop's and the sampler's position
@@ -145,6 +150,8 @@ def test_a_two_rank_checkpoint_loads_with_weights_only_and_holds_an_exact_resume
     assert_same_state(objects["scaler"], r0["scaler"], "scaler")
     assert_same_state(objects["early_stopping"], r0["early_stopping"], "early_stopping")
     assert objects["early_stopping"]["checker"]["best"] is not None
+    assert_same_state(objects["optimizer"], r0["optimizer"], "optimizer")
+    assert {k: state["trainer"][k] for k in r0["trainer"]} == r0["trainer"]
     steps = [s["step"] for s in objects["optimizer"]["state"].values()]
     assert len(steps) == len(r0["optimizer_steps"]) and all(
         torch.equal(a, b) for a, b in zip(steps, r0["optimizer_steps"], strict=True)
@@ -159,6 +166,46 @@ def test_a_two_rank_checkpoint_loads_with_weights_only_and_holds_an_exact_resume
         "torch": str(torch.__version__),
         "ignite": ignite.__version__,
     }
+
+
+# --- arguments ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(every_epochs=0), ValueError, r"Checkpoint\(every_epochs=0\) must be a positive int or None"),
+        (
+            dict(every_iters=True),
+            ValueError,
+            r"Checkpoint\(every_iters=True\) must be a positive int or None",
+        ),
+        (dict(keep_last=0), ValueError, r"Checkpoint\(keep_last=0\) must be a positive int or None"),
+        (dict(keep_best=-1), ValueError, r"Checkpoint\(keep_best=-1\) must be an int >= 0"),
+        (dict(keep_best=1), ValueError, r"Checkpoint\(keep_best=1\) needs metric=<name of a score>"),
+        (dict(mode="best"), ValueError, r"Checkpoint\(mode='best'\) must be 'max' or 'min'"),
+        (dict(to_save={}), ValueError, r"Checkpoint\(to_save=...\) needs a non-empty mapping"),
+        (dict(to_save={"meta": nn.Linear(1, 1)}), ValueError, r"'meta' is reserved; use another name"),
+        (
+            dict(to_save={"n": 3}),
+            TypeError,
+            r"Checkpoint\(to_save=\{'n': ...\}\): a int has no state_dict\(\)",
+        ),
+        (
+            dict(trainer="ignite"),
+            TypeError,
+            r"Checkpoint\(trainer=...\) needs a unison Engine .* Got Engine\.",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_argument(tmp_path, options, error, message):
+    engine = Engine(lambda e, b: None, sync_every=None)
+    if options.pop("trainer", None) == "ignite":
+        engine = IgniteEngine(lambda e, b: None)
+    to_save = options.pop("to_save", {"model": nn.Linear(2, 1)})
+    with pytest.raises(error, match=message):
+        Checkpoint(tmp_path, to_save, engine, **options)
+    assert not any(tmp_path.iterdir()), "a refused Checkpoint touched the folder"
 
 
 # --- require_empty --------------------------------------------------------------------------------
@@ -444,3 +491,237 @@ def test_an_async_write_error_is_raised_by_the_next_wait(tmp_path, monkeypatch):
     assert str(tmp_path) in str(err.value)
     assert on_disk(tmp_path) == [] and checkpoint.manifest.entries == []
     checkpoint.wait()  # reported once
+
+
+# --- a complete round trip: the file holds the live state, and a resume puts it back -------------
+
+
+SAVE_AT = 7
+"""The iteration of the save: inside epoch 2 at one rank (5 batches an epoch), 2 batches in."""
+ROUND_TRIP_EPOCHS = 2
+
+
+def _scheduled_run(rng_seed: int | None = None):
+    """Model with dropout, Adam, a StepLR stepped every iteration, TrainSampler data."""
+    run = build_parts(rng_seed=rng_seed)
+    scheduler = torch.optim.lr_scheduler.StepLR(run.optimizer, step_size=1, gamma=0.8)
+    run.trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda _: scheduler.step())
+    return run, scheduler
+
+
+def _round_trip_checkpoint(folder: Path, run, scheduler, **options) -> Checkpoint:
+    to_save = {"model": run.model, "optimizer": run.optimizer, "scheduler": scheduler}
+    options = dict(every_epochs=None, at_end=False, keep_last=None, **options)
+    checkpoint = Checkpoint(folder, to_save, run.trainer, **options)
+    checkpoint.attach()
+    return checkpoint
+
+
+def _live_state(run, scheduler) -> dict:
+    """What the live objects hold now, copied: the truth a checkpoint taken now must equal."""
+    state = run.trainer.state
+    return {
+        "model": {k: v.detach().clone() for k, v in run.model.state_dict().items()},
+        "optimizer": copy.deepcopy(run.optimizer.state_dict()),
+        "scheduler": copy.deepcopy(scheduler.state_dict()),
+        "last_lr": list(scheduler.get_last_lr()),
+        "trainer": {
+            "epoch": state.epoch,
+            "iteration": state.iteration,
+            "epoch_length": state.epoch_length,
+            "max_epochs": state.max_epochs,
+        },
+        # the samples this epoch actually trained on, as the dataset counted them
+        "sampler": {"epoch": run.loader.sampler.epoch, "consumed": len(run.dataset.loaded)},
+        "rng": capture_rng(),
+    }
+
+
+def _save_mid_epoch(folder: Path, *, fault=None, async_save: bool = False) -> dict:
+    """Trains with a save after iteration SAVE_AT; the file, and the live state before and after that
+    iteration's step. ``fault(payload, before)`` may spoil the payload, to show the comparison fails."""
+    run, scheduler = _scheduled_run()
+    before: dict = {}
+    live: dict = {}
+    # attached before the Checkpoint: they run just before its handlers
+    run.trainer.add_event_handler(
+        Events.ITERATION_STARTED(once=SAVE_AT), lambda _: before.update(_live_state(run, scheduler))
+    )
+    run.trainer.add_event_handler(
+        Events.ITERATION_COMPLETED(once=SAVE_AT), lambda _: live.update(_live_state(run, scheduler))
+    )
+    checkpoint = _round_trip_checkpoint(folder, run, scheduler, every_iters=SAVE_AT, async_save=async_save)
+    if fault is not None:
+        collect = checkpoint.collect
+
+        def faulty_collect(engine):
+            payload = collect(engine)
+            fault(payload, before)
+            return payload
+
+        checkpoint.collect = faulty_collect
+    run.trainer.run(run.loader, max_epochs=ROUND_TRIP_EPOCHS)
+    assert [p.name for p in checkpoint.saved] == [checkpoint_name("ckpt", 2, SAVE_AT)]
+    saved = torch.load(checkpoint.saved[0], map_location="cpu", weights_only=True)
+    return {"path": checkpoint.saved[0], "saved": saved, "live": live, "before": before, "run": run}
+
+
+def _assert_saved_as_live(saved: dict, live: dict) -> None:
+    objects = saved["objects"]
+    assert sorted(objects) == ["model", "optimizer", "scheduler"], f"the file holds {sorted(objects)}"
+    assert_same_state(objects["model"], live["model"], "model")
+    assert_same_state(objects["optimizer"], live["optimizer"], "optimizer")  # every tensor, torch.equal
+    assert_same_state(objects["scheduler"], live["scheduler"], "scheduler")
+    assert objects["scheduler"]["last_epoch"] == live["scheduler"]["last_epoch"] == SAVE_AT
+    assert objects["scheduler"]["_last_lr"] == live["last_lr"]
+    trainer = live["trainer"]
+    assert (saved["meta"]["epoch"], saved["meta"]["iteration"]) == (trainer["epoch"], trainer["iteration"])
+    for key in ("iteration", "epoch_length", "max_epochs"):
+        assert saved["trainer"][key] == trainer[key], (
+            f"trainer.{key}: {saved['trainer'][key]} != {trainer[key]}"
+        )
+    assert saved["meta"]["mid_epoch"] is True
+    for key in ("epoch", "consumed"):
+        assert saved["sampler"][key] == live["sampler"][key], f"sampler.{key}"
+    assert len(saved["rng"]) == 1
+    assert_same_state(saved["rng"][0], live["rng"], "rng")
+
+
+def _assert_the_step_changed_everything(before: dict, live: dict) -> None:
+    """The iteration of the save changes every part: a part saved before its step would differ."""
+    assert any(not torch.equal(before["model"][k], v) for k, v in live["model"].items())
+    for key, value in live["optimizer"]["state"][0].items():
+        assert not torch.equal(before["optimizer"]["state"][0][key], value), f"optimizer {key}"
+    assert before["scheduler"]["last_epoch"] != live["scheduler"]["last_epoch"]
+    assert before["last_lr"] != live["last_lr"], "the learning rate did not change at the save"
+    assert not torch.equal(before["rng"]["torch"], live["rng"]["torch"]), "no dropout draw in the step"
+    assert live["sampler"] == {"epoch": 1, "consumed": 2 * BATCH}
+
+
+def _resume_fresh(folder: Path, path: Path, *, faults: dict | None = None, monkeypatch=None) -> dict:
+    """A new job, seeded otherwise, resumes from ``path`` into fresh objects and trains on."""
+    run, scheduler = _scheduled_run(rng_seed=4242)
+    checkpoint = _round_trip_checkpoint(folder, run, scheduler)
+    first_batch: dict = {}
+
+    @run.trainer.on(Events.GET_BATCH_STARTED)  # after the Checkpoint's own: sees what it put back
+    def _first_batch(engine: Engine) -> None:
+        if not first_batch:
+            state = engine.state
+            first_batch.update(
+                rng=capture_rng(),
+                trainer={
+                    "epoch": state.epoch,
+                    "iteration": state.iteration,
+                    "epoch_length": state.epoch_length,
+                    "max_epochs": state.max_epochs,
+                },
+                sampler={"epoch": run.loader.sampler.epoch, "consumed": run.loader.sampler.start},
+            )
+
+    fresh = _live_state(run, scheduler)
+    for name, replacement in (faults or {}).items():
+        monkeypatch.setattr(checkpoint_module, name, replacement)
+    assert checkpoint.resume(path) == path
+    loaded = _live_state(run, scheduler)
+    run.trainer.run(run.loader, max_epochs=ROUND_TRIP_EPOCHS)
+    return {"fresh": fresh, "loaded": loaded, "first_batch": first_batch, "run": run}
+
+
+def _assert_resumed_as_saved(resumed: dict, saved: dict, trained) -> None:
+    objects = saved["objects"]
+    fresh, loaded, first = resumed["fresh"], resumed["loaded"], resumed["first_batch"]
+    assert any(not torch.equal(fresh["model"][k], v) for k, v in objects["model"].items()), (
+        "blind: same model"
+    )
+    assert fresh["optimizer"]["state"] == {} and fresh["scheduler"]["last_epoch"] == 0
+    assert_same_state(loaded["model"], objects["model"], "resumed model")
+    assert_same_state(loaded["optimizer"], objects["optimizer"], "resumed optimizer")
+    assert_same_state(loaded["scheduler"], objects["scheduler"], "resumed scheduler")
+    assert loaded["last_lr"] == objects["scheduler"]["_last_lr"]
+    # as the resumed run draws its first batch: the loop's counters, the sampler, the generators
+    counters = {
+        "epoch": saved["meta"]["epoch"],
+        **{k: saved["trainer"][k] for k in first["trainer"] if k != "epoch"},
+    }
+    assert first["trainer"] == counters, f"resumed trainer at {first['trainer']}, saved {counters}"
+    saved_position = {"epoch": saved["sampler"]["epoch"], "consumed": saved["sampler"]["consumed"]}
+    assert first["sampler"] == saved_position, (
+        f"resumed sampler at {first['sampler']}, saved {saved_position}"
+    )
+    assert_same_state(first["rng"], saved["rng"][0], "resumed rng")
+    consumed = saved["sampler"]["consumed"]
+    assert resumed["run"].per_epoch_loaded[2] == trained.per_epoch_loaded[2][consumed:], (
+        "the resumed epoch did not load exactly the samples the first run had left"
+    )
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_checkpoint_holds_the_live_state_and_a_resume_puts_it_back_bitwise(tmp_path, async_save):
+    first = _save_mid_epoch(tmp_path / "run", async_save=async_save)
+    _assert_the_step_changed_everything(first["before"], first["live"])
+    _assert_saved_as_live(first["saved"], first["live"])
+    resumed = _resume_fresh(tmp_path / "run", first["path"])
+    _assert_resumed_as_saved(resumed, first["saved"], first["run"])
+
+
+def _replace(key: str, part: str):
+    def spoil(payload: dict, before: dict) -> None:
+        payload[part][key] = before[key]
+
+    return spoil
+
+
+SAVE_FAULTS = {
+    # name: (how the payload is spoilt, what the comparison names)
+    "no-scheduler": (lambda payload, before: payload["objects"].pop("scheduler"), "the file holds"),
+    "optimizer-before-the-step": (_replace("optimizer", "objects"), "optimizer"),
+    "model-before-the-step": (_replace("model", "objects"), "model"),
+    "scheduler-before-the-step": (_replace("scheduler", "objects"), "scheduler"),
+    "rng-before-the-step": (lambda payload, before: payload["rng"].__setitem__(0, before["rng"]), "rng"),
+    "sampler-at-the-epoch-start": (
+        lambda payload, before: payload["sampler"].__setitem__("consumed", 0),
+        "sampler.consumed",
+    ),
+    "sampler-a-batch-behind": (
+        lambda payload, before: payload["sampler"].__setitem__("consumed", BATCH),
+        "sampler.consumed",
+    ),
+    "iteration-a-step-behind": (
+        lambda payload, before: payload["trainer"].__setitem__("iteration", SAVE_AT - 1),
+        "trainer.iteration",
+    ),
+    "max-epochs-lost": (
+        lambda payload, before: payload["trainer"].__setitem__("max_epochs", None),
+        "trainer.max_epochs",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", list(SAVE_FAULTS))
+def test_the_round_trip_comparison_catches_a_faulty_payload(tmp_path, fault):
+    spoil, named = SAVE_FAULTS[fault]
+    first = _save_mid_epoch(tmp_path, fault=spoil)
+    with pytest.raises(AssertionError, match=named):
+        _assert_saved_as_live(first["saved"], first["live"])
+
+
+def _skip_scheduler(to_save, states) -> None:
+    load_object_states({k: v for k, v in to_save.items() if k != "scheduler"}, states)
+
+
+RESUME_FAULTS = {
+    # name: (what the handler's module gets instead, what the comparison names)
+    "generators-not-restored": ({"restore_rng": lambda state: None}, "resumed rng"),
+    "scheduler-not-loaded": ({"load_object_states": _skip_scheduler}, "resumed scheduler"),
+    "sampler-not-loaded": ({"_load_sampler": lambda engine, saved, mid_epoch: None}, "resumed sampler"),
+}
+
+
+@pytest.mark.parametrize("fault", list(RESUME_FAULTS))
+def test_the_round_trip_comparison_catches_a_faulty_resume(tmp_path, monkeypatch, fault):
+    replacements, named = RESUME_FAULTS[fault]
+    first = _save_mid_epoch(tmp_path)
+    resumed = _resume_fresh(tmp_path, first["path"], faults=replacements, monkeypatch=monkeypatch)
+    with pytest.raises(AssertionError, match=named):
+        _assert_resumed_as_saved(resumed, first["saved"], first["run"])

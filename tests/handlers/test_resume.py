@@ -25,13 +25,11 @@ from _ckpt_workers import (
     window_end,
 )
 
-from unison.checkpoint import CheckpointError
+from unison.checkpoint import CheckpointError, atomic_save
 from unison.checkpoint.manifest import checkpoint_name
 from unison.testing import run_distributed
 
 MAX_EPOCHS = 2
-
-
 
 
 def scenarios(world_size: int) -> dict[str, dict]:
@@ -246,3 +244,47 @@ def test_auto_resume_in_an_empty_folder_starts_fresh(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in run.model.state_dict().items())
     run.trainer.run(run.loader, max_epochs=1)
     assert run.trainer.state.iteration == epoch_length(SIZE, BATCH, 1)
+
+
+# --- checkpoints that do not fit the run ------------------------------------------------------------
+
+
+def _no_meta(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k != "meta"}
+
+
+def _other_format(state: dict) -> dict:
+    return {**state, "meta": {**state["meta"], "format": 99}}
+
+
+def _without_optimizer(state: dict) -> dict:
+    return {**state, "objects": {"model": state["objects"]["model"]}}
+
+
+def _mid_epoch_on_two_ranks(state: dict) -> dict:
+    return {**state, "meta": {**state["meta"], "world_size": 2, "mid_epoch": True}}
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (_no_meta, r"has format None; this unison reads 1"),
+        (_other_format, r"has format 99; this unison reads 1"),
+        (_without_optimizer, r"holds no state for \['optimizer'\] \(it has \['model'\]\)"),
+        (_mid_epoch_on_two_ranks, r"was taken mid-epoch \(iteration 2\) with world size 2; this run has 1"),
+    ],
+    ids=["foreign", "other-format", "missing-object", "mid-epoch-other-world-size"],
+)
+def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_loaded(tmp_path, spoil, message):
+    run = build_run(str(tmp_path / "a"), checkpoint=dict(every_epochs=None, every_iters=2, at_end=False))
+    run.trainer.run(run.loader, max_epochs=1, epoch_length=2)
+    spoilt = tmp_path / "spoilt.pt"
+    atomic_save(spoil(torch.load(run.checkpoint.saved[0], weights_only=True)), spoilt)
+    fresh = build_run(str(tmp_path / "b"))
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message) as err:
+        fresh.checkpoint.resume(spoilt)
+    assert str(spoilt) in str(err.value)
+    after = fresh.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused checkpoint changed the model"
+    assert fresh.optimizer.state_dict()["state"] == {}

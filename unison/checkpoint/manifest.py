@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,23 @@ class Entry:
 def checkpoint_name(prefix: str, epoch: int, iteration: int) -> str:
     """The file name of the checkpoint taken at ``epoch`` and ``iteration``: ``<prefix>-e0003-i000001200.pt``."""
     return f"{prefix}-e{epoch:04d}-i{iteration:09d}.pt"
+
+
+def entry_for(meta: Mapping[str, Any], prefix: str) -> Entry:
+    """The manifest entry of a checkpoint with this ``meta``, before its file is durable.
+
+    A score that is not finite is recorded as None: never the best, and ``manifest.json``
+    stays strict JSON.
+    """
+    score = meta.get("score")
+    if score is not None and not math.isfinite(score):
+        score = None
+    return Entry(
+        file=checkpoint_name(prefix, meta["epoch"], meta["iteration"]),
+        epoch=meta["epoch"],
+        iteration=meta["iteration"],
+        score=score,
+    )
 
 
 class Manifest:
@@ -110,6 +129,17 @@ class Manifest:
     def newest(self) -> list[Entry]:
         """Entries from newest to oldest."""
         return list(reversed(self.entries))
+
+    def newest_complete(self) -> Path | None:
+        """The newest recorded file that is whole, warning of each damaged newer one; None if none is."""
+        for entry in self.newest():
+            path = self.folder / entry.file
+            if is_complete(path):
+                return path
+            _log.warning(
+                "Checkpoint %s is damaged (truncated or corrupt); falling back to an older one.", path
+            )
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoints": [asdict(e) for e in self.entries]}

@@ -1,15 +1,22 @@
-"""What goes into a checkpoint, in forms that ``torch.load(weights_only=True)`` accepts."""
+"""What goes into a checkpoint, in forms that ``torch.load(weights_only=True)`` accepts.
+
+The parts (generator states, weights, the sampler's position, the meta record) and the
+checks a resume makes, as functions of plain values: no engine, no files, no ranks.
+"""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from unison.checkpoint.io import CheckpointError
 from unison.distributed.model import unwrap_model
+from unison.distributed.samplers import samplers_with_set_epoch
+from unison.utils.version import __version__
 
 
 def capture_rng() -> dict[str, Any]:
@@ -94,3 +101,283 @@ def to_cpu_copy(obj: Any, reuse: Any = None) -> Any:
         copied = [to_cpu_copy(v, p) for v, p in zip(obj, earlier, strict=True)]
         return copied if isinstance(obj, list) else tuple(copied)
     return obj
+
+
+# --- the payload ------------------------------------------------------------------------------
+
+FORMAT = 1
+"""The layout version of a checkpoint's dict; a resume refuses any other."""
+
+RESERVED = frozenset({"meta", "trainer", "sampler", "rng", "config"})
+"""Names a ``to_save`` mapping may not use."""
+
+
+class Position(NamedTuple):
+    """Where a training loop stands: completed epochs, iterations, and iterations per epoch.
+
+    Example:
+        >>> Position(epoch=2, iteration=7, epoch_length=5).mid_epoch
+        True
+    """
+
+    epoch: int
+    iteration: int
+    epoch_length: int | None
+    """None (or 0) when the data has no length."""
+
+    @property
+    def mid_epoch(self) -> bool:
+        """Whether the position is inside an epoch rather than at its end."""
+        return bool(self.epoch_length and self.iteration % self.epoch_length)
+
+
+def check_to_save(to_save: Mapping[str, Any]) -> None:
+    """Checks the objects given to a Checkpoint: a name each, none reserved, each with a state.
+
+    Raises:
+        ValueError: for an empty mapping or a reserved name.
+        TypeError: for an object that is neither a model nor has ``state_dict()``.
+    """
+    if not isinstance(to_save, Mapping) or not to_save:
+        raise ValueError("Checkpoint(to_save=...) needs a non-empty mapping of name -> object to save.")
+    for name, obj in to_save.items():
+        if name in RESERVED:
+            raise ValueError(
+                f"Checkpoint(to_save={{{name!r}: ...}}): {name!r} is reserved; use another name."
+            )
+        if not isinstance(obj, nn.Module) and not callable(getattr(obj, "state_dict", None)):
+            raise TypeError(
+                f"Checkpoint(to_save={{{name!r}: ...}}): a {type(obj).__name__} has no state_dict(); pass "
+                "models, optimizers, schedulers, scalers or handlers with state_dict()/load_state_dict()."
+            )
+
+
+def object_states(to_save: Mapping[str, Any]) -> dict[str, Any]:
+    """Each object's state: a model's weights without DDP's prefix, anything else's ``state_dict()``."""
+    return {
+        name: model_state(obj) if isinstance(obj, nn.Module) else obj.state_dict()
+        for name, obj in to_save.items()
+    }
+
+
+def load_object_states(to_save: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+    """Loads what :func:`object_states` saved back into the objects of ``to_save``."""
+    for name, obj in to_save.items():
+        if isinstance(obj, nn.Module):
+            load_model_state(obj, states[name])
+        else:
+            obj.load_state_dict(states[name])
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of unison, torch and ignite, for the record."""
+    import ignite
+
+    return {"unison": __version__, "torch": str(torch.__version__), "ignite": str(ignite.__version__)}
+
+
+def checkpoint_meta(
+    at: Position,
+    *,
+    world_size: int,
+    batch_size: int | None,
+    accumulation_steps: int,
+    score: float | None,
+    metric: str | None,
+    saved_at: float,
+) -> dict[str, Any]:
+    """The ``meta`` entry of a checkpoint: where the run was, and the layout it ran with.
+
+    Args:
+        at: the trainer's position at the save.
+        world_size: the number of ranks.
+        batch_size: the per-rank batch size of the training data, if known.
+        accumulation_steps: micro-batches per optimizer update.
+        score: the value of ``metric`` at the save, if any.
+        metric: the name of the score.
+        saved_at: the wall-clock time of the save (``time.time()``).
+    """
+    return {
+        "format": FORMAT,
+        "epoch": at.epoch,
+        "iteration": at.iteration,
+        "mid_epoch": at.mid_epoch,
+        "world_size": world_size,
+        "batch_size": batch_size,
+        "accumulation_steps": accumulation_steps,
+        "score": score,
+        "metric": metric,
+        "saved_at": saved_at,
+        "versions": library_versions(),
+    }
+
+
+def build_checkpoint(
+    *,
+    meta: Mapping[str, Any],
+    trainer: Mapping[str, Any],
+    sampler: Mapping[str, Any] | None,
+    rng: Sequence[Mapping[str, Any]],
+    objects: Mapping[str, Any],
+    config: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The checkpoint's dict, from its parts; every part loads with ``weights_only=True``.
+
+    Args:
+        meta: from :func:`checkpoint_meta`.
+        trainer: the trainer's ``state_dict()``.
+        sampler: from :func:`sampler_state`; None when the data's sampler cannot resume.
+        rng: every rank's :func:`capture_rng`, indexed by rank.
+        objects: from :func:`object_states`.
+        config: the run's configuration as plain data, or None.
+    """
+    return {
+        "meta": dict(meta),
+        "trainer": dict(trainer),
+        "sampler": None if sampler is None else dict(sampler),
+        "rng": list(rng),
+        "objects": dict(objects),
+        "config": None if config is None else dict(config),
+    }
+
+
+# --- the sampler's position -------------------------------------------------------------------
+
+
+def resumable_sampler(data: Any) -> Any | None:
+    """The first sampler behind ``data`` that can save and load its position, or None."""
+    for sampler in samplers_with_set_epoch(data):
+        if callable(getattr(sampler, "load_state_dict", None)):
+            return sampler
+    return None
+
+
+def sampler_position(at: Position, batch_size: int | None) -> tuple[int, int]:
+    """The sampler's ``(epoch, samples consumed)`` at ``at``: its epoch is 0-based.
+
+    Args:
+        at: the trainer's position; without an epoch length, its epoch and nothing consumed.
+        batch_size: the per-rank batch size; None counts one sample a batch.
+
+    Example:
+        >>> sampler_position(Position(epoch=2, iteration=7, epoch_length=5), batch_size=4)
+        (1, 8)
+    """
+    if not at.epoch_length:
+        return at.epoch, 0
+    return at.iteration // at.epoch_length, (at.iteration % at.epoch_length) * (batch_size or 1)
+
+
+def sampler_state(data: Any, at: Position, batch_size: int | None) -> dict[str, Any] | None:
+    """The saved position of the resumable sampler behind ``data``; None without one.
+
+    See :func:`sampler_position` for the epoch and the samples consumed.
+    """
+    sampler = resumable_sampler(data)
+    if sampler is None:
+        return None
+    epoch, consumed = sampler_position(at, batch_size)
+    state = dict(sampler.state_dict(consumed=consumed))
+    state["epoch"] = epoch
+    return state
+
+
+# --- resuming ---------------------------------------------------------------------------------
+
+
+def rng_of_rank(rng: Sequence[Mapping[str, Any]], rank: int) -> Mapping[str, Any] | None:
+    """The generator states saved by ``rank``; None when the checkpoint had fewer ranks."""
+    return rng[rank] if rank < len(rng) else None
+
+
+def check_checkpoint(
+    state: Mapping[str, Any], *, source: str, names: Iterable[str], world_size: int
+) -> str | None:
+    """Checks that a loaded checkpoint fits this run, before anything is loaded from it.
+
+    Args:
+        state: the checkpoint's dict.
+        source: the file it came from, for messages.
+        names: the names of the objects to load (the keys of ``to_save``).
+        world_size: this run's number of ranks.
+
+    Returns:
+        None, or a warning when it was saved at an epoch's end with another world size.
+
+    Raises:
+        CheckpointError: for another format, a missing object, or another world size
+            mid-epoch.
+    """
+    meta = state.get("meta", {})
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"Checkpoint {source} has format {meta.get('format')!r}; this unison reads {FORMAT}."
+        )
+    missing = [name for name in names if name not in state["objects"]]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {source} holds no state for {missing} (it has {sorted(state['objects'])}). "
+            "Use the same to_save names as the run that wrote it."
+        )
+    if meta["world_size"] == world_size:
+        return None
+    if meta["mid_epoch"]:
+        raise CheckpointError(
+            f"Checkpoint {source} was taken mid-epoch (iteration {meta['iteration']}) with world size "
+            f"{meta['world_size']}; this run has {world_size}. Resume with {meta['world_size']} ranks, "
+            "or from a checkpoint taken at an epoch's end."
+        )
+    return (
+        f"Resuming {source}, saved with world size {meta['world_size']}, on {world_size} ranks: "
+        "the global batch changes from here on."
+    )
+
+
+def check_layout(meta: Mapping[str, Any], *, batch_size: int | None, accumulation_steps: int) -> str | None:
+    """Compares the run's per-rank layout with the checkpoint's: what changed, or None.
+
+    Raises:
+        CheckpointError: when the layout changed and the checkpoint is mid-epoch, where a
+            position belongs to one layout.
+    """
+    now = {"batch_size": batch_size, "accumulation_steps": accumulation_steps}
+    changed = [
+        f"{k} {meta.get(k)} -> {v}" for k, v in now.items() if meta.get(k) is not None and meta.get(k) != v
+    ]
+    if not changed:
+        return None
+    message = f"The run differs from its checkpoint: {', '.join(changed)} (per rank)."
+    if meta["mid_epoch"]:
+        raise CheckpointError(
+            message
+            + " A mid-epoch position is only exact with the same layout; resume with the saved values, "
+            "or from a checkpoint taken at an epoch's end."
+        )
+    return message
+
+
+def data_length(data: Any) -> int | None:
+    """``len(data)``, or None when it has none."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def refit_epoch_length(at: Position, length: int | None) -> Position | None:
+    """At an epoch's end the data decides the epoch length, not the checkpoint.
+
+    Args:
+        at: the resumed position, at an epoch's end.
+        length: the data's length now; None when unknown.
+
+    Returns:
+        The same epoch counted in epochs of ``length``; None when nothing changes.
+
+    Example:
+        >>> refit_epoch_length(Position(epoch=2, iteration=6, epoch_length=3), 5)
+        Position(epoch=2, iteration=10, epoch_length=5)
+    """
+    if not length or length == at.epoch_length:
+        return None
+    return Position(at.epoch, at.epoch * length, length)

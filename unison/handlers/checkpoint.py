@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -10,21 +9,35 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 from ignite.engine import Engine, Events
-from torch import nn
 
-import unison
-from unison.checkpoint.io import CheckpointError, atomic_save, is_complete, load_checkpoint
-from unison.checkpoint.manifest import Entry, Manifest, checkpoint_name
-from unison.checkpoint.state import capture_rng, load_model_state, model_state, restore_rng, to_cpu_copy
+from unison.checkpoint.io import atomic_save, load_checkpoint
+from unison.checkpoint.manifest import Entry, Manifest, entry_for
+from unison.checkpoint.retention import best_entry, check_options, retain
+from unison.checkpoint.state import (
+    Position,
+    build_checkpoint,
+    capture_rng,
+    check_checkpoint,
+    check_layout,
+    check_to_save,
+    checkpoint_meta,
+    data_length,
+    load_object_states,
+    object_states,
+    refit_epoch_length,
+    restore_rng,
+    resumable_sampler,
+    rng_of_rank,
+    sampler_state,
+    to_cpu_copy,
+)
 from unison.distributed.primitives import broadcast_object, get_rank, get_world_size, is_distributed
-from unison.handlers.sampler_epoch import samplers_with_set_epoch
+from unison.distributed.sync import require_sync_point
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
-FORMAT = 1
 
 
 class Checkpoint:
@@ -98,38 +111,12 @@ class Checkpoint:
         prefix: str = "ckpt",
         require_empty: bool = False,
     ) -> None:
-        for name, value in (
-            ("every_epochs", every_epochs),
-            ("every_iters", every_iters),
-            ("keep_last", keep_last),
-        ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"Checkpoint({name}={value!r}) must be a positive int or None.")
-        if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
-            raise ValueError(f"Checkpoint(keep_best={keep_best!r}) must be an int >= 0.")
-        if keep_best and metric is None:
-            raise ValueError(
-                f"Checkpoint(keep_best={keep_best}) needs metric=<name of a score> to rank checkpoints by."
-            )
-        if mode not in ("max", "min"):
-            raise ValueError(f"Checkpoint(mode={mode!r}) must be 'max' or 'min'.")
-        if not isinstance(to_save, Mapping) or not to_save:
-            raise ValueError("Checkpoint(to_save=...) needs a non-empty mapping of name -> object to save.")
-        for name, obj in to_save.items():
-            if name in _RESERVED:
-                raise ValueError(
-                    f"Checkpoint(to_save={{{name!r}: ...}}): {name!r} is reserved; use another name."
-                )
-            if not isinstance(obj, nn.Module) and not callable(getattr(obj, "state_dict", None)):
-                raise TypeError(
-                    f"Checkpoint(to_save={{{name!r}: ...}}): a {type(obj).__name__} has no state_dict(); pass "
-                    "models, optimizers, schedulers, scalers or handlers with state_dict()/load_state_dict()."
-                )
-        if getattr(trainer, "sync_point", None) is None:
-            raise TypeError(f"Checkpoint(trainer=...) needs a unison Engine, got {type(trainer).__name__}.")
+        _check_options(every_epochs, every_iters, keep_last, keep_best, metric, mode)
+        check_to_save(to_save)
+        self._agreed = require_sync_point(trainer, "Checkpoint(trainer=...)")
         self.folder = Path(dirname)
         self.to_save = dict(to_save)
-        scaler = getattr(getattr(trainer, "_process_function", None), "scaler", None)
+        scaler = _step_attribute(trainer, "scaler", None)
         if scaler is not None and not any(obj is scaler for obj in self.to_save.values()):
             # fp16 training made its own GradScaler: without its scale, a resume is not exact.
             self.to_save["grad_scaler"] = scaler
@@ -154,10 +141,12 @@ class Checkpoint:
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         self._pending_resume: dict[str, Any] | None = None
-        self._pending_rng: dict[str, Any] | None = None
+        self._pending_rng: Mapping[str, Any] | None = None
         self._snapshot: Any = None
+        self._refuse_a_used_folder(require_empty)
 
-        # Rank 0 reads the folder; every rank gets its answer, so they fail or go on together.
+    def _refuse_a_used_folder(self, require_empty: bool) -> None:
+        """Rank 0 reads the folder; every rank gets its answer, so they fail or go on together."""
         problem = None
         if get_rank() == 0:
             self.manifest.rebuild()
@@ -179,8 +168,7 @@ class Checkpoint:
             raise ValueError("Checkpoint.attach: attach to the trainer given to the constructor.")
         if trainer.has_event_handler(self._on_started, Events.STARTED):
             return
-        step = getattr(trainer, "_process_function", None)
-        k = getattr(step, "accumulation_steps", 1)
+        k = _step_attribute(trainer, "accumulation_steps", 1)
         trainer.add_event_handler(Events.STARTED, self._on_started)
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._restore_pending_rng)
         if self.every_epochs is not None:
@@ -198,9 +186,9 @@ class Checkpoint:
         trainer.add_event_handler(Events.TERMINATE, self._on_end)
 
     def _iteration_trigger(self, engine: Engine) -> None:
-        if engine.state.iteration % self.every_iters == 0:  # type: ignore[operator]
+        if self.every_iters is not None and engine.state.iteration % self.every_iters == 0:
             self._save_due = True
-        if not self._save_due or not engine.at_boundary():  # type: ignore[attr-defined]
+        if not self._save_due or not self._agreed.at_boundary():
             return
         length = engine.state.epoch_length
         ends_epoch = length is not None and engine.state.iteration % length == 0
@@ -212,7 +200,8 @@ class Checkpoint:
         self.save(engine)
 
     def _on_end(self, engine: Engine) -> None:
-        if self.at_end and engine.state.iteration != self._last_saved_iteration and engine.at_boundary():  # type: ignore[attr-defined]
+        unsaved = engine.state.iteration != self._last_saved_iteration
+        if self.at_end and unsaved and self._agreed.at_boundary():
             self.save(engine)
         self.wait()
 
@@ -221,68 +210,33 @@ class Checkpoint:
     def _score(self) -> float | None:
         if self.metric is None:
             return None
-        engine = self.metric_engine or self.trainer
-        value = engine.state.metrics.get(self.metric)
+        value = (self.metric_engine or self.trainer).state.metrics.get(self.metric)
         return None if value is None else float(value)
-
-    def _sampler_state(self, engine: Engine) -> dict[str, Any] | None:
-        samplers = [
-            s
-            for s in samplers_with_set_epoch(engine.state.dataloader)
-            if callable(getattr(s, "load_state_dict", None))
-        ]
-        if not samplers:
-            return None
-        length = engine.state.epoch_length or 0
-        done = engine.state.iteration % length if length else 0
-        batch_size = getattr(engine.state.dataloader, "batch_size", None) or 1
-        epoch = engine.state.iteration // length if length else engine.state.epoch
-        state = samplers[0].state_dict(consumed=done * batch_size)
-        state["epoch"] = epoch
-        return state
 
     def collect(self, engine: Engine) -> dict[str, Any] | None:
         """Collective: call on every rank. The full checkpoint on rank 0; None elsewhere."""
-        rng = capture_rng()
-        if is_distributed():
-            everyone: list[Any] | None = [None] * get_world_size() if get_rank() == 0 else None
-            dist.gather_object(rng, everyone, dst=0)
-        else:
-            everyone = [rng]
-        if get_rank() != 0:
+        everyone = _gather_rng()
+        if everyone is None:
             return None
-        length = engine.state.epoch_length
-        step = getattr(engine, "_process_function", None)
-        import ignite
-
-        objects = {
-            name: model_state(obj) if isinstance(obj, nn.Module) else obj.state_dict()
-            for name, obj in self.to_save.items()
-        }
-        return {
-            "meta": {
-                "format": FORMAT,
-                "epoch": engine.state.epoch,
-                "iteration": engine.state.iteration,
-                "mid_epoch": bool(length and engine.state.iteration % length),
-                "world_size": get_world_size(),
-                "batch_size": getattr(engine.state.dataloader, "batch_size", None),
-                "accumulation_steps": getattr(step, "accumulation_steps", 1),
-                "score": self._score(),
-                "metric": self.metric,
-                "saved_at": time.time(),
-                "versions": {
-                    "unison": unison.__version__,
-                    "torch": str(torch.__version__),
-                    "ignite": str(ignite.__version__),
-                },
-            },
-            "trainer": dict(engine.state_dict()),
-            "sampler": self._sampler_state(engine),
-            "rng": everyone,
-            "objects": objects,
-            "config": self.config,
-        }
+        at = _position(engine)
+        batch_size, accumulation_steps = _layout(engine)
+        meta = checkpoint_meta(
+            at,
+            world_size=get_world_size(),
+            batch_size=batch_size,
+            accumulation_steps=accumulation_steps,
+            score=self._score(),
+            metric=self.metric,
+            saved_at=time.time(),
+        )
+        return build_checkpoint(
+            meta=meta,
+            trainer=engine.state_dict(),
+            sampler=sampler_state(engine.state.dataloader, at, batch_size),
+            rng=everyone,
+            objects=object_states(self.to_save),
+            config=self.config,
+        )
 
     def save(self, engine: Engine | None = None) -> Path | None:
         """Collective: call on every rank. Writes a checkpoint now; returns its path on rank 0."""
@@ -296,18 +250,13 @@ class Checkpoint:
         if state is None:
             return None
         self.wait()  # at most one write in flight
-        meta = state["meta"]
-        path = self.folder / checkpoint_name(self.manifest.prefix, meta["epoch"], meta["iteration"])
-        score = meta["score"]
-        if score is not None and not math.isfinite(score):
-            score = None  # never the best; and manifest.json stays strict JSON
-        entry = Entry(file=path.name, epoch=meta["epoch"], iteration=meta["iteration"], score=score)
+        entry = entry_for(state["meta"], self.manifest.prefix)
+        path = self.folder / entry.file
         if self.async_save:
             # The previous write has finished (wait() above): its buffers are free to reuse.
-            snapshot = to_cpu_copy(state, reuse=self._snapshot)
-            self._snapshot = snapshot
+            self._snapshot = to_cpu_copy(state, reuse=self._snapshot)
             self._writer = threading.Thread(
-                target=self._write, args=(snapshot, path, entry), name="unison-ckpt", daemon=False
+                target=self._write, args=(self._snapshot, path, entry), name="unison-ckpt", daemon=False
             )
             self._writer.start()
         else:
@@ -320,12 +269,7 @@ class Checkpoint:
             atomic_save(state, path)
             entry.saved_at = time.time()
             entry.size = path.stat().st_size
-            self.manifest.add(entry)
-            doomed = self._rotate()
-            self.manifest.remove(doomed)
-            self.manifest.write()  # durable before anything is deleted
-            for name in doomed:
-                (self.folder / name).unlink(missing_ok=True)
+            self._record(entry)
             self.saved.append(path)
             _log.info("Saved checkpoint %s", path)
         except BaseException as err:
@@ -333,18 +277,16 @@ class Checkpoint:
             if threading.current_thread() is threading.main_thread():
                 raise
 
-    def _rotate(self) -> set[str]:
-        entries = self.manifest.entries
-        keep: set[str] = set()
-        if self.keep_last is None:
-            keep.update(e.file for e in entries)
-        else:
-            keep.update(e.file for e in entries[-self.keep_last :])
-        if self.keep_best:
-            scored = [e for e in entries if e.score is not None and not math.isnan(e.score)]
-            scored.sort(key=lambda e: e.score, reverse=self.mode == "max")  # type: ignore[arg-type, return-value]
-            keep.update(e.file for e in scored[: self.keep_best])
-        return {e.file for e in entries if e.file not in keep}
+    def _record(self, entry: Entry) -> None:
+        """Adds a durable file to the manifest, then rotates: nothing is deleted before the manifest is."""
+        self.manifest.add(entry)
+        plan = retain(
+            self.manifest.entries, keep_last=self.keep_last, keep_best=self.keep_best, mode=self.mode
+        )
+        self.manifest.remove(set(plan.delete))
+        self.manifest.write()  # durable before anything is deleted
+        for name in plan.delete:
+            (self.folder / name).unlink(missing_ok=True)
 
     def wait(self) -> None:
         """Blocks until an asynchronous write has finished; re-raises its error."""
@@ -358,10 +300,7 @@ class Checkpoint:
     @property
     def best(self) -> Entry | None:
         """The best recorded checkpoint by ``metric`` (rank 0's view)."""
-        scored = [e for e in self.manifest.entries if e.score is not None and not math.isnan(e.score)]
-        if not scored:
-            return None
-        return (max if self.mode == "max" else min)(scored, key=lambda e: e.score)  # type: ignore[arg-type, return-value]
+        return best_entry(self.manifest.entries, self.mode)
 
     # -- resuming -------------------------------------------------------------------------
 
@@ -369,15 +308,8 @@ class Checkpoint:
         """Rank 0: the file to resume from."""
         if which != "auto":
             return str(which)
-        self.manifest.rebuild()
-        for entry in self.manifest.newest():
-            path = self.folder / entry.file
-            if is_complete(path):
-                return str(path)
-            _log.warning(
-                "Checkpoint %s is damaged (truncated or corrupt); falling back to an older one.", path
-            )
-        return None
+        path = self.manifest.rebuild().newest_complete()
+        return None if path is None else str(path)
 
     def resume(self, which: str | os.PathLike[str] = "auto") -> Path | None:
         """Collective: call on every rank, before ``trainer.run``. Loads a checkpoint.
@@ -390,46 +322,21 @@ class Checkpoint:
             The file resumed from, or None.
 
         Raises:
-            CheckpointError: naming the file, when it is missing, truncated or corrupt.
+            CheckpointError: naming the file, when it is missing, truncated or corrupt, or
+                does not fit this run.
         """
-        choice = self._choose(which) if get_rank() == 0 else None
-        choice = broadcast_object(choice)
+        choice = broadcast_object(self._choose(which) if get_rank() == 0 else None)
         if choice is None:
             _log.info("No checkpoint in %s: starting fresh.", self.folder)
             return None
         state = load_checkpoint(choice)
-        meta = state.get("meta", {})
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(
-                f"Checkpoint {choice} has format {meta.get('format')!r}; this unison reads {FORMAT}."
-            )
-        missing = [name for name in self.to_save if name not in state["objects"]]
-        if missing:
-            raise CheckpointError(
-                f"Checkpoint {choice} holds no state for {missing} (it has {sorted(state['objects'])}). "
-                "Use the same to_save names as the run that wrote it."
-            )
-        if meta["world_size"] != get_world_size():
-            if meta["mid_epoch"]:
-                raise CheckpointError(
-                    f"Checkpoint {choice} was taken mid-epoch (iteration {meta['iteration']}) with world size "
-                    f"{meta['world_size']}; this run has {get_world_size()}. Resume with {meta['world_size']} ranks, "
-                    "or from a checkpoint taken at an epoch's end."
-                )
-            _log.warning(
-                "Resuming %s, saved with world size %d, on %d ranks: the global batch changes from here on.",
-                choice,
-                meta["world_size"],
-                get_world_size(),
-            )
-        for name, obj in self.to_save.items():
-            if isinstance(obj, nn.Module):
-                load_model_state(obj, state["objects"][name])
-            else:
-                obj.load_state_dict(state["objects"][name])
+        change = check_checkpoint(state, source=choice, names=self.to_save, world_size=get_world_size())
+        if change is not None:
+            _log.warning("%s", change)
+        meta = state["meta"]
+        load_object_states(self.to_save, state["objects"])
         self.trainer.load_state_dict(state["trainer"])
-        rng = state["rng"]
-        self._pending_rng = rng[get_rank()] if get_rank() < len(rng) else None
+        self._pending_rng = rng_of_rank(state["rng"], get_rank())
         self._pending_resume = state
         self._last_saved_iteration = meta["iteration"]
         _log.info("Resumed from %s (epoch %d, iteration %d).", choice, meta["epoch"], meta["iteration"])
@@ -440,28 +347,18 @@ class Checkpoint:
         if state is None:
             return
         meta = state["meta"]
-        self._check_layout(engine, meta)
+        batch_size, accumulation_steps = _layout(engine)
+        change = check_layout(meta, batch_size=batch_size, accumulation_steps=accumulation_steps)
+        if change is not None:
+            _log.warning("%s Resuming anyway at an epoch boundary.", change)
         if not meta["mid_epoch"] and not getattr(engine, "epoch_length_given", False):
-            self._refit_epoch_length(engine)
-        sampler_state = state.get("sampler")
-        if sampler_state is not None:
-            samplers = [
-                s
-                for s in samplers_with_set_epoch(engine.state.dataloader)
-                if callable(getattr(s, "load_state_dict", None))
-            ]
-            if samplers:
-                samplers[0].load_state_dict(sampler_state)
-            elif meta["mid_epoch"]:
-                _log.warning(
-                    "The checkpoint was taken mid-epoch but the training data's sampler cannot skip samples "
-                    "(use unison.distributed.TrainSampler): the epoch restarts from its first batch."
-                )
-        if not meta["mid_epoch"] and self._pending_rng is not None:
+            _refit_epoch_length(engine)
+        if state.get("sampler") is not None:
+            _load_sampler(engine, state["sampler"], mid_epoch=meta["mid_epoch"])
+        if not meta["mid_epoch"]:
             # At an epoch boundary the next draw happens when the epoch's data iterator is
             # made, as in the uninterrupted run: put the generators back before that.
-            restore_rng(self._pending_rng)
-            self._pending_rng = None
+            self._restore_pending_rng(engine)
 
     def _restore_pending_rng(self, _: Engine) -> None:
         # Mid-epoch: the uninterrupted run had already made its data iterator when it
@@ -470,50 +367,82 @@ class Checkpoint:
             restore_rng(self._pending_rng)
             self._pending_rng = None
 
-    @staticmethod
-    def _refit_epoch_length(engine: Engine) -> None:
-        """At an epoch boundary the data decides the epoch length, not the checkpoint."""
-        try:
-            length = len(engine.state.dataloader)  # type: ignore[arg-type]
-        except TypeError:
-            return
-        if length and length != engine.state.epoch_length:
-            _log.warning(
-                "The epoch length changed from %s to %d batches since the checkpoint (another world size or "
-                "batch size); epochs from here on cover the whole data again.",
-                engine.state.epoch_length,
-                length,
-            )
-            engine.state.epoch_length = length
-            engine.state.iteration = engine.state.epoch * length
-
-    def _check_layout(self, engine: Engine, meta: Mapping[str, Any]) -> None:
-        step = getattr(engine, "_process_function", None)
-        now = {
-            "batch_size": getattr(engine.state.dataloader, "batch_size", None),
-            "accumulation_steps": getattr(step, "accumulation_steps", 1),
-        }
-        changed = [
-            f"{k} {meta.get(k)} -> {v}"
-            for k, v in now.items()
-            if meta.get(k) is not None and meta.get(k) != v
-        ]
-        if not changed:
-            return
-        message = f"The run differs from its checkpoint: {', '.join(changed)} (per rank)."
-        if meta["mid_epoch"]:
-            raise CheckpointError(
-                message
-                + " A mid-epoch position is only exact with the same layout; resume with the saved values, "
-                "or from a checkpoint taken at an epoch's end."
-            )
-        _log.warning("%s Resuming anyway at an epoch boundary.", message)
-
     def state_dict(self) -> dict[str, Any]:
+        """The manifest as this rank knows it, for the record."""
         return {"manifest": self.manifest.to_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Rotation is rebuilt from the folder, which is the truth; nothing to load."""
 
 
-_RESERVED = {"meta", "trainer", "sampler", "rng", "config"}
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _check_options(
+    every_epochs: int | None,
+    every_iters: int | None,
+    keep_last: int | None,
+    keep_best: int,
+    metric: str | None,
+    mode: str,
+) -> None:
+    for name, value in (("every_epochs", every_epochs), ("every_iters", every_iters)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"Checkpoint({name}={value!r}) must be a positive int or None.")
+    check_options(keep_last=keep_last, keep_best=keep_best, mode=mode, who="Checkpoint")
+    if keep_best and metric is None:
+        raise ValueError(
+            f"Checkpoint(keep_best={keep_best}) needs metric=<name of a score> to rank checkpoints by."
+        )
+
+
+def _step_attribute(engine: Engine, name: str, default: Any) -> Any:
+    """An attribute of the trainer's step (``TrainStep``), or ``default`` for another process function."""
+    return getattr(getattr(engine, "_process_function", None), name, default)
+
+
+def _position(engine: Engine) -> Position:
+    return Position(engine.state.epoch, engine.state.iteration, engine.state.epoch_length)
+
+
+def _layout(engine: Engine) -> tuple[int | None, int]:
+    """The per-rank batch size of the training data and the accumulation steps."""
+    return getattr(engine.state.dataloader, "batch_size", None), _step_attribute(
+        engine, "accumulation_steps", 1
+    )
+
+
+def _gather_rng() -> list[Any] | None:
+    """Collective: call on every rank. Every rank's generator states on rank 0; None elsewhere."""
+    rng = capture_rng()
+    if not is_distributed():
+        return [rng]
+    everyone: list[Any] | None = [None] * get_world_size() if get_rank() == 0 else None
+    dist.gather_object(rng, everyone, dst=0)
+    return everyone
+
+
+def _refit_epoch_length(engine: Engine) -> None:
+    """At an epoch boundary the data decides the epoch length, not the checkpoint."""
+    fit = refit_epoch_length(_position(engine), data_length(engine.state.dataloader))
+    if fit is None:
+        return
+    _log.warning(
+        "The epoch length changed from %s to %d batches since the checkpoint (another world size or "
+        "batch size); epochs from here on cover the whole data again.",
+        engine.state.epoch_length,
+        fit.epoch_length,
+    )
+    engine.state.epoch_length, engine.state.iteration = fit.epoch_length, fit.iteration
+
+
+def _load_sampler(engine: Engine, saved: Mapping[str, Any], *, mid_epoch: bool) -> None:
+    """Puts the training sampler back at its saved position, or warns that it cannot skip."""
+    sampler = resumable_sampler(engine.state.dataloader)
+    if sampler is not None:
+        sampler.load_state_dict(saved)
+    elif mid_epoch:
+        _log.warning(
+            "The checkpoint was taken mid-epoch but the training data's sampler cannot skip samples "
+            "(use unison.distributed.TrainSampler): the epoch restarts from its first batch."
+        )
