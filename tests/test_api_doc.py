@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from unison._apidoc import MODULES, api_markdown
+from unison.utils.apidoc import MODULES, api_markdown
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
@@ -10,7 +10,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 def test_api_page_matches_the_package() -> None:
     assert DOC.read_text() == api_markdown(), (
         "docs/api.md is stale: regenerate it with\n"
-        "python -c \"from unison._apidoc import api_markdown; open('docs/api.md','w').write(api_markdown())\""
+        "python -c \"from unison.utils.apidoc import api_markdown; open('docs/api.md','w').write(api_markdown())\""
     )
 
 

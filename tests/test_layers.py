@@ -7,10 +7,10 @@ import ast
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "unison"
@@ -65,7 +65,7 @@ def test_every_module_belongs_to_a_part() -> None:
 
 def test_no_part_imports_the_top_level_package() -> None:
     offenders = []
-    for name, path in _modules():
+    for _, path in _modules():
         if path.parent == PACKAGE:
             continue  # unison/__init__.py and __main__.py are the top level
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

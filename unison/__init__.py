@@ -2,7 +2,6 @@
 
 from unison.distributed import launch, prepare_loaders, prepare_model
 from unison.engine import Engine, Events, create_evaluator, create_trainer
-
 from unison.utils.version import __version__
 
 __all__ = [

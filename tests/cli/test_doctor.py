@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from unison.cli.doctor import _ifname_matches, run_doctor
+from unison.cli.doctor import run_doctor
 from unison.distributed.env import find_free_port
 
 
@@ -108,11 +108,3 @@ def test_an_unresolvable_master_address_blocks():
     code, text = _doctor(find_free_port(), MASTER_ADDR="no-such-host.invalid")
     assert code == 1
     assert "MASTER_ADDR='no-such-host.invalid' does not resolve" in text
-
-
-@pytest.mark.parametrize(
-    "spec, matches",
-    [("eth", True), ("eth0,ib", True), ("=eth", False), ("=eth0", True), ("^docker,lo", True), ("ib", False)],
-)
-def test_interface_selectors(spec, matches):
-    assert _ifname_matches(spec, ["lo", "eth0"]) is matches

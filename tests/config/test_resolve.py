@@ -1,4 +1,4 @@
-"""unison/config/resolve.py and unison.cli.run.resolve: allow-list, denied prefixes, slots."""
+"""unison/config/resolve.py and unison.cli.resolve.resolve: allow-list, denied prefixes, slots."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-import unison.cli.run
+import unison.cli.resolve
 from unison.config import (
     ALLOWED_PREFIXES,
     DENIED_PREFIXES,
@@ -113,7 +113,7 @@ def test_recipe_resolve_finds_modules_next_to_the_config(tmp_path, monkeypatch):
     path = tmp_path / "config.yaml"
     path.write_text(f"model:\n  type: !pyobject {name}.Net\ndata:\n  build: !pyobject {name}.build\n")
     try:
-        resolved = unison.cli.run.resolve(load_config(path))
+        resolved = unison.cli.resolve.resolve(load_config(path))
         module = sys.modules[name]
         assert resolved.model_type is module.Net and resolved.data_build is module.build
     finally:
@@ -249,7 +249,7 @@ def test_callable_slot():
     assert "function or class" in refused("torch.pi", slot="callable")
 
 
-# -- nested kwargs and unison.cli.run.resolve ------------------------------------------------
+# -- nested kwargs and unison.cli.resolve.resolve ----------------------------------------------
 
 
 def test_resolve_tree_resolves_nested_references_and_names_their_key():
@@ -279,7 +279,7 @@ def test_recipe_resolve_returns_every_object(tmp_path):
         "    loss:\n      type: !pyobject unison.metrics.Loss\n"
         "      kwargs: {loss_fn: !pyobject torch.nn.functional.nll_loss}\n",
     )
-    r = unison.cli.run.resolve(config)
+    r = unison.cli.resolve.resolve(config)
     assert r.optimizer_type is torch.optim.AdamW  # the default
     assert r.scheduler_type is torch.optim.lr_scheduler.StepLR and r.scheduler_kwargs == {"step_size": 2}
     assert r.loss is torch.nn.functional.cross_entropy
@@ -295,7 +295,7 @@ def test_recipe_resolve_checks_the_metric_mapping_form(tmp_path):
         tmp_path, "validation:\n  metrics:\n    acc: {typ: !pyobject unison.metrics.Accuracy}\n"
     )
     with pytest.raises(ConfigError) as info:
-        unison.cli.run.resolve(config)
+        unison.cli.resolve.resolve(config)
     assert info.value.key_path == "validation.metrics.acc"
     assert "'typ'" in str(info.value)
 
@@ -305,7 +305,7 @@ def test_recipe_resolve_names_the_key_and_slot_of_a_wrong_optimizer(tmp_path):
         tmp_path, "training:\n  optimizer_type: !pyobject torch.optim.lr_scheduler.StepLR\n"
     )
     with pytest.raises(ConfigError) as info:
-        unison.cli.run.resolve(config)
+        unison.cli.resolve.resolve(config)
     line = len(path.read_text().splitlines())
     assert str(info.value).startswith(f"{path}:{line}: training.optimizer_type: ")
     assert "torch.optim.Optimizer" in str(info.value)
@@ -313,8 +313,8 @@ def test_recipe_resolve_names_the_key_and_slot_of_a_wrong_optimizer(tmp_path):
 
 def test_recipe_resolve_uses_the_configs_imports(tmp_path):
     _, config = _config(tmp_path, "imports: [json]\nhooks:\n  after_training: !pyobject json.dumps\n")
-    assert unison.cli.run.resolve(config).after_training is json.dumps
+    assert unison.cli.resolve.resolve(config).after_training is json.dumps
     _, config = _config(tmp_path, "imports: [os]\nhooks:\n  after_training: !pyobject os.system\n")
     with pytest.raises(ConfigError) as info:
-        unison.cli.run.resolve(config)
+        unison.cli.resolve.resolve(config)
     assert info.value.key_path == "hooks.after_training" and "refused" in str(info.value)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import unison.cli.run
+import unison.cli.resolve
 from unison.config import Config, ConfigError, PyObjectRef, load_config, load_yaml, schema_reference, validate
 from unison.config.schema import REQUIRED
 
@@ -239,7 +239,7 @@ def _check_quantumgrav(config: Config) -> None:
         64,
     )
     assert config.early_stopping.patience == 5
-    resolved = unison.cli.run.resolve(config)
+    resolved = unison.cli.resolve.resolve(config)
     assert resolved.optimizer_type is torch.optim.AdamW
     assert resolved.model_type is torch.nn.Linear
     train, val, test = resolved.data_build(seed=config.training.seed, **resolved.data_kwargs)
@@ -266,7 +266,7 @@ def test_quantumgrav_config_needs_its_import(quantumgrav, tmp_path):
     path.write_text(text.replace("imports: [qg_data]\n", ""))
     config = load_config(path)
     with pytest.raises(ConfigError) as info:
-        unison.cli.run.resolve(config)
+        unison.cli.resolve.resolve(config)
     line = next(i for i, row in enumerate(path.read_text().splitlines(), 1) if "qg_data.build" in row)
     assert str(info.value).startswith(f"{path}:{line}: data.build: ")
     assert "imports: [qg_data]" in str(info.value)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from unison.cli.run import scaled_lr
+from unison.cli.resolve import scaled_lr
 from unison.engine.predict import predict
 from unison.testing import run_distributed
 

@@ -16,9 +16,9 @@ import torch
 from _log_capture import LogRecords
 
 from unison.distributed import get_rank
+from unison.distributed.sync import split_rows
 from unison.engine import Engine, Events
 from unison.handlers import EarlyStopping, NonFiniteGuard, TimeLimit, Watchdog
-from unison.distributed.sync import split_rows
 
 
 def ones(engine: Any, batch: Any) -> torch.Tensor:

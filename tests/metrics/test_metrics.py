@@ -11,7 +11,15 @@ from _sync_probe import count_host_syncs
 from ignite.engine import Engine as IgniteEngine
 from ignite.exceptions import NotComputableError
 
-from unison.metrics import Accuracy, Loss, MeanAbsoluteError, MeanSquaredError, MetricGroup, Perplexity, SumMetric
+from unison.metrics import (
+    Accuracy,
+    Loss,
+    MeanAbsoluteError,
+    MeanSquaredError,
+    MetricGroup,
+    Perplexity,
+    SumMetric,
+)
 
 
 def _logits(n: int, c: int, seed: int, *extra: int) -> tuple[torch.Tensor, torch.Tensor]:

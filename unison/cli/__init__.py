@@ -1,8 +1,9 @@
 """The ``unison`` command: ``run`` a config, check a machine with ``doctor``, ``plot`` a run.
 
-The parser and :func:`main` live here; each command's code is a module of this package
-(:mod:`unison.cli.run`, :mod:`unison.cli.doctor`, :mod:`unison.cli.plot`), imported only
-when its command runs, so ``unison --help`` stays quick.
+The parser and :func:`main` live here; each command's code is in modules of this package,
+imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.cli.run`
+(with :mod:`unison.cli.resolve` and :mod:`unison.cli.steps`), :mod:`unison.cli.doctor` (with
+:mod:`unison.cli.checks` and :mod:`unison.cli.launch_checks`) and :mod:`unison.cli.plot`.
 """
 
 from __future__ import annotations

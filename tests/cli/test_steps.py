@@ -1,0 +1,168 @@
+"""unison/cli/steps.py: the steps that build a run from a config, one at a time, in one process.
+
+Each step takes the config (and what earlier steps built) and is called here on its own.
+Training a run built in steps is in tests/cli/test_run.py; real runs of whole configs,
+spawned on 2 ranks, are in tests/cli/test_cli.py and tests/recipes/.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _cli_parts import config, datasets, parts_of, resolved, tiny_datasets
+from torch.nn import functional as F
+
+from unison.cli.steps import (
+    build_datasets,
+    build_evaluator,
+    build_loaders,
+    build_model,
+    build_optimizer,
+    build_trainer,
+    checkpoint_objects,
+)
+from unison.config import ConfigError
+from unison.engine import TrainStep
+
+# -- data --------------------------------------------------------------------------------------
+
+
+def test_validation_loader_takes_the_validation_sections_num_workers() -> None:
+    """The fix: validation.num_workers was ignored, and training.num_workers used for both loaders."""
+    c = config()
+    c.training.num_workers = 0
+    c.validation.num_workers = 1
+    train_loader, val_loader = build_loaders(c, datasets())
+    assert train_loader is not None and val_loader is not None
+    assert (train_loader.num_workers, val_loader.num_workers) == (0, 1)
+
+
+def test_training_workers_stay_with_the_training_loader() -> None:
+    """training.num_workers and prefetch_factor are the training loader's; validation has no workers."""
+    c = config()
+    c.training.num_workers = 2
+    c.training.prefetch_factor = 3
+    c.validation.num_workers = 0
+    train_loader, val_loader = build_loaders(c, datasets())
+    assert train_loader is not None and val_loader is not None
+    assert (train_loader.num_workers, train_loader.prefetch_factor) == (2, 3)
+    assert (val_loader.num_workers, val_loader.prefetch_factor) == (0, None)
+
+
+def test_validation_workers_prefetch_as_training_asks() -> None:
+    c = config()
+    c.training.num_workers = 1
+    c.training.prefetch_factor = 3
+    c.training.pin_memory = True
+    c.validation.num_workers = 2
+    _, val_loader = build_loaders(c, datasets())
+    assert val_loader is not None
+    assert (val_loader.num_workers, val_loader.prefetch_factor, val_loader.pin_memory) == (2, 3, True)
+
+
+@pytest.mark.parametrize(("val_batch", "expected"), [(None, 4), (5, 5)])
+def test_validation_batch_size_defaults_to_the_training_one(val_batch: int | None, expected: int) -> None:
+    c = config()
+    c.validation.batch_size = val_batch
+    train_loader, val_loader = build_loaders(c, datasets())
+    assert train_loader is not None and val_loader is not None
+    assert (train_loader.batch_size, val_loader.batch_size) == (4, expected)
+
+
+def test_build_datasets_takes_two_or_three_datasets() -> None:
+    two = build_datasets(config(), resolved(data_kwargs={"test": False}))
+    assert two.test is None and len(two.train) == 12 and len(two.val) == 6
+    three = build_datasets(config(), resolved())
+    assert three.test is not None and len(three.test) == 6
+
+
+def test_build_datasets_refuses_anything_else() -> None:
+    with pytest.raises(TypeError, match=r"data.build must return \(train, val\) or \(train, val, test\)"):
+        build_datasets(config(), resolved(data_build=lambda seed: tiny_datasets(seed)[0]))
+
+
+def test_build_datasets_seeds_before_building() -> None:
+    def draw(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.rand(3), torch.rand(3)  # the global generator, seeded by the step
+
+    first = build_datasets(config(), resolved(data_build=draw))
+    second = build_datasets(config(), resolved(data_build=draw))
+    assert torch.equal(first.train, second.train)
+
+
+# -- model, optimizer and scheduler -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "world", "expected"), [("none", 4, 0.5), ("linear", 4, 2.0), ("sqrt", 4, 1.0)]
+)
+def test_training_lr_overrides_the_optimizer_kwargs_then_scales(
+    rule: str, world: int, expected: float
+) -> None:
+    c = config()
+    c.training.lr = 0.5
+    c.training.lr_scaling = rule  # type: ignore[assignment]
+    model = build_model(c, resolved())
+    optimizer, scheduler = build_optimizer(c, resolved(), model, world)
+    assert isinstance(optimizer, torch.optim.SGD) and scheduler is None
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+
+
+def test_build_optimizer_makes_the_scheduler_of_the_optimizer() -> None:
+    r = resolved(scheduler_type=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 2})
+    model = build_model(config(), r)
+    optimizer, scheduler = build_optimizer(config(), r, model, 1)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.optimizer is optimizer
+
+
+# -- trainer -----------------------------------------------------------------------------------
+
+
+def test_the_trainer_steps_as_the_training_section_asks() -> None:
+    c = config()
+    c.training.accumulation_steps = 2
+    c.training.clip_grad_norm = 1.5
+    r = resolved()
+    model = build_model(c, r)
+    optimizer, _ = build_optimizer(c, r, model, 1)
+    step = build_trainer(c, r, model, optimizer).process_function
+    assert isinstance(step, TrainStep)
+    assert (step.optimizer, step.loss_fn, step.accumulation_steps, step.clip_grad_norm) == (
+        optimizer,
+        F.cross_entropy,
+        2,
+        1.5,
+    )
+    assert step.amp_dtype is None and step.scaler is None
+
+
+# -- evaluator ---------------------------------------------------------------------------------
+
+
+def test_the_watched_metric_defaults_to_the_first() -> None:
+    model = build_model(config(), resolved())
+    _, watched = build_evaluator(config(), resolved(), model)
+    assert watched == "accuracy"
+
+
+def test_an_unknown_checkpoint_metric_is_a_config_error() -> None:
+    c = config()
+    c.checkpoint.metric = "f1"
+    model = build_model(c, resolved())
+    with pytest.raises(ConfigError, match="no validation metric named 'f1'"):
+        build_evaluator(c, resolved(), model)
+
+
+# -- handlers ----------------------------------------------------------------------------------
+
+
+def test_checkpoint_holds_model_optimizer_scheduler_and_early_stopping(tmp_path: Path) -> None:
+    c = config(tmp_path)
+    c.early_stopping.patience = 2
+    r = resolved(scheduler_type=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 1})
+    parts = parts_of(c, r, tmp_path)
+    assert list(checkpoint_objects(parts)) == ["model", "optimizer", "scheduler"]
+    assert parts.checkpoint is not None
+    assert list(parts.checkpoint.to_save) == ["model", "optimizer", "scheduler", "early_stopping"]
