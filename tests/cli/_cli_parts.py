@@ -1,6 +1,6 @@
 """A tiny classifier run for the tests of unison/cli/: what ``resolve`` returns, a quiet config.
 
-Shared by tests/cli/test_steps.py and tests/cli/test_run.py, which build and train it in
+Shared by tests/cli/test_run_steps.py and tests/cli/test_run.py, which build and train it in
 one process.
 """
 

@@ -1,7 +1,7 @@
 """unison/cli/run.py: a run built in steps, resumed, trained and tested, in one process.
 
 Real runs of whole configs, spawned on 2 ranks, are in tests/cli/test_cli.py and
-tests/recipes/; each build step on its own is in tests/cli/test_steps.py.
+tests/recipes/; each build step on its own is in tests/cli/test_run_steps.py.
 """
 
 from __future__ import annotations

@@ -119,3 +119,35 @@ def test_pending_requests_round_trip_through_weights_only() -> None:
     other = StopControl("t")
     other.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
     assert other.requests == control.requests and other.requested
+
+
+def _saved_requests(at: int, sync_every: int) -> list[str]:
+    """The stop requests an engine's state_dict holds when taken right after a request at ``at``."""
+    engine = Engine(lambda e, b: None, sync_every=sync_every)
+    saved: list[str] = []
+
+    @engine.on(Events.ITERATION_COMPLETED(once=at))
+    def ask_then_save(engine: Engine) -> None:
+        engine.request_stop("asked")
+        saved.extend(engine.state_dict()["unison"]["stop"]["reasons"])
+
+    engine.run(range(10))
+    return saved
+
+
+def _saved_in_three_places() -> dict[str, list[str]]:
+    return {
+        "at a sync point": _saved_requests(at=4, sync_every=2),
+        "between sync points": _saved_requests(at=3, sync_every=2),
+        "at the epoch's end": _saved_requests(at=10, sync_every=4),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_checkpoint_holds_only_requests_no_sync_point_has_settled() -> None:
+    """A request the sync point of this very iteration settles was acted on by the saved run:
+    the resumed run must not stop again for it. One still waiting for a sync point is kept."""
+    results = run_distributed(_saved_in_three_places, nproc=2, timeout=100)
+    for saved in results:
+        assert saved == {"at a sync point": [], "between sync points": ["asked"], "at the epoch's end": []}

@@ -426,3 +426,38 @@ def test_train_sampler_accepted_with_two_ranks(random_sampler_results):
         assert outcome["error"] is None
         assert outcome["iterations"] == math.ceil(math.ceil(8 / 2) / 2)
         assert outcome["moved"]
+
+
+def _finished_state(max_epochs: int = 2) -> dict:
+    engine = Engine(lambda e, b: None)
+    engine.run(range(4), max_epochs=max_epochs)
+    return dict(engine.state_dict())
+
+
+def test_a_finished_run_loaded_from_its_state_does_not_run_again() -> None:
+    """ignite restarts a finished state from epoch 0: a resumed run would retrain and overwrite."""
+    engine = Engine(lambda e, b: None)
+    events: list[str] = []
+    for event in (Events.STARTED, Events.ITERATION_COMPLETED, Events.COMPLETED):
+        engine.add_event_handler(event, lambda e, name=event.name: events.append(name))
+    engine.load_state_dict(_finished_state())
+    state = engine.run(range(4), max_epochs=2)
+    assert (state.epoch, state.iteration, events) == (2, 8, [])
+
+
+def test_a_finished_run_continues_to_a_larger_max_epochs() -> None:
+    engine = Engine(lambda e, b: None)
+    iterations: list[int] = []
+    engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: iterations.append(e.state.iteration))
+    engine.load_state_dict(_finished_state())
+    state = engine.run(range(4), max_epochs=3)
+    assert (state.epoch, state.iteration, iterations) == (3, 12, [9, 10, 11, 12])
+
+
+def test_only_a_loaded_state_is_kept_a_finished_engine_runs_again_as_in_ignite() -> None:
+    engine = Engine(lambda e, b: None)
+    engine.run(range(4), max_epochs=2)
+    iterations: list[int] = []
+    engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: iterations.append(e.state.iteration))
+    assert engine.run(range(4), max_epochs=2).iteration == 8
+    assert iterations == list(range(1, 9))  # a fresh run from epoch 0, as ignite does

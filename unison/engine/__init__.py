@@ -4,6 +4,7 @@ from ignite.engine import Events, State
 
 from unison.distributed.sync import SyncContributor, SyncPoint
 from unison.engine.engine import Engine
+from unison.engine.events import UpdateEvents
 from unison.engine.steps import EvalStep, TrainStep, create_evaluator, create_trainer, prepare_batch
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "SyncContributor",
     "SyncPoint",
     "TrainStep",
+    "UpdateEvents",
     "create_evaluator",
     "create_trainer",
     "prepare_batch",

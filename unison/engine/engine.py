@@ -35,6 +35,7 @@ from unison.distributed.primitives import all_reduce_sum, get_rank, get_world_si
 from unison.distributed.samplers import set_sampler_epoch
 from unison.distributed.sync import SyncPoint
 from unison.engine.control import Kind, StopControl
+from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.utils.errors import add_note, has_note
 from unison.utils.logging import get_logger
 
@@ -147,6 +148,8 @@ class Engine(IgniteEngine):
         self._resume_offset = 0
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._control, scope="every")
+        self._loaded = False
+        self.register_events(*UpdateEvents, event_to_attr={UpdateEvents.UPDATE_COMPLETED: UPDATE_ATTR})
         self.add_event_handler(Events.STARTED, self._on_started)
         self.add_event_handler(Events.EPOCH_COMPLETED, self._sync_epoch)
 
@@ -233,6 +236,8 @@ class Engine(IgniteEngine):
         self._control.agreed.clear()
         self._sync_due = False
         self._waiting_boundary = False
+        if self.state.iteration == 0:
+            setattr(self.state, UPDATE_ATTR, 0)  # a fresh run (ignite keeps custom counters)
         length = self.state.epoch_length
         self._resume_offset = self.state.iteration % length if length else 0
         # With one rank a stop request acts at once; sync points inside an epoch (and after
@@ -424,11 +429,37 @@ class Engine(IgniteEngine):
                 a ``RandomSampler``.
         """
         self.epoch_length_given = epoch_length is not None
+        loaded, self._loaded = self._loaded, False
+        if loaded and self._complete(max_epochs, max_iters):
+            _log.info(
+                "%s: the state loaded from the checkpoint is already complete (epoch %s, iteration %s); nothing "
+                "to run. Give a larger max_epochs (or max_iters) to train further.",
+                self.name,
+                self.state.epoch,
+                self.state.iteration,
+            )
+            return self.state
         if data is not None:
             _check_sharded(data)
             if epoch_length is None and _is_empty(data) and max_iters is None:
                 return self._run_empty(data, max_epochs)
         return super().run(data, max_epochs=max_epochs, max_iters=max_iters, epoch_length=epoch_length)
+
+    def _complete(self, max_epochs: int | None, max_iters: int | None) -> bool:
+        """Whether the current state has already reached the run's end (the limits given or kept).
+
+        ignite restarts a finished state from epoch 0; a run resumed from its last checkpoint
+        must not retrain and overwrite its checkpoints.
+        """
+        state = self.state
+        limit = max_iters if max_iters is not None else state.max_iters
+        if limit is not None:
+            return state.iteration >= limit
+        if state.max_epochs is None:
+            return False
+        target = max_epochs if max_epochs is not None else state.max_epochs
+        whole = state.epoch_length is None or state.iteration >= state.epoch_length * target
+        return state.epoch >= target and whole
 
     def _run_empty(self, data: Iterable, max_epochs: int | None) -> State:
         """Fires an epoch's events without iterations, for a rank that holds no samples."""
@@ -454,9 +485,15 @@ class Engine(IgniteEngine):
     # -- state --------------------------------------------------------------------------
 
     def state_dict(self) -> OrderedDict:
-        """ignite's engine state, plus this rank's pending stop requests and sync count."""
+        """ignite's engine state, plus the update count, the sync count and this rank's stop
+        requests that no sync point will have settled before the next iteration."""
         state = super().state_dict()
-        state[_STATE_KEY] = {"stop": self._control.state_dict(), "syncs": self.sync_point.count}
+        stop = StopControl(self.name) if self._requests_settle_here() else self._control
+        state[_STATE_KEY] = {
+            "stop": stop.state_dict(),
+            "syncs": self.sync_point.count,
+            UPDATE_ATTR: int(getattr(self.state, UPDATE_ATTR, 0)),
+        }
         return state
 
     def load_state_dict(self, state_dict: Mapping) -> None:
@@ -465,7 +502,29 @@ class Engine(IgniteEngine):
         if ours is not None:
             self._control.load_state_dict(ours.get("stop", {}))
             self.sync_point.count = int(ours.get("syncs", 0))
+            setattr(self.state, UPDATE_ATTR, int(ours.get(UPDATE_ATTR, 0)))
             self._keep_requests = True
+        self._loaded = True
+
+    def _requests_settle_here(self) -> bool:
+        """Whether this rank's pending stop requests will be decided before the next iteration.
+
+        A checkpoint taken now must not hold them: the run it resumes would stop again for a
+        request the saved run already acted on. That is so everywhere but inside an epoch
+        between sync points, where a request waits for a sync point the saved run has not
+        reached.
+        """
+        if self.last_event_name is not Events.ITERATION_COMPLETED:
+            return True  # an epoch's end or the run's end: a sync point or the end comes first
+        if not self.at_boundary():
+            return False
+        if get_world_size() == 1:
+            return True  # applied at this boundary, right after this event's handlers
+        if self._epoch_ends_here():
+            return True
+        every = self.sync_every
+        due = self._sync_due or (every is not None and self.state.iteration % every == 0)
+        return self._iteration_syncs and due
 
 
 def _handler_name(func: Callable[..., Any]) -> str:

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from unison.distributed.model import model_device, unwrap_model
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
+from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.metrics.base import SumMetric
 from unison.metrics.epoch_average import EpochAverage
 from unison.metrics.group import MetricGroup
@@ -170,6 +171,14 @@ class TrainStep:
         length = min(k, epoch_length - window_start)
         return length, position - window_start == length - 1
 
+    @staticmethod
+    def _updated(engine: IgniteEngine) -> None:
+        """Counts the update and fires ``UPDATE_COMPLETED`` (on engines that know the event)."""
+        state = engine.state
+        if hasattr(state, UPDATE_ATTR):
+            setattr(state, UPDATE_ATTR, getattr(state, UPDATE_ATTR) + 1)
+            engine.fire_event(UpdateEvents.UPDATE_COMPLETED)
+
     def __call__(self, engine: IgniteEngine, batch: Any) -> torch.Tensor:
         window, is_last = self._window(engine)
         x, y = self.prepare_batch(batch, self.device, self.non_blocking)
@@ -191,6 +200,7 @@ class TrainStep:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self._updated(engine)
         return loss.detach()
 
 
