@@ -52,3 +52,44 @@ def test_a_run_built_in_steps_trains_validates_tests_and_writes_results(tmp_path
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert written["test"] == pytest.approx(results["test"])
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
+
+
+# -- resuming a finished run ---------------------------------------------------------------------
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path: Path) -> None:
+    from unison.cli.run import _train
+
+    c = config(tmp_path)
+    c.training.max_epochs = 2
+    first = _train(c, resolved(), tmp_path, None)
+    before = _files(tmp_path)
+    again = _train(c, resolved(), tmp_path, "auto")
+    assert again["complete"] and (again["epochs"], again["iterations"]) == (2, 6)
+    assert _files(tmp_path) == before  # no checkpoint, metrics or predictions rewritten
+    assert (first["epochs"], first["iterations"]) == (2, 6)
+
+
+def test_a_finished_run_resumed_with_more_epochs_goes_on_from_its_end(tmp_path: Path) -> None:
+    from unison.cli.run import _train
+
+    c = config(tmp_path)
+    c.training.max_epochs = 2
+    _train(c, resolved(), tmp_path, None)
+    c.training.max_epochs = 3
+    more = _train(c, resolved(), tmp_path, "auto")
+    assert "complete" not in more
+    assert (more["epochs"], more["iterations"]) == (3, 9)
+    assert [row["epoch"] for row in more["history"]] == [3]  # only the new epoch was trained
+
+
+def test_run_folders_are_ordered_as_made_not_as_text(tmp_path: Path) -> None:
+    from unison.cli.run import _run_order
+
+    names = ["20261123-101500", "20261123-101500-2", "20261123-101500-10", "20261123-101501"]
+    manifests = [tmp_path / name / "checkpoints" / "manifest.json" for name in reversed(names)]
+    assert [m.parent.parent.name for m in sorted(manifests, key=_run_order)] == names

@@ -71,7 +71,7 @@ def _run_dir(config: Config, resume: str | None) -> tuple[Path, str | None]:
             run_dir = target.parent.parent if target.is_file() else target
             choice = (str(run_dir), str(target) if target.is_file() else "auto")
         else:
-            previous = sorted(p for p in root.glob("*/checkpoints/manifest.json")) if resume == "auto" else []
+            previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order) if resume == "auto" else []
             if previous:
                 choice = (str(previous[-1].parent.parent), "auto")
             else:
@@ -87,6 +87,14 @@ def _run_dir(config: Config, resume: str | None) -> tuple[Path, str | None]:
     choice = broadcast_object(choice)
     assert choice is not None
     return Path(choice[0]), choice[1]
+
+
+def _run_order(manifest: Path) -> tuple[str, int]:
+    """Run folders in the order they were made: ``<stamp>``, ``<stamp>-1``, ..., ``<stamp>-10``."""
+    head, _, tail = manifest.parent.parent.name.rpartition("-")
+    if head and tail.isdigit() and "-" in head:  # <date>-<time>-<n>
+        return head, int(tail)
+    return manifest.parent.parent.name, 0
 
 
 def _file_logging(run_dir: Path) -> logging.Handler:
@@ -126,8 +134,16 @@ def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str |
     world = get_world_size()
     _log.info("run directory: %s (world size %d)", run_dir, world)
     parts = build_run(config, resolved, run_dir, world)
-    resume_run(parts, resume_from)
     t = config.training
+    if resume_run(parts, resume_from) is not None and parts.trainer.is_complete(t.max_epochs):
+        _log.info(
+            "the run in %s is complete (epoch %d of %d): nothing to do, nothing written. Set a larger "
+            "training.max_epochs to train further.",
+            run_dir,
+            parts.trainer.state.epoch,
+            t.max_epochs,
+        )
+        return {**collect_results(parts, run_dir, world), "complete": True}
     parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
     results = collect_results(parts, run_dir, world)
     finish_run(config, resolved, parts, run_dir, results)

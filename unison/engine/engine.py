@@ -430,7 +430,7 @@ class Engine(IgniteEngine):
         """
         self.epoch_length_given = epoch_length is not None
         loaded, self._loaded = self._loaded, False
-        if loaded and self._complete(max_epochs, max_iters):
+        if loaded and self.is_complete(max_epochs, max_iters):
             _log.info(
                 "%s: the state loaded from the checkpoint is already complete (epoch %s, iteration %s); nothing "
                 "to run. Give a larger max_epochs (or max_iters) to train further.",
@@ -445,11 +445,12 @@ class Engine(IgniteEngine):
                 return self._run_empty(data, max_epochs)
         return super().run(data, max_epochs=max_epochs, max_iters=max_iters, epoch_length=epoch_length)
 
-    def _complete(self, max_epochs: int | None, max_iters: int | None) -> bool:
-        """Whether the current state has already reached the run's end (the limits given or kept).
+    def is_complete(self, max_epochs: int | None = None, max_iters: int | None = None) -> bool:
+        """Whether the state has reached the run's end: ``max_epochs``/``max_iters``, or the kept limits.
 
-        ignite restarts a finished state from epoch 0; a run resumed from its last checkpoint
-        must not retrain and overwrite its checkpoints.
+        ignite restarts a finished state from epoch 0; unison's ``run`` returns a state loaded
+        from a checkpoint unchanged when it is complete, so a finished run that is resumed
+        neither retrains nor overwrites its checkpoints.
         """
         state = self.state
         limit = max_iters if max_iters is not None else state.max_iters
