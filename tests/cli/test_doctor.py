@@ -108,3 +108,14 @@ def test_an_unresolvable_master_address_blocks():
     code, text = _doctor(find_free_port(), MASTER_ADDR="no-such-host.invalid")
     assert code == 1
     assert "MASTER_ADDR='no-such-host.invalid' does not resolve" in text
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [("0.5.5", True), ("0.5.7", True), ("0.5.5.post1", True), ("0.6.0rc1", False), ("0.6.0", False),
+     ("0.5.4", False), ("0.5.6+cu121", True), ("not-a-version", False)],
+)  # fmt: skip
+def test_the_ignite_range_is_read_by_pep_440(version: str, ok: bool) -> None:
+    from unison.cli.checks import IGNITE_RANGE, _in_range
+
+    assert _in_range(version, IGNITE_RANGE) is ok

@@ -94,3 +94,19 @@ def test_cpu_placement():
     assert default_backend() == "gloo"
     assert device_for_local_rank(0) == torch.device("cpu")
     assert device_for_local_rank(3) == torch.device("cpu")
+
+
+def test_usable_cores_follow_the_affinity_mask() -> None:
+    import os
+
+    from unison.distributed.env import usable_cores
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert usable_cores() == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert usable_cores() == len(before)

@@ -8,7 +8,6 @@ launcher, rendezvous and network checks are in :mod:`unison.cli.launch_checks`.
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 from collections.abc import Mapping
@@ -18,6 +17,10 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from unison.distributed.env import usable_cores
 
 Severity = Literal["blocks", "warning"]
 """A problem ``blocks`` a run (``unison doctor`` exits 1) or is a ``warning``."""
@@ -28,7 +31,8 @@ _PACKAGES = (
     ("unison", "unison"),
     ("tensorboardX", "tensorboardX"),
 )
-_IGNITE_RANGE = ((0, 5, 5), (0, 6, 0))
+IGNITE_RANGE = ">=0.5.5,<0.6"
+"""The ignite versions unison is tested with (its Engine overrides private methods of ignite 0.5)."""
 
 
 @dataclass(frozen=True)
@@ -88,16 +92,22 @@ def check_versions(env: Mapping[str, str]) -> Section:
             continue
         section.add(dist_name, version)
         if dist_name == "pytorch-ignite":
-            numbers = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
-            low, high = _IGNITE_RANGE
-            if not low <= numbers < high:
+            if not _in_range(version, IGNITE_RANGE):
                 section.problem(
                     "blocks",
-                    f"pytorch-ignite {version} is outside the range unison is tested with (>=0.5.5,<0.6): "
+                    f"pytorch-ignite {version} is outside the range unison is tested with ({IGNITE_RANGE}): "
                     "unison's Engine overrides private methods of ignite 0.5",
-                    'pip install "pytorch-ignite>=0.5.5,<0.6"',
+                    f'pip install "pytorch-ignite{IGNITE_RANGE}"',
                 )
     return section
+
+
+def _in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` satisfies ``spec`` by PEP 440 (``0.6.0rc1`` is not ``<0.6``)."""
+    try:
+        return SpecifierSet(spec).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
 
 
 def check_gpus(env: Mapping[str, str]) -> Section:
@@ -184,10 +194,7 @@ def check_backends(env: Mapping[str, str]) -> Section:
 def check_threads(env: Mapping[str, str]) -> Section:
     """The usable CPU cores and threads, and whether the ranks of this node oversubscribe them."""
     section = Section("Threads")
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     section.add("CPU cores usable", cores)
     section.add("OMP_NUM_THREADS", env_shown(env, "OMP_NUM_THREADS"))
     section.add("torch threads", torch.get_num_threads())

@@ -103,3 +103,12 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
         return True
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (taskset, SLURM's binding,
+    a container's cpuset) where the OS has one, else every core of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -25,6 +25,7 @@ from unison.distributed.env import (
     detect_launcher,
     device_for_local_rank,
     find_free_port,
+    usable_cores,
 )
 from unison.utils.errors import add_note, has_note
 from unison.utils.logging import get_logger, setup_logging
@@ -453,7 +454,7 @@ def _spawned_rank(
         faulthandler.dump_traceback_later(deadline, exit=True)
     if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         # N ranks on one CPU: give each its share of the cores instead of N x all cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+        torch.set_num_threads(max(1, usable_cores() // nproc))
     try:
         _configure_rank()
         try:
