@@ -261,3 +261,29 @@ def test_run_distributed_timeout_is_the_process_group_timeout():
     if results[0] is None:
         pytest.skip("this torch does not expose the gloo backend's timeout")
     assert results == [45.0, 45.0]
+
+
+@pytest.mark.parametrize(
+    ("message", "peer"),
+    [
+        ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500", True),
+        ("DistBackendError: Connection reset by peer", True),
+        ("NCCL communicator was aborted on rank 1", True),
+        ("DistBackendError: [ProcessGroupGloo] allreduce: tensor size mismatch (4 vs 6)", False),
+        ("ProcessGroupGloo::allgather: invalid tensor type", False),
+    ],
+)
+def test_only_a_lost_connection_counts_as_a_peers_failure(message: str, peer: bool) -> None:
+    from unison.distributed.launcher import _is_peer_failure
+
+    assert _is_peer_failure(RuntimeError(message)) is peer
+
+
+def test_when_every_rank_hits_a_backend_error_of_its_own_the_first_ones_traceback_is_reported(tmp_path) -> None:
+    from unison.distributed.launcher import _root_cause
+
+    (tmp_path / "error-rank-1.txt").write_text("2.0\nTraceback: rank 1 ProcessGroupGloo size mismatch")
+    (tmp_path / "error-rank-0.txt").write_text("1.0\nTraceback: rank 0 ProcessGroupGloo size mismatch")
+    rank, text = _root_cause(tmp_path, reported=1, message="")
+    assert rank == 0 and text.startswith("Traceback: rank 0")
+    assert "rank(s) [1] failed too, each with an error of its own" in text

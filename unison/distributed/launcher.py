@@ -387,13 +387,14 @@ def _spawn(
 
 _PLACEMENT_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-# Messages of errors a rank gets because another rank died while they shared a collective.
+# Messages of errors a rank gets because another rank died while they shared a collective:
+# only a lost connection says that. A backend's own errors (a gloo size mismatch, an NCCL
+# error of this rank) name "ProcessGroupGloo" or "DistBackendError" too, and are this rank's
+# failure, with a traceback to print.
 _PEER_FAILURE_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
-    "DistBackendError",
-    "ProcessGroupGloo",
     "NCCL communicator was aborted",
 )
 
