@@ -444,6 +444,9 @@ def _spawned_rank(
     environ: dict[str, str],
 ) -> None:
     """Entry point of each spawned process; the process group already exists."""
+    # A rank killed by a signal (a backend's abort, a segfault) prints its Python stack
+    # instead of leaving only "died with signal SIGABRT".
+    faulthandler.enable(all_threads=True)
     # A fork server started earlier hands out the environment of its own start: give the
     # rank the caller's, keeping the placement variables ignite set for this rank.
     placement = {k: os.environ[k] for k in _PLACEMENT_VARS if k in os.environ}

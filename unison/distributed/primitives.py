@@ -139,3 +139,21 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat = flat.cpu()
     return list(torch.split(flat, sizes))
+
+
+def all_gather_rows(tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Collective: call on every rank. Every rank's tensor (rows of any count), on the CPU.
+
+    Unlike ``all_gather``, the tensors may differ in their first dimension, and a rank with
+    nothing passes None: uneven, unpadded evaluation shards gather exactly. Tensors are
+    pickled (``all_gather_object``), which suits evaluation outputs, not model weights.
+
+    Returns:
+        One entry per rank, in rank order: that rank's tensor on the CPU, or None.
+    """
+    local = None if tensor is None else tensor.detach().cpu()
+    if not is_distributed():
+        return [local]
+    everyone: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(everyone, local)
+    return everyone

@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 from ignite.engine import Engine as IgniteEngine
 from ignite.engine import Events
-from ignite.metrics import Metric
+from ignite.metrics import EpochMetric, Metric
 from ignite.utils import convert_tensor
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -19,6 +19,7 @@ from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.metrics.base import SumMetric
 from unison.metrics.epoch_average import EpochAverage
+from unison.metrics.gathered import exact_epoch_metric
 from unison.metrics.group import MetricGroup
 
 AmpMode = Literal["bf16", "fp16"]
@@ -380,7 +381,9 @@ def create_evaluator(
     unison's metrics (:mod:`unison.metrics`) are reduced across ranks together, in one
     all-reduce at the end of the run, and are exact at any world size when the data is
     sharded without padding (:class:`~unison.distributed.EvalSampler`). Any ignite metric
-    may be passed too; it syncs itself, as in ignite. Results are in
+    may be passed too; it syncs itself, as in ignite, except ignite's epoch metrics
+    (``ROC_AUC``, ``AveragePrecision``, ...), whose fixed-size gather would crash on uneven
+    shards: they gather exactly (:func:`~unison.metrics.exact_epoch_metric`). Results are in
     ``evaluator.state.metrics``. The model is switched to eval mode for the run and back
     to its previous mode afterwards.
 
@@ -442,5 +445,7 @@ def create_evaluator(
         MetricGroup(ours).attach(evaluator)
     for name, metric in metrics.items():
         if name not in ours:
+            if isinstance(metric, EpochMetric):
+                exact_epoch_metric(metric)  # ignite's gather crashes on uneven shards
             metric.attach(evaluator, name)
     return evaluator

@@ -3,6 +3,7 @@
 from unison.metrics.base import SumMetric
 from unison.metrics.classification import Accuracy
 from unison.metrics.epoch_average import EpochAverage
+from unison.metrics.gathered import exact_epoch_metric
 from unison.metrics.group import MetricGroup
 from unison.metrics.loss import Loss, Perplexity
 from unison.metrics.regression import MeanAbsoluteError, MeanSquaredError
@@ -16,4 +17,5 @@ __all__ = [
     "MetricGroup",
     "Perplexity",
     "SumMetric",
+    "exact_epoch_metric",
 ]
