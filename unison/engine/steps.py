@@ -15,12 +15,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from unison.distributed.model import model_device, unwrap_model
+from unison.distributed.primitives import get_rank
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.metrics.base import SumMetric
 from unison.metrics.epoch_average import EpochAverage
 from unison.metrics.gathered import exact_epoch_metric
 from unison.metrics.group import MetricGroup
+from unison.utils.seed import fork_rank_streams
 
 AmpMode = Literal["bf16", "fp16"]
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -326,7 +328,12 @@ def create_trainer(
                 "trainer.run(...)."
             )
 
+    def _rank_streams(engine: Engine) -> None:
+        if engine.state.iteration == 0:  # a fresh run; a resumed one gets its streams back from the checkpoint
+            fork_rank_streams(get_rank())
+
     trainer.add_event_handler(Events.STARTED, _check_epoch_length)
+    trainer.add_event_handler(Events.STARTED, _rank_streams)
     trainer.add_event_handler(Events.EPOCH_STARTED, _train_mode)
     trainer.add_event_handler(Events.STARTED, _start_clean)
     if track_loss:

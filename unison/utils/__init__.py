@@ -3,9 +3,9 @@
 from typing import Any
 
 from unison.utils.logging import get_logger, setup_logging
-from unison.utils.seed import manual_seed
+from unison.utils.seed import fork_rank_streams, manual_seed, rank_seed
 
-__all__ = ["get_logger", "manual_seed", "read_scalars", "setup_logging"]
+__all__ = ["fork_rank_streams", "get_logger", "manual_seed", "rank_seed", "read_scalars", "setup_logging"]
 
 
 def __getattr__(name: str) -> Any:
