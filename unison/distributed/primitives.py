@@ -157,3 +157,32 @@ def all_gather_rows(tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
     everyone: list[Any] = [None] * get_world_size()
     dist.all_gather_object(everyone, local)
     return everyone
+
+
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> int:
+    """Collective: call on every rank. Copies rank ``src``'s buffers (BatchNorm's running
+    statistics, ...) into every rank's ``module``, one broadcast per dtype.
+
+    Under DDP each rank's buffers follow its own batches between forwards (DDP broadcasts
+    them at the start of each training forward, then the local batch moves them), so
+    before an evaluation ranks hold different statistics, and none equals what rank 0
+    saves. unison's evaluator and ``predict`` call this first, so every rank evaluates the
+    model rank 0 saves.
+
+    Returns:
+        How many buffers were broadcast (0 at world size 1, or without buffers).
+    """
+    buffers = [b for b in module.buffers() if b.numel()]
+    if not is_distributed() or not buffers:
+        return 0
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for buffer in buffers:
+        groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    comm = _comm_device()
+    for group in groups.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in group]).to(comm)
+        dist.broadcast(flat, src=src)
+        with torch.no_grad():
+            for buffer, part in zip(group, torch.split(flat, [b.numel() for b in group]), strict=True):
+                buffer.copy_(part.view_as(buffer))
+    return len(buffers)

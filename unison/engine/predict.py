@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from unison.distributed.model import model_device, unwrap_model
-from unison.distributed.primitives import get_rank, get_world_size, is_distributed
+from unison.distributed.primitives import broadcast_buffers, get_rank, get_world_size, is_distributed
 from unison.distributed.samplers import EvalSampler
 
 
@@ -25,7 +25,8 @@ def predict(
 ) -> torch.Tensor | None:
     """Collective: call on every rank. Predicts every sample once; rank 0 gets them in order.
 
-    Each rank runs the model (unwrapped from DDP, in eval mode, without gradients) on its
+    Each rank runs the model (unwrapped from DDP, in eval mode, without gradients, with rank
+    0's buffers such as BatchNorm's running statistics) on its
     :class:`~unison.distributed.EvalSampler` shard: no sample is duplicated or padded.
     The outputs are gathered to rank 0 and put back in dataset order, so row ``i`` is the
     prediction for ``dataset[i]`` (a common bug of hand-written gathers is to concatenate
@@ -48,6 +49,7 @@ def predict(
         dataset, batch_size=batch_size, sampler=EvalSampler(cast(Sized, dataset)), num_workers=num_workers
     )
     pick = input_transform or (lambda b: b[0] if isinstance(b, (list, tuple)) else b)
+    broadcast_buffers(net)  # every rank predicts with the statistics rank 0 saves
     was_training = net.training
     net.eval()
     outputs: list[torch.Tensor] = []

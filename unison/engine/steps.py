@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from unison.distributed.model import model_device, unwrap_model
-from unison.distributed.primitives import get_rank
+from unison.distributed.primitives import broadcast_buffers, get_rank
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.metrics.base import SumMetric
@@ -392,7 +392,9 @@ def create_evaluator(
     (``ROC_AUC``, ``AveragePrecision``, ...), whose fixed-size gather would crash on uneven
     shards: they gather exactly (:func:`~unison.metrics.exact_epoch_metric`). Results are in
     ``evaluator.state.metrics``. The model is switched to eval mode for the run and back
-    to its previous mode afterwards.
+    to its previous mode afterwards. Every rank evaluates with rank 0's buffers (BatchNorm's
+    running statistics, broadcast at the start of the run: under DDP they drift apart per
+    rank), so the result is that of the model rank 0 saves.
 
     Args:
         model: the model (plain or DDP; the forward pass runs on the module inside).
@@ -435,6 +437,8 @@ def create_evaluator(
     modes: list[bool] = []
 
     def _eval_mode(_: Engine) -> None:
+        # Ranks' running statistics drift apart under DDP: evaluate the model rank 0 saves.
+        broadcast_buffers(unwrap_model(step.model))
         modes.append(step.model.training)
         step.model.eval()
 
