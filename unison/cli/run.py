@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.cli.changes import check_resume, record
 from unison.cli.resolve import Resolved, make_metrics, resolve
 from unison.cli.steps import RunParts, build_run
 from unison.config import Config, dump_config, load_config
@@ -61,28 +62,40 @@ class RunContext:
     results: dict[str, Any] = field(default_factory=dict)
 
 
+def previous_run(config: Config, resume: str | None) -> tuple[Path, str] | None:
+    """The run a ``resume`` continues, and what to resume it from; None for a fresh run.
+
+    ``"auto"``: the newest run of this config's name with a checkpoint manifest; a file: the
+    run holding that checkpoint; a folder: that run. Reads the filesystem only, so it can
+    run before any rank is spawned.
+    """
+    if resume is None:
+        return None
+    if resume != "auto":
+        target = Path(resume)  # a checkpoint file, or a run directory
+        return (target.parent.parent, str(target)) if target.is_file() else (target, "auto")
+    root = Path(config.training.path or config.logging.root) / config.name
+    previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order)
+    return (previous[-1].parent.parent, "auto") if previous else None
+
+
 def _run_dir(config: Config, resume: str | None) -> tuple[Path, str | None]:
     """Rank 0 picks the run directory (and the checkpoint to resume); every rank gets it."""
     choice: tuple[str, str | None] | None = None
     if get_rank() == 0:
-        root = Path(config.training.path or config.logging.root) / config.name
-        if resume not in (None, "auto"):
-            target = Path(resume)  # a checkpoint file, or a run directory
-            run_dir = target.parent.parent if target.is_file() else target
-            choice = (str(run_dir), str(target) if target.is_file() else "auto")
+        found = previous_run(config, resume)
+        if found is not None:
+            choice = (str(found[0]), found[1])
         else:
-            previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order) if resume == "auto" else []
-            if previous:
-                choice = (str(previous[-1].parent.parent), "auto")
-            else:
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                run_dir = root / stamp
-                n = 1
-                while run_dir.exists():
-                    run_dir = root / f"{stamp}-{n}"
-                    n += 1
-                choice = (str(run_dir), None)
-            if resume == "auto" and not previous:
+            root = Path(config.training.path or config.logging.root) / config.name
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            run_dir = root / stamp
+            n = 1
+            while run_dir.exists():
+                run_dir = root / f"{stamp}-{n}"
+                n += 1
+            choice = (str(run_dir), None)
+            if resume == "auto":
                 _log.info("resume=auto: no earlier run of %r under %s; starting fresh.", config.name, root)
     choice = broadcast_object(choice)
     assert choice is not None
@@ -119,6 +132,8 @@ def train_from_config(config: Config, resume: str | None = None) -> dict[str, An
     run_dir, resume_from = _run_dir(config, resume)
     if get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_from is not None:
+            _record_changes(config, run_dir)
         (run_dir / "config.yaml").write_text(dump_config(config))
     barrier()  # the folder exists before any rank writes into it
     log_file = _file_logging(run_dir)
@@ -127,6 +142,15 @@ def train_from_config(config: Config, resume: str | None = None) -> dict[str, An
     finally:
         logging.getLogger("unison").removeHandler(log_file)
         log_file.close()
+
+
+def _record_changes(config: Config, run_dir: Path) -> None:
+    """Rank 0: logs and records what changed since the saved run (refusals happened before spawn)."""
+    changes = check_resume(config, run_dir)
+    for change in changes:
+        _log.warning("changed on resume: %s", change)
+    if changes:
+        record(run_dir, changes)
 
 
 def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str | None) -> dict[str, Any]:
@@ -290,6 +314,9 @@ def run(
     elif overrides:
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
     resolve(config)  # fail before spawning
+    found = previous_run(config, resume)
+    if found is not None:
+        check_resume(config, found[0])  # a change no checkpoint can follow fails here, not in a rank
     launcher = detect_launcher()
     if launcher.kind != "none":
         if nproc is not None:
