@@ -7,10 +7,8 @@ in a subprocess of its own session, so that a timeout can end every process it s
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _procs import kill_tree
 
 from unison.cli import main
 from unison.config import load_config, to_plain
@@ -37,7 +36,7 @@ def run_command(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         out, err = proc.communicate()
         pytest.fail(f"did not finish in {timeout} s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

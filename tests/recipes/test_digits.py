@@ -7,17 +7,14 @@ torchrun starts in sessions of their own.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _procs import descendants
+from _procs import kill_tree
 
 from unison.distributed import find_free_port
 
@@ -45,11 +42,7 @@ def launcher(mode: str) -> list[str]:
 
 def end_job(proc: subprocess.Popen) -> None:
     """Kills all the recipe started: its process group, and ranks torchrun put in sessions of their own."""
-    tree = descendants(proc.pid)  # listed before the launcher dies and its ranks lose their parent
-    os.killpg(proc.pid, signal.SIGKILL)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    kill_tree(proc)
 
 
 def run_recipe(mode: str, out: Path) -> tuple[dict, list[str]]:

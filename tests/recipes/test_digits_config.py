@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _procs import kill_tree
 
 import unison.cli.run
 from unison.config import load_config, to_plain
@@ -112,7 +111,7 @@ def test_torchrun_runs_the_config_in_one_run_directory(tmp_path):
     try:
         out, err = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         out, err = proc.communicate()
         pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s\n{out[-3000:]}\n{err[-3000:]}")
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}"
