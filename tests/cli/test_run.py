@@ -93,3 +93,40 @@ def test_run_folders_are_ordered_as_made_not_as_text(tmp_path: Path) -> None:
     names = ["20261123-101500", "20261123-101500-2", "20261123-101500-10", "20261123-101501"]
     manifests = [tmp_path / name / "checkpoints" / "manifest.json" for name in reversed(names)]
     assert [m.parent.parent.name for m in sorted(manifests, key=_run_order)] == names
+
+
+# -- what --resume may name ----------------------------------------------------------------------
+
+
+def test_resume_of_a_missing_path_is_an_error_not_a_fresh_run(tmp_path: Path) -> None:
+    from unison.cli.run import ResumeError, previous_run
+
+    with pytest.raises(ResumeError, match=r"--resume .*nope.pt: no such file or folder"):
+        previous_run(config(), str(tmp_path / "nope.pt"))
+
+
+def test_a_checkpoint_outside_a_run_folder_is_refused(tmp_path: Path) -> None:
+    """A file whose grandparent is a project folder must not make that folder 'the run'."""
+    from unison.cli.run import ResumeError, previous_run
+
+    project = tmp_path / "project"
+    (project / "weights").mkdir(parents=True)
+    (project / "config.yaml").write_text("mine: true\n")
+    stray = project / "weights" / "model.pt"
+    stray.write_bytes(b"x")
+    with pytest.raises(ResumeError, match="not in a unison run folder"):
+        previous_run(config(), str(stray))
+    with pytest.raises(ResumeError, match="not a unison run folder"):
+        previous_run(config(), str(project))
+
+
+def test_a_run_folder_and_its_checkpoints_resume(tmp_path: Path) -> None:
+    from unison.cli.run import _train, previous_run
+
+    c = config(tmp_path)
+    _train(c, resolved(), tmp_path, None)
+    (tmp_path / ".unison-run").touch()
+    newest = sorted((tmp_path / "checkpoints").glob("*.pt"))[-1]
+    assert previous_run(c, str(tmp_path)) == (tmp_path, "auto")
+    assert previous_run(c, str(tmp_path / "checkpoints")) == (tmp_path, "auto")
+    assert previous_run(c, str(newest)) == (tmp_path, str(newest))

@@ -16,14 +16,14 @@ __all__ = ["build_parser", "main"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from unison.cli.run import run
+    from unison.cli.run import ResumeError, run
     from unison.config import ConfigError
     from unison.distributed import detect_launcher
 
     first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own
     try:
         results = run(args.config, nproc=args.nproc, overrides=args.set, resume=args.resume)
-    except ConfigError as err:
+    except (ConfigError, ResumeError) as err:
         print(f"unison run: {err}", file=sys.stderr)
         return 2
     if results is not None and first_rank:  # under torchrun or srun, once

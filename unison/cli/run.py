@@ -62,21 +62,56 @@ class RunContext:
     results: dict[str, Any] = field(default_factory=dict)
 
 
+class ResumeError(ValueError):
+    """A ``--resume`` that names no run to continue; raised before any rank is spawned."""
+
+
+RUN_MARKER = ".unison-run"
+"""The file that marks a folder as a unison run folder (written when the run is created)."""
+
+
+def is_run_dir(folder: Path) -> bool:
+    """Whether ``folder`` is a unison run folder: it has the marker, or a checkpoint manifest."""
+    return (folder / RUN_MARKER).is_file() or (folder / "checkpoints" / "manifest.json").is_file()
+
+
 def previous_run(config: Config, resume: str | None) -> tuple[Path, str] | None:
     """The run a ``resume`` continues, and what to resume it from; None for a fresh run.
 
-    ``"auto"``: the newest run of this config's name with a checkpoint manifest; a file: the
-    run holding that checkpoint; a folder: that run. Reads the filesystem only, so it can
-    run before any rank is spawned.
+    ``"auto"``: the newest run of this config's name with a checkpoint manifest (None when
+    there is none); a checkpoint file inside a run folder (``<run>/checkpoints/<file>``); or
+    a run folder. Reads the filesystem only, so it runs before any rank is spawned.
+
+    Raises:
+        ResumeError: when ``resume`` names a path that does not exist, or one that is not in
+            a unison run folder (a run is never resumed, and nothing is written, elsewhere).
     """
     if resume is None:
         return None
-    if resume != "auto":
-        target = Path(resume)  # a checkpoint file, or a run directory
-        return (target.parent.parent, str(target)) if target.is_file() else (target, "auto")
-    root = Path(config.training.path or config.logging.root) / config.name
-    previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order)
-    return (previous[-1].parent.parent, "auto") if previous else None
+    if resume == "auto":
+        root = Path(config.training.path or config.logging.root) / config.name
+        previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order)
+        return (previous[-1].parent.parent, "auto") if previous else None
+    target = Path(resume)
+    expected = "a checkpoint file (<run>/checkpoints/<name>.pt), a run folder, or 'auto'"
+    if not target.exists():
+        raise ResumeError(f"--resume {resume}: no such file or folder. Give {expected}.")
+    if target.is_file():
+        run_dir = target.parent.parent
+        if target.parent.name != "checkpoints" or not is_run_dir(run_dir):
+            raise ResumeError(
+                f"--resume {resume}: this file is not in a unison run folder (<run>/checkpoints/<name>.pt, the "
+                f"run holding {RUN_MARKER} or checkpoints/manifest.json), so there is no run to continue and "
+                f"nothing may be written beside it. Give {expected}."
+            )
+        return run_dir, str(target)
+    for run_dir in (target, target.parent):
+        if is_run_dir(run_dir) and (run_dir == target or target.name == "checkpoints"):
+            return run_dir, "auto"
+    raise ResumeError(
+        f"--resume {resume}: this folder is not a unison run folder (it holds neither {RUN_MARKER} nor "
+        f"checkpoints/manifest.json). Give {expected}."
+    )
 
 
 def _run_dir(config: Config, resume: str | None) -> tuple[Path, str | None]:
@@ -132,6 +167,7 @@ def train_from_config(config: Config, resume: str | None = None) -> dict[str, An
     run_dir, resume_from = _run_dir(config, resume)
     if get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_MARKER).touch()
         if resume_from is not None:
             _record_changes(config, run_dir)
         (run_dir / "config.yaml").write_text(dump_config(config))
