@@ -119,3 +119,10 @@ def test_the_ignite_range_is_read_by_pep_440(version: str, ok: bool) -> None:
     from unison.cli.checks import IGNITE_RANGE, _in_range
 
     assert _in_range(version, IGNITE_RANGE) is ok
+
+
+@pytest.mark.parametrize("env", [{"RANK": "abc"}, {"RANK": "abc", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}])
+def test_placement_variables_that_are_not_numbers_block_instead_of_crashing(env: dict[str, str]) -> None:
+    code, text = _doctor(find_free_port(), **env)
+    assert code == 1
+    assert "placement variables that are not integers: RANK='abc'" in text

@@ -34,9 +34,25 @@ _SLURM_VARS = (
 )
 
 
+def _garbled(env: Mapping[str, str]) -> list[str]:
+    """The placement variables that are set but are not integers."""
+    names = (*_TORCHRUN_VARS, "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+    return [n for n in names if n in env and env_int(env, n) is None]
+
+
 def check_launcher(env: Mapping[str, str]) -> Section:
     """The launcher detected and its variables; incomplete or inconsistent ones block."""
     section = Section("Launcher")
+    garbled = _garbled(env)
+    if garbled:
+        shown = ", ".join(f"{n}={env[n]!r}" for n in garbled)
+        section.add("detected", "unknown: placement variables are not integers")
+        section.problem(
+            "blocks",
+            f"placement variables that are not integers: {shown}",
+            f"a leftover or mistyped export: unset {' '.join(garbled)}, or let torchrun/srun set them",
+        )
+        return section
     info = detect_launcher(dict(env))
     section.add("detected", info.describe())
     for name in (*_TORCHRUN_VARS, *_TORCHRUN_EXTRA):
@@ -132,7 +148,7 @@ def check_rendezvous(env: Mapping[str, str], master_port: int | None) -> Section
         why = "MASTER_ADDR does not resolve" if local is None else "the master is another host"
         section.add("master port", f"{port} ({source}); not checked here: {why}")
         return section
-    launcher = detect_launcher(dict(env)).kind
+    launcher = "none" if _garbled(env) else detect_launcher(dict(env)).kind
     if port_is_free(port, host="0.0.0.0"):
         section.add("master port", f"{port} ({source}): free on this host")
     elif launcher in ("torchrun", "spawn"):
