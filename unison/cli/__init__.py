@@ -18,14 +18,22 @@ __all__ = ["build_parser", "main"]
 def _run(args: argparse.Namespace) -> int:
     from unison.cli.run import ResumeError, run
     from unison.config import ConfigError
-    from unison.distributed import detect_launcher
+    from unison.distributed import RankFailedError, detect_launcher
 
     first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own
     try:
         results = run(args.config, nproc=args.nproc, overrides=args.set, resume=args.resume)
     except (ConfigError, ResumeError) as err:
+        if args.debug:
+            raise
         print(f"unison run: {err}", file=sys.stderr)
         return 2
+    except RankFailedError as err:
+        if args.debug:
+            raise
+        # The message holds the failing rank's own traceback; the launcher's frames add nothing.
+        print(f"unison run: {err}", file=sys.stderr)
+        return 1
     if results is not None and first_rank:  # under torchrun or srun, once
         print(f"run directory: {results['run_dir']}")
     return 0
@@ -70,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--resume", default=None, metavar="auto|PATH", help="'auto', a checkpoint file or a run directory"
     )
+    run.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full Python traceback of an expected error (a bad config, a failed rank)",
+    )
     run.set_defaults(handler=_run)
 
     doctor = commands.add_parser("doctor", help="check this machine for what blocks a distributed run")
@@ -95,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name; default ``sys.argv[1:]``.
 
     Returns:
-        The exit status: 0 on success, 2 for a config error, 1 when the doctor finds a blocker.
+        The exit status: 0 on success, 2 for a config or ``--resume`` error, 1 for a failed rank
+        (its traceback is in the message) or when the doctor finds a blocker.
 
     Example:
         .. code-block:: python
