@@ -111,3 +111,27 @@ def test_only_rank_zero_draws():
     assert all(zero["opened"]) and len(zero["opened"]) == 2 * len(DATA)
     assert one["text"] == ""
     assert not any(one["opened"])
+
+
+def test_a_log_line_during_an_epoch_gets_a_line_of_its_own(monkeypatch) -> None:
+    """With a bar on screen, a log record clears the bar and prints whole, not glued to the bar."""
+    import logging
+
+    from unison.utils import setup_logging
+
+    screen = io.StringIO()
+    monkeypatch.setattr("sys.stderr", screen)
+    logger = setup_logging(rank=0, world_size=1)
+    try:
+        engine = _engine()
+        ProgressBar(file=screen).attach(engine)
+        engine.add_event_handler(
+            Events.ITERATION_COMPLETED(once=3), lambda e: logging.getLogger("unison.test").info("MIDWAY")
+        )
+        engine.run(DATA)
+    finally:
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+    lines = re.split(r"[\r\n]", screen.getvalue())
+    (line,) = [text for text in lines if "MIDWAY" in text]
+    assert line.endswith("INFO unison.test: MIDWAY") and "it/s" not in line and "/5" not in line

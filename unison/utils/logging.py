@@ -23,6 +23,23 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """A stderr handler that writes around progress bars: a record printed while a tqdm bar
+    is on screen clears the bar, prints its line, and the bar is drawn again below it,
+    instead of the two overwriting each other on one line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        std = sys.modules.get("tqdm.std")  # only when some bar may exist: no import otherwise
+        bars = getattr(getattr(std, "tqdm", None), "_instances", None)
+        if not bars:
+            super().emit(record)
+            return
+        try:
+            std.tqdm.write(self.format(record), file=self.stream)  # type: ignore[union-attr]  # std is set when bars exist
+        except Exception:  # a logging handler never raises into the code that logged
+            self.handleError(record)
+
+
 def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) -> logging.Logger:
     """Sends unison's log records to stderr, each prefixed with the rank that wrote it.
 
@@ -42,7 +59,7 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) 
     for handler in list(logger.handlers):
         if handler.get_name() == _HANDLER_NAME:
             logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _ConsoleHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
     prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
     handler.setFormatter(
