@@ -136,12 +136,14 @@ def test_an_unreadable_manifest_is_rebuilt_from_the_folder_with_a_warning(tmp_pa
 def test_add_replaces_an_entry_of_the_same_file_and_remove_drops_entries(tmp_path):
     manifest = Manifest(tmp_path)
     name = checkpoint_name("ckpt", 1, 5)
-    manifest.add(Entry(checkpoint_name("ckpt", 2, 10), 2, 10))
-    manifest.add(Entry(name, 1, 5, score=0.1))
-    manifest.add(Entry(name, 1, 5, score=0.2))
+    manifest.add(Entry(checkpoint_name("ckpt", 2, 10), 2, 10, sequence=1))
+    manifest.add(Entry(name, 1, 5, score=0.1, sequence=2))
+    manifest.add(Entry(name, 1, 5, score=0.2, sequence=3))
+    # newest last by save sequence, although its iteration is the smaller one
     assert [(e.file, e.score) for e in manifest.entries] == [
-        (name, 0.2),
         (checkpoint_name("ckpt", 2, 10), None),
+        (name, 0.2),
     ]
+    assert manifest.next_sequence() == 4
     manifest.remove({name})
     assert [e.file for e in manifest.entries] == [checkpoint_name("ckpt", 2, 10)]

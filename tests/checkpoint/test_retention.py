@@ -140,7 +140,7 @@ def test_retention_invariants_hold_in_every_small_case():
 
 
 def test_the_order_of_the_entries_alone_says_which_is_newest():
-    """The manifest's order decides (newest last), not the iteration or the time in the entries."""
+    """Without save sequences (and with equal times) the order given decides, newest last."""
     given = entries(0.1, 0.2, 0.3)
     shuffled = [given[2], given[0], given[1]]
     assert oldest_first(shuffled) == shuffled
@@ -150,6 +150,16 @@ def test_the_order_of_the_entries_alone_says_which_is_newest():
     tied = entries(0.5, 0.5)
     assert best_entry(tied, "max") is tied[0] and best_entry(list(reversed(tied)), "max") is tied[1]
     assert ranked(list(reversed(tied)), "min") == [tied[1], tied[0]]
+
+
+def test_the_save_sequence_decides_which_is_newest_never_the_iteration():
+    legacy_old = Entry("a.pt", 8, 800, saved_at=1000.0)
+    legacy_new = Entry("b.pt", 9, 900, saved_at=2000.0)
+    resumed = [Entry("c.pt", 3, 3, saved_at=10.0, sequence=3), Entry("d.pt", 4, 4, saved_at=5.0, sequence=4)]
+    # files from before sequences were recorded come first, by time of saving
+    assert oldest_first([resumed[1], legacy_new, resumed[0], legacy_old]) == [legacy_old, legacy_new, *resumed]
+    plan = retain([legacy_old, legacy_new, *resumed], keep_last=2)
+    assert plan.keep == ("c.pt", "d.pt") and plan.delete == ("a.pt", "b.pt")
 
 
 def test_best_entry_ignores_unscored_entries():

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import unison
 from unison.checkpoint import CheckpointError, capture_rng, load_model_state, model_state, restore_rng
+from unison.checkpoint.position import DataPass, PositionUnknown, resumable_sampler, sampler_state
 from unison.checkpoint.state import (
     FORMAT,
     Position,
@@ -28,10 +29,7 @@ from unison.checkpoint.state import (
     load_object_states,
     object_states,
     refit_epoch_length,
-    resumable_sampler,
     rng_of_rank,
-    sampler_position,
-    sampler_state,
     to_cpu_copy,
 )
 from unison.distributed import TrainSampler
@@ -244,18 +242,21 @@ def test_objects_without_a_state_or_with_reserved_names_are_refused():
 
 
 @pytest.mark.parametrize(
-    "position, batch_size, expected",
+    "current, iteration, expected",
     [
-        (Position(1, 3, 5), 4, (0, 12)),  # 3 batches into the first epoch
-        (Position(2, 7, 5), 4, (1, 8)),  # 2 batches into the second
-        (Position(1, 5, 5), 4, (1, 0)),  # at the first epoch's end: the next epoch, nothing consumed
-        (Position(2, 7, 5), None, (1, 2)),  # no batch size: one sample a batch
-        (Position(3, 7, None), 4, (3, 0)),  # no epoch length: the trainer's epoch, nothing skipped
-        (Position(3, 7, 0), 4, (3, 0)),
+        (DataPass(5, 1), 7, (1, 8, False)),  # 2 batches into the iterator drawn at sampler epoch 1
+        (DataPass(5, 0, skipped=4), 6, (0, 8, False)),  # a resumed iterator: skipped, then one batch
+        (DataPass(5, 1), 5, (1, 0, True)),  # nothing taken from it yet: the resume draws it afresh
+        (DataPass(0, 0), 3, (0, 0, True)),  # all 10 samples (3 batches, the last short) taken
+        (DataPass(0, 0, samples=7), 2, (0, 7, False)),  # counted samples, not batches x batch size
     ],
 )
-def test_the_sampler_position_follows_the_trainer(position, batch_size, expected):
-    assert sampler_position(position, batch_size) == expected
+def test_the_sampler_position_is_the_data_iterators(current, iteration, expected):
+    data = list(range(10))
+    sampler = TrainSampler(data, seed=3, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+    state = sampler_state(loader, current, iteration)
+    assert (state["epoch"], state["consumed"], state["fresh"]) == expected
 
 
 def test_the_sampler_state_comes_from_a_resumable_sampler_only():
@@ -263,10 +264,29 @@ def test_the_sampler_state_comes_from_a_resumable_sampler_only():
     sampler = TrainSampler(data, seed=3, rank=0, world_size=1)
     loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
     assert resumable_sampler(loader) is sampler
-    state = sampler_state(loader, Position(1, 2, 5), 2)
-    assert state == {**sampler.state_dict(consumed=4), "epoch": 0}
+    state = sampler_state(loader, DataPass(0, 0), 2)
+    assert state == {**sampler.state_dict(consumed=4), "epoch": 0, "fresh": False}
     plain = torch.utils.data.DataLoader(data, batch_size=2)
-    assert resumable_sampler(plain) is None and sampler_state(plain, Position(1, 2, 5), 2) is None
+    assert resumable_sampler(plain) is None and sampler_state(plain, DataPass(0, 0), 2) is None
+
+
+def test_a_mid_epoch_position_that_cannot_be_told_is_refused():
+    data = list(range(10))
+    sampler = TrainSampler(data, seed=3, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=_Unsized(sampler))
+    with pytest.raises(PositionUnknown, match="cannot save mid-epoch.*no fixed batch_size"):
+        sampler_state(loader, DataPass(0, 0), 2)
+    assert sampler_state(loader, DataPass(2, 0), 2)["fresh"] is True  # at an iterator's start: fine
+
+
+class _Unsized:
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        indices = list(self.sampler)
+        yield indices[:3]
+        yield indices[3:]
 
 
 # --- resume checks ------------------------------------------------------------------------------

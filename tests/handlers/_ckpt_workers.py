@@ -14,6 +14,7 @@ consumed). The dataset records which indices were loaded.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import os
@@ -25,10 +26,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from unison.checkpoint import capture_rng
-from unison.distributed import get_rank, get_world_size, prepare_loaders, prepare_model, unwrap_model
+from unison.distributed import (
+    TrainSampler,
+    get_rank,
+    get_world_size,
+    prepare_loaders,
+    prepare_model,
+    unwrap_model,
+)
 from unison.engine import Engine, Events, create_trainer
 from unison.handlers import Checkpoint, EarlyStopping, Preemption
 from unison.utils import manual_seed
@@ -55,6 +63,27 @@ class RecordingDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.loaded.append(int(index))
         return self.x[index], self.y[index]
+
+
+class Chunks:
+    """A custom batch sampler: the sampler's indices in batches of ``sizes[0], sizes[1], ...`` (cycled).
+
+    It has no ``batch_size``: a DataLoader built on it reports ``batch_size=None``.
+    """
+
+    def __init__(self, sampler: TrainSampler, sizes: tuple[int, ...]) -> None:
+        self.sampler = sampler
+        self.sizes = sizes
+
+    def __iter__(self):
+        indices, sizes = list(self.sampler), itertools.cycle(self.sizes)
+        while indices:
+            n = next(sizes)
+            yield indices[:n]
+            indices = indices[n:]
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def make_model(seed: int = 0, dropout: float = 0.3) -> nn.Module:
@@ -124,13 +153,21 @@ def build_parts(
     sync_every: int | None = 1,
     rng_seed: int | None = None,
     amp: str | None = None,
+    batch_sizes: tuple[int, ...] | None = None,
 ) -> Run:
-    """Seeds this rank, builds model (DDP above one rank), Adam, loader and trainer."""
+    """Seeds this rank, builds model (DDP above one rank), Adam, loader and trainer.
+
+    With ``batch_sizes`` the loader takes a custom batch sampler (:class:`Chunks`) over a
+    TrainSampler instead of ``batch_size``.
+    """
     manual_seed(rng_seed if rng_seed is not None else rank_seed(seed, get_rank()))
     model = prepare_model(make_model(seed))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     dataset = RecordingDataset(size, seed)
-    loader, _ = prepare_loaders(dataset, batch_size=batch_size, seed=seed)
+    if batch_sizes is None:
+        loader, _ = prepare_loaders(dataset, batch_size=batch_size, seed=seed)
+    else:
+        loader = DataLoader(dataset, batch_sampler=Chunks(TrainSampler(dataset, seed=seed), batch_sizes))
     trainer = create_trainer(
         model, optimizer, F.cross_entropy, accumulation_steps=accumulation, sync_every=sync_every, amp=amp
     )
@@ -210,7 +247,13 @@ class LogRecords(logging.Handler):
 
 
 def resume_equivalence(
-    folder: str, *, stop: int, max_epochs: int, control: bool = False, **parts: Any
+    folder: str,
+    *,
+    stop: int,
+    max_epochs: int,
+    control: bool = False,
+    epoch_length: int | None = None,
+    **parts: Any,
 ) -> dict[str, Any]:
     """Run A uninterrupted; run B stopped by ``terminate()`` after iteration ``stop`` (saving at
     the end); then run B', built from scratch and seeded afresh as a new process would be,
@@ -220,15 +263,15 @@ def resume_equivalence(
     dropout masks): it must end elsewhere, or the comparison would not test the generators.
     """
     a = build_run(f"{folder}/a", **parts)
-    a.trainer.run(a.loader, max_epochs=max_epochs)
+    a.trainer.run(a.loader, max_epochs=max_epochs, epoch_length=epoch_length)
 
     b1 = build_run(f"{folder}/b", **parts)
     stop_at(b1.trainer, stop)
-    b1.trainer.run(b1.loader, max_epochs=max_epochs)
+    b1.trainer.run(b1.loader, max_epochs=max_epochs, epoch_length=epoch_length)
 
     b2 = build_run(f"{folder}/b", **parts)
     resumed = b2.checkpoint.resume("auto")
-    b2.trainer.run(b2.loader, max_epochs=max_epochs)
+    b2.trainer.run(b2.loader, max_epochs=max_epochs, epoch_length=epoch_length)
 
     out: dict[str, Any] = {
         "a": flat_params(a.model),
@@ -244,7 +287,7 @@ def resume_equivalence(
     }
     if control:
         c = build_run(f"{folder}/control", **{**parts, "rng_seed": 99_991 + get_rank()})
-        c.trainer.run(c.loader, max_epochs=max_epochs)
+        c.trainer.run(c.loader, max_epochs=max_epochs, epoch_length=epoch_length)
         out["control"] = flat_params(c.model)
     return out
 
@@ -423,10 +466,10 @@ def exit_versus_save(
     """
     import time
 
-    import unison.handlers.checkpoint as checkpoint_module
+    import unison.checkpoint.writer as writer_module
 
     rank1_left = Path(marks) / "rank1-left-its-run"
-    real_save = checkpoint_module.atomic_save
+    real_save = writer_module.atomic_save
 
     def save_after_rank1_left(obj: Any, path: Any) -> Any:
         deadline = time.monotonic() + patience_s
@@ -434,7 +477,7 @@ def exit_versus_save(
             time.sleep(0.01)
         return real_save(obj, path)
 
-    checkpoint_module.atomic_save = save_after_rank1_left
+    writer_module.atomic_save = save_after_rank1_left
     run = build_run(folder, checkpoint=dict(every_epochs=None, at_end=False), **parts)
     Preemption(run.checkpoint, exit=True).attach(run.trainer)
 
@@ -452,3 +495,20 @@ def exit_versus_save(
             rank1_left.touch()
         raise
     return {}
+
+
+# --- corners: rotation across layouts, non-finite weights ----------------------------------------
+
+
+def train_saving(
+    folder: str, *, max_epochs: int, resume: bool = False, checkpoint: dict[str, Any] | None = None, **parts: Any
+) -> dict[str, Any]:
+    """Trains (resuming from ``folder`` first with ``resume``) and returns the files this run saved."""
+    run = build_run(folder, checkpoint=checkpoint, **parts)
+    resumed = run.checkpoint.resume("auto") if resume else None
+    run.trainer.run(run.loader, max_epochs=max_epochs)
+    return {
+        "saved": [p.name for p in run.checkpoint.saved],
+        "resumed": None if resumed is None else resumed.name,
+        "iteration": run.trainer.state.iteration,
+    }

@@ -27,6 +27,7 @@ from ignite.engine import Engine as IgniteEngine
 from torch import nn
 
 import unison
+import unison.checkpoint.writer as writer_module
 import unison.handlers.checkpoint as checkpoint_module
 from unison.checkpoint import Manifest, capture_rng, load_checkpoint
 from unison.checkpoint.manifest import checkpoint_name
@@ -301,7 +302,7 @@ def test_rotation_deletes_nothing_when_the_new_file_fails_to_write(tmp_path, mon
     def full_disk(obj, path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_module, "atomic_save", full_disk)
+    monkeypatch.setattr(writer_module, "atomic_save", full_disk)
     with pytest.raises(OSError, match="No space left"):
         engine.run(range(1), max_epochs=3)
     assert on_disk(tmp_path) == before_disk and in_manifest(tmp_path) == before_manifest
@@ -396,8 +397,8 @@ def _trained(folder: Path, **checkpoint_options):
 
 
 def test_an_async_checkpoint_enters_the_manifest_only_once_durable(tmp_path, monkeypatch):
-    gate = GatedWrite(checkpoint_module.atomic_save)
-    monkeypatch.setattr(checkpoint_module, "atomic_save", gate)
+    gate = GatedWrite(writer_module.atomic_save)
+    monkeypatch.setattr(writer_module, "atomic_save", gate)
     run, checkpoint = _trained(tmp_path, async_save=True)
     path = checkpoint.save()
     assert gate.entered.wait(timeout=30)
@@ -412,7 +413,7 @@ def test_an_async_checkpoint_enters_the_manifest_only_once_durable(tmp_path, mon
 
 
 def test_async_and_sync_saves_of_one_state_hold_the_same_content(tmp_path, monkeypatch):
-    gate = GatedWrite(checkpoint_module.atomic_save)
+    gate = GatedWrite(writer_module.atomic_save)
     run, sync = _trained(tmp_path / "sync")
     asynchronous = Checkpoint(
         tmp_path / "async",
@@ -423,7 +424,7 @@ def test_async_and_sync_saves_of_one_state_hold_the_same_content(tmp_path, monke
         async_save=True,
     )
     sync_path = sync.save()
-    monkeypatch.setattr(checkpoint_module, "atomic_save", gate)
+    monkeypatch.setattr(writer_module, "atomic_save", gate)
     async_path = asynchronous.save()
     assert gate.entered.wait(timeout=30)
     # training goes on while the write is pending: it must not leak into the file
@@ -440,21 +441,21 @@ def test_async_and_sync_saves_of_one_state_hold_the_same_content(tmp_path, monke
 
 
 def test_at_most_one_async_write_is_in_flight(tmp_path, monkeypatch):
-    gate = GatedWrite(checkpoint_module.atomic_save)
-    monkeypatch.setattr(checkpoint_module, "atomic_save", gate)
+    gate = GatedWrite(writer_module.atomic_save)
+    monkeypatch.setattr(writer_module, "atomic_save", gate)
     run = build_run(
         str(tmp_path), checkpoint=dict(every_epochs=None, every_iters=1, at_end=False, async_save=True)
     )
     checkpoint = run.checkpoint
     second_waits = threading.Event()
-    original_wait = checkpoint.wait
+    original_wait = checkpoint.writer.wait
 
     def spying_wait():
-        if checkpoint._writer is not None:
+        if checkpoint.writer.in_flight:
             second_waits.set()
         original_wait()
 
-    checkpoint.wait = spying_wait
+    checkpoint.writer.wait = spying_wait
     iterations = 3
     failure: list[BaseException] = []
 
@@ -483,7 +484,7 @@ def test_an_async_write_error_is_raised_by_the_next_wait(tmp_path, monkeypatch):
     def broken(obj, path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_module, "atomic_save", broken)
+    monkeypatch.setattr(writer_module, "atomic_save", broken)
     run, checkpoint = _trained(tmp_path, async_save=True)
     checkpoint.save()
     with pytest.raises(RuntimeError, match="No space left") as err:
@@ -714,7 +715,7 @@ RESUME_FAULTS = {
     # name: (what the handler's module gets instead, what the comparison names)
     "generators-not-restored": ({"restore_rng": lambda state: None}, "resumed rng"),
     "scheduler-not-loaded": ({"load_object_states": _skip_scheduler}, "resumed scheduler"),
-    "sampler-not-loaded": ({"_load_sampler": lambda engine, saved, mid_epoch: None}, "resumed sampler"),
+    "sampler-not-loaded": ({"load_sampler": lambda data, saved: None}, "resumed sampler"),
 }
 
 

@@ -3,55 +3,23 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from unison.checkpoint.entry import Entry, checkpoint_name, entry_for
 from unison.checkpoint.io import atomic_write_json, is_complete, load_checkpoint
+from unison.checkpoint.retention import oldest_first
 from unison.utils.logging import get_logger
+
+__all__ = ["MANIFEST", "Entry", "Manifest", "checkpoint_name", "entry_for"]
 
 _log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^(?P<prefix>.+)-e(?P<epoch>\d+)-i(?P<iteration>\d+)\.pt$")
-
-
-@dataclass
-class Entry:
-    """One durable checkpoint."""
-
-    file: str
-    epoch: int
-    iteration: int
-    score: float | None = None
-    saved_at: float = 0.0
-    size: int = 0
-
-
-def checkpoint_name(prefix: str, epoch: int, iteration: int) -> str:
-    """The file name of the checkpoint taken at ``epoch`` and ``iteration``: ``<prefix>-e0003-i000001200.pt``."""
-    return f"{prefix}-e{epoch:04d}-i{iteration:09d}.pt"
-
-
-def entry_for(meta: Mapping[str, Any], prefix: str) -> Entry:
-    """The manifest entry of a checkpoint with this ``meta``, before its file is durable.
-
-    A score that is not finite is recorded as None: never the best, and ``manifest.json``
-    stays strict JSON.
-    """
-    score = meta.get("score")
-    if score is not None and not math.isfinite(score):
-        score = None
-    return Entry(
-        file=checkpoint_name(prefix, meta["epoch"], meta["iteration"]),
-        epoch=meta["epoch"],
-        iteration=meta["iteration"],
-        score=score,
-    )
 
 
 class Manifest:
@@ -91,31 +59,41 @@ class Manifest:
             stale.unlink(missing_ok=True)
         known = {e.file: e for e in self._read() if (self.folder / e.file).is_file()}
         for path in sorted(self.folder.glob(f"{self.prefix}-e*-i*.pt")):
-            if path.name in known:
-                continue
-            match = _NAME.match(path.name)
-            if match is None or match.group("prefix") != self.prefix or not is_complete(path):
-                continue
-            score = None
-            try:
-                score = load_checkpoint(path).get("meta", {}).get("score")
-            except Exception:  # a file that does not load is not a checkpoint we can use
-                continue
-            _log.warning("Checkpoint %s was not in the manifest (a crash after writing it); adding it.", path)
-            known[path.name] = Entry(
-                file=path.name,
-                epoch=int(match.group("epoch")),
-                iteration=int(match.group("iteration")),
-                score=score,
-                saved_at=path.stat().st_mtime,
-                size=path.stat().st_size,
-            )
-        self.entries = sorted(known.values(), key=lambda e: (e.iteration, e.saved_at))
+            if path.name not in known:
+                found = self._entry_from_file(path)
+                if found is not None:
+                    known[path.name] = found
+        self.entries = oldest_first(list(known.values()))
         return self
 
+    def _entry_from_file(self, path: Path) -> Entry | None:
+        """The entry of a complete checkpoint file the manifest missed; None for any other file."""
+        match = _NAME.match(path.name)
+        if match is None or match.group("prefix") != self.prefix or not is_complete(path):
+            return None
+        try:
+            meta = load_checkpoint(path).get("meta", {})
+        except Exception:  # a file that does not load is not a checkpoint we can use
+            return None
+        _log.warning("Checkpoint %s was not in the manifest (a crash after writing it); adding it.", path)
+        sequence = meta.get("sequence")
+        return Entry(
+            file=path.name,
+            epoch=int(match.group("epoch")),
+            iteration=int(match.group("iteration")),
+            score=meta.get("score"),
+            saved_at=path.stat().st_mtime,
+            size=path.stat().st_size,
+            sequence=sequence if isinstance(sequence, int) else None,
+        )
+
     def add(self, entry: Entry) -> None:
-        self.entries = [e for e in self.entries if e.file != entry.file] + [entry]
-        self.entries.sort(key=lambda e: (e.iteration, e.saved_at))
+        """Records ``entry`` (replacing one of the same file), keeping the entries oldest first."""
+        self.entries = oldest_first([e for e in self.entries if e.file != entry.file] + [entry])
+
+    def next_sequence(self) -> int:
+        """The save sequence of the next checkpoint: one more than any recorded."""
+        return 1 + max((e.sequence for e in self.entries if e.sequence is not None), default=0)
 
     def remove(self, files: set[str]) -> None:
         self.entries = [e for e in self.entries if e.file not in files]
@@ -127,8 +105,8 @@ class Manifest:
         )
 
     def newest(self) -> list[Entry]:
-        """Entries from newest to oldest."""
-        return list(reversed(self.entries))
+        """Entries from newest to oldest (see ``retention.oldest_first``)."""
+        return list(reversed(oldest_first(self.entries)))
 
     def newest_complete(self) -> Path | None:
         """The newest recorded file that is whole, warning of each damaged newer one; None if none is."""

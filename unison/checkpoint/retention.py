@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from unison.checkpoint.manifest import Entry
+from unison.checkpoint.entry import Entry
 
 
 @dataclass(frozen=True)
@@ -30,14 +30,33 @@ class Retention:
     best: Entry | None
 
 
+def age(entry: Entry) -> tuple[int, float]:
+    """The sort key of :func:`oldest_first`: the save sequence, never the iteration.
+
+    Iterations restart their count whenever a resume changes the world size or the batch
+    size, so a newer checkpoint can hold a smaller iteration; the save sequence only grows.
+    Entries without one (files from before unison recorded it) come first, by their time of
+    saving.
+    """
+    if entry.sequence is None:
+        return (0, entry.saved_at)
+    return (1, float(entry.sequence))
+
+
 def oldest_first(entries: Sequence[Entry]) -> list[Entry]:
     """The entries from the oldest to the newest: the one place that defines "newest".
 
-    Today that is the manifest's order (by iteration, then time of saving), newest last.
-    Everything else here (the newest ``keep_last``, and which of two equal scores wins)
-    follows from this order.
+    Ordered by :func:`age` (the save sequence; entries that have none first, by time of
+    saving); equal ages keep the order given. The manifest keeps its entries in this order,
+    and everything else (the newest ``keep_last``, which of two equal scores wins, where
+    ``resume("auto")`` starts) follows from it.
+
+    Example:
+        >>> old, new = Entry("a.pt", 9, 900, sequence=1), Entry("b.pt", 10, 40, sequence=2)
+        >>> [e.file for e in oldest_first([new, old])]
+        ['a.pt', 'b.pt']
     """
-    return list(entries)
+    return sorted(entries, key=age)
 
 
 def has_score(entry: Entry) -> bool:

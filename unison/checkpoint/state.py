@@ -14,9 +14,12 @@ import torch
 from torch import nn
 
 from unison.checkpoint.io import CheckpointError
+from unison.checkpoint.retention import check_options as check_retention
 from unison.distributed.model import unwrap_model
-from unison.distributed.samplers import samplers_with_set_epoch
+from unison.utils.logging import get_logger
 from unison.utils.version import __version__
+
+_log = get_logger(__name__)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -131,6 +134,29 @@ class Position(NamedTuple):
         return bool(self.epoch_length and self.iteration % self.epoch_length)
 
 
+def check_options(
+    every_epochs: int | None,
+    every_iters: int | None,
+    keep_last: int | None,
+    keep_best: int,
+    metric: str | None,
+    mode: str,
+) -> None:
+    """Checks a Checkpoint's options.
+
+    Raises:
+        ValueError: naming the option, for a bad interval, retention or mode.
+    """
+    for name, value in (("every_epochs", every_epochs), ("every_iters", every_iters)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"Checkpoint({name}={value!r}) must be a positive int or None.")
+    check_retention(keep_last=keep_last, keep_best=keep_best, mode=mode, who="Checkpoint")
+    if keep_best and metric is None:
+        raise ValueError(
+            f"Checkpoint(keep_best={keep_best}) needs metric=<name of a score> to rank checkpoints by."
+        )
+
+
 def check_to_save(to_save: Mapping[str, Any]) -> None:
     """Checks the objects given to a Checkpoint: a name each, none reserved, each with a state.
 
@@ -226,7 +252,7 @@ def build_checkpoint(
     Args:
         meta: from :func:`checkpoint_meta`.
         trainer: the trainer's ``state_dict()``.
-        sampler: from :func:`sampler_state`; None when the data's sampler cannot resume.
+        sampler: from ``position.sampler_state``; None when the data's sampler cannot resume.
         rng: every rank's :func:`capture_rng`, indexed by rank.
         objects: from :func:`object_states`.
         config: the run's configuration as plain data, or None.
@@ -239,47 +265,6 @@ def build_checkpoint(
         "objects": dict(objects),
         "config": None if config is None else dict(config),
     }
-
-
-# --- the sampler's position -------------------------------------------------------------------
-
-
-def resumable_sampler(data: Any) -> Any | None:
-    """The first sampler behind ``data`` that can save and load its position, or None."""
-    for sampler in samplers_with_set_epoch(data):
-        if callable(getattr(sampler, "load_state_dict", None)):
-            return sampler
-    return None
-
-
-def sampler_position(at: Position, batch_size: int | None) -> tuple[int, int]:
-    """The sampler's ``(epoch, samples consumed)`` at ``at``: its epoch is 0-based.
-
-    Args:
-        at: the trainer's position; without an epoch length, its epoch and nothing consumed.
-        batch_size: the per-rank batch size; None counts one sample a batch.
-
-    Example:
-        >>> sampler_position(Position(epoch=2, iteration=7, epoch_length=5), batch_size=4)
-        (1, 8)
-    """
-    if not at.epoch_length:
-        return at.epoch, 0
-    return at.iteration // at.epoch_length, (at.iteration % at.epoch_length) * (batch_size or 1)
-
-
-def sampler_state(data: Any, at: Position, batch_size: int | None) -> dict[str, Any] | None:
-    """The saved position of the resumable sampler behind ``data``; None without one.
-
-    See :func:`sampler_position` for the epoch and the samples consumed.
-    """
-    sampler = resumable_sampler(data)
-    if sampler is None:
-        return None
-    epoch, consumed = sampler_position(at, batch_size)
-    state = dict(sampler.state_dict(consumed=consumed))
-    state["epoch"] = epoch
-    return state
 
 
 # --- resuming ---------------------------------------------------------------------------------
@@ -364,12 +349,13 @@ def data_length(data: Any) -> int | None:
         return None
 
 
-def refit_epoch_length(at: Position, length: int | None) -> Position | None:
+def refit_epoch_length(at: Position, length: int | None, *, warn: bool = False) -> Position | None:
     """At an epoch's end the data decides the epoch length, not the checkpoint.
 
     Args:
         at: the resumed position, at an epoch's end.
         length: the data's length now; None when unknown.
+        warn: log a warning when the length changes.
 
     Returns:
         The same epoch counted in epochs of ``length``; None when nothing changes.
@@ -380,4 +366,11 @@ def refit_epoch_length(at: Position, length: int | None) -> Position | None:
     """
     if not length or length == at.epoch_length:
         return None
+    if warn:
+        _log.warning(
+            "The epoch length changed from %s to %d batches since the checkpoint (another world size or "
+            "batch size); epochs from here on cover the whole data again.",
+            at.epoch_length,
+            length,
+        )
     return Position(at.epoch, at.epoch * length, length)

@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import torch.distributed as dist
 from ignite.engine import Engine, Events
 
-from unison.checkpoint.io import atomic_save, load_checkpoint
+from unison.checkpoint.io import load_checkpoint
 from unison.checkpoint.manifest import Entry, Manifest, entry_for
-from unison.checkpoint.retention import best_entry, check_options, retain
+from unison.checkpoint.position import (
+    DataTracker,
+    PositionUnknown,
+    fixed_batch_size,
+    load_sampler,
+    rank_view,
+    sampler_state,
+)
+from unison.checkpoint.ranks import choose, gather_on_first, open_folder
+from unison.checkpoint.retention import best_entry
 from unison.checkpoint.state import (
     Position,
     build_checkpoint,
     capture_rng,
     check_checkpoint,
     check_layout,
+    check_options,
     check_to_save,
     checkpoint_meta,
     data_length,
@@ -28,12 +36,11 @@ from unison.checkpoint.state import (
     object_states,
     refit_epoch_length,
     restore_rng,
-    resumable_sampler,
     rng_of_rank,
-    sampler_state,
-    to_cpu_copy,
 )
-from unison.distributed.primitives import broadcast_object, get_rank, get_world_size, is_distributed
+from unison.checkpoint.verify import raise_refusal, skip_message, to_plain, vet
+from unison.checkpoint.writer import CheckpointWriter
+from unison.distributed.primitives import broadcast_object, get_rank, get_world_size
 from unison.distributed.sync import require_sync_point
 from unison.utils.logging import get_logger
 
@@ -53,21 +60,20 @@ class Checkpoint:
     schedulers, a GradScaler, handlers such as EarlyStopping), the trainer's state, the
     training sampler's position, the random generator states of every rank, the config,
     the world size, the per-rank batch size and the library versions. Everything loads with
-    ``torch.load(weights_only=True)``.
+    ``torch.load(weights_only=True)``: numpy scalars and paths become plain values, other
+    values are refused at save time, naming their key. Non-finite weights are not saved.
 
-    **How**: rank 0 writes a temp file, fsyncs it, renames it, fsyncs the folder, and only
-    then records it in ``manifest.json``. Rotation keeps the newest ``keep_last`` and the
-    best ``keep_best`` by ``metric``, and deletes others only after the new file is
-    recorded; the manifest is rebuilt from the folder after a crash. With
-    ``async_save=True`` training is blocked only while the state is copied to CPU memory;
-    a background thread writes it, at most one write is in flight, and the manifest
-    records it once durable.
+    **How**: rank 0 writes durably and records the file in ``manifest.json``
+    (:class:`~unison.checkpoint.writer.CheckpointWriter`). Rotation keeps the newest
+    ``keep_last`` (by save sequence) and the best ``keep_best`` by ``metric``, deleting
+    others only once the new file is recorded. With ``async_save=True`` training blocks
+    only while the state is copied to CPU memory.
 
     **Resume**: :meth:`resume` (``"auto"``: the newest complete checkpoint, falling back
     to older ones with a warning when a file is damaged; or a path) loads the states on
     every rank. A run stopped at any iteration and resumed ends with the parameters of the
-    uninterrupted run: the sampler skips the samples already trained on without loading
-    them, and each rank's generators are put back.
+    uninterrupted run: the sampler skips the samples its data iterator already handed
+    out, without loading them, and each rank's generators are put back.
 
     Args:
         dirname: the folder (shared by all ranks' view of the filesystem).
@@ -111,7 +117,7 @@ class Checkpoint:
         prefix: str = "ckpt",
         require_empty: bool = False,
     ) -> None:
-        _check_options(every_epochs, every_iters, keep_last, keep_best, metric, mode)
+        check_options(every_epochs, every_iters, keep_last, keep_best, metric, mode)
         check_to_save(to_save)
         self._agreed = require_sync_point(trainer, "Checkpoint(trainer=...)")
         self.folder = Path(dirname)
@@ -124,40 +130,29 @@ class Checkpoint:
         self.every_epochs = every_epochs
         self.every_iters = every_iters
         self.at_end = at_end
-        self.keep_last = keep_last
-        self.keep_best = keep_best
         self.metric = metric
         self.mode = mode
         self.metric_engine = metric_engine
-        self.async_save = async_save
-        self.config = dict(config) if config is not None else None
+        self.config = to_plain(dict(config), "config") if config is not None else None
         self.manifest = Manifest(self.folder, prefix)
-        self.saved: list[Path] = []
-        """Files this handler wrote (on rank 0), in order."""
+        self.writer = CheckpointWriter(
+            self.manifest, keep_last=keep_last, keep_best=keep_best, mode=mode, async_save=async_save
+        )
+        """Writes, records and rotates the files (rank 0)."""
         self.stall_seconds: list[float] = []
         """How long each save blocked training, in seconds (rank 0)."""
         self._last_saved_iteration = -1
         self._save_due = False
-        self._writer: threading.Thread | None = None
-        self._writer_error: BaseException | None = None
         self._pending_resume: dict[str, Any] | None = None
         self._pending_rng: Mapping[str, Any] | None = None
-        self._snapshot: Any = None
-        self._refuse_a_used_folder(require_empty)
+        self.data = DataTracker()
+        """Where the training data's iterator stands (the sampler position of a save)."""
+        open_folder(self.manifest, require_empty=require_empty)
 
-    def _refuse_a_used_folder(self, require_empty: bool) -> None:
-        """Rank 0 reads the folder; every rank gets its answer, so they fail or go on together."""
-        problem = None
-        if get_rank() == 0:
-            self.manifest.rebuild()
-            if require_empty and self.manifest.entries:
-                problem = (
-                    f"Checkpoint(require_empty=True): {self.folder} already holds {len(self.manifest.entries)} "
-                    "checkpoint(s). Choose a new folder, remove them, or resume from them."
-                )
-        problem = broadcast_object(problem)
-        if problem:
-            raise FileExistsError(problem)
+    @property
+    def saved(self) -> list[Path]:
+        """Files this handler wrote (on rank 0), in order."""
+        return self.writer.saved
 
     # -- attaching ------------------------------------------------------------------------
 
@@ -170,6 +165,9 @@ class Checkpoint:
             return
         k = _step_attribute(trainer, "accumulation_steps", 1)
         trainer.add_event_handler(Events.STARTED, self._on_started)
+        trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
+        trainer.add_event_handler(Events.DATALOADER_STOP_ITERATION, self._on_data_ran_out)
+        trainer.add_event_handler(Events.TERMINATE_SINGLE_EPOCH, self._on_epoch_cut)
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._restore_pending_rng)
         if self.every_epochs is not None:
             trainer.add_event_handler(Events.EPOCH_COMPLETED(every=self.every_epochs), self._save_event)
@@ -214,88 +212,84 @@ class Checkpoint:
         return None if value is None else float(value)
 
     def collect(self, engine: Engine) -> dict[str, Any] | None:
-        """Collective: call on every rank. The full checkpoint on rank 0; None elsewhere."""
-        everyone = _gather_rng()
+        """Collective: call on every rank. The full checkpoint on rank 0; None elsewhere.
+
+        Its ``meta`` gets its save sequence when :meth:`save` writes it.
+        """
+        pass_, iteration = self.data.current, engine.state.iteration
+        everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None)))  # counted samples
         if everyone is None:
             return None
-        at = _position(engine)
-        batch_size, accumulation_steps = _layout(engine)
+        batch_size, steps = _layout(engine)
         meta = checkpoint_meta(
-            at,
+            _position(engine),
             world_size=get_world_size(),
             batch_size=batch_size,
-            accumulation_steps=accumulation_steps,
+            accumulation_steps=steps,
             score=self._score(),
             metric=self.metric,
             saved_at=time.time(),
         )
+        by_rank = [consumed for _, consumed in everyone]
         return build_checkpoint(
             meta=meta,
             trainer=engine.state_dict(),
-            sampler=sampler_state(engine.state.dataloader, at, batch_size),
-            rng=everyone,
+            sampler=sampler_state(engine.state.dataloader, pass_, iteration, by_rank),
+            rng=[rng for rng, _ in everyone],
             objects=object_states(self.to_save),
             config=self.config,
         )
 
     def save(self, engine: Engine | None = None) -> Path | None:
-        """Collective: call on every rank. Writes a checkpoint now; returns its path on rank 0."""
+        """Collective: call on every rank. Writes a checkpoint now; returns its path on rank 0.
+
+        Returns None on other ranks, and when the weights hold a NaN or an infinity: such a
+        checkpoint is never written (a warning names the first bad tensor), so the last good
+        one stays the newest.
+
+        Raises:
+            NotPlainError: on every rank, when a state holds a value that
+                ``torch.load(weights_only=True)`` would refuse; it names the key.
+        """
         engine = engine or self.trainer
         self._save_due = False
         if engine.state.iteration == self._last_saved_iteration:
             return self.saved[-1] if self.saved else None  # this iteration is already on disk
         start = time.perf_counter()
-        state = self.collect(engine)
+        try:
+            state, problem = self.collect(engine), None
+        except PositionUnknown as err:  # rank 0 only, after the collective: shared below
+            state, problem = None, err
+        state = self._vetted(state, problem)
         self._last_saved_iteration = engine.state.iteration
         if state is None:
             return None
-        self.wait()  # at most one write in flight
+        self.writer.wait()  # at most one write in flight; the manifest is up to date after it
+        state["meta"]["sequence"] = self.manifest.next_sequence()
         entry = entry_for(state["meta"], self.manifest.prefix)
         path = self.folder / entry.file
-        if self.async_save:
-            # The previous write has finished (wait() above): its buffers are free to reuse.
-            self._snapshot = to_cpu_copy(state, reuse=self._snapshot)
-            self._writer = threading.Thread(
-                target=self._write, args=(self._snapshot, path, entry), name="unison-ckpt", daemon=False
-            )
-            self._writer.start()
-        else:
-            self._write(state, path, entry)
+        self.writer.write(state, path, entry)
         self.stall_seconds.append(time.perf_counter() - start)
         return path
 
-    def _write(self, state: dict[str, Any], path: Path, entry: Entry) -> None:
-        try:
-            atomic_save(state, path)
-            entry.saved_at = time.time()
-            entry.size = path.stat().st_size
-            self._record(entry)
-            self.saved.append(path)
-            _log.info("Saved checkpoint %s", path)
-        except BaseException as err:
-            self._writer_error = err
-            if threading.current_thread() is threading.main_thread():
-                raise
+    def _vetted(self, state: dict[str, Any] | None, problem: Exception | None) -> dict[str, Any] | None:
+        """Collective: rank 0 checks what it collected (``verify.vet``); every rank acts on its verdict.
 
-    def _record(self, entry: Entry) -> None:
-        """Adds a durable file to the manifest, then rotates: nothing is deleted before the manifest is."""
-        self.manifest.add(entry)
-        plan = retain(
-            self.manifest.entries, keep_last=self.keep_last, keep_best=self.keep_best, mode=self.mode
-        )
-        self.manifest.remove(set(plan.delete))
-        self.manifest.write()  # durable before anything is deleted
-        for name in plan.delete:
-            (self.folder / name).unlink(missing_ok=True)
+        Returns the state to write (rank 0), or None: another rank, or weights that are not
+        finite. Raises rank 0's refusal on every rank.
+        """
+        state, verdict = vet(state, problem)
+        verdict = broadcast_object(verdict)
+        if verdict is None:
+            return state
+        raise_refusal(verdict)
+        if get_rank() == 0:
+            _log.warning(skip_message(verdict, self.manifest, self.trainer.state.iteration))
+        return None
 
     def wait(self) -> None:
         """Blocks until an asynchronous write has finished; re-raises its error."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.join()
-        if self._writer_error is not None:
-            err, self._writer_error = self._writer_error, None
-            raise RuntimeError(f"Writing a checkpoint to {self.folder} failed: {err}") from err
+        self.writer.wait()
 
     @property
     def best(self) -> Entry | None:
@@ -303,13 +297,6 @@ class Checkpoint:
         return best_entry(self.manifest.entries, self.mode)
 
     # -- resuming -------------------------------------------------------------------------
-
-    def _choose(self, which: str | os.PathLike[str]) -> str | None:
-        """Rank 0: the file to resume from."""
-        if which != "auto":
-            return str(which)
-        path = self.manifest.rebuild().newest_complete()
-        return None if path is None else str(path)
 
     def resume(self, which: str | os.PathLike[str] = "auto") -> Path | None:
         """Collective: call on every rank, before ``trainer.run``. Loads a checkpoint.
@@ -325,7 +312,7 @@ class Checkpoint:
             CheckpointError: naming the file, when it is missing, truncated or corrupt, or
                 does not fit this run.
         """
-        choice = broadcast_object(self._choose(which) if get_rank() == 0 else None)
+        choice = choose(self.manifest, which)
         if choice is None:
             _log.info("No checkpoint in %s: starting fresh.", self.folder)
             return None
@@ -344,6 +331,10 @@ class Checkpoint:
 
     def _on_started(self, engine: Engine) -> None:
         state, self._pending_resume = self._pending_resume, None
+        saved = rank_view(None if state is None else state.get("sampler"), get_rank())
+        self.data.run_started(engine.state.dataloader, engine.state.iteration, saved)
+        if self.data.counting and not engine.has_event_handler(self._count_batch, Events.GET_BATCH_COMPLETED):
+            engine.add_event_handler(Events.GET_BATCH_COMPLETED, self._count_batch)
         if state is None:
             return
         meta = state["meta"]
@@ -352,13 +343,30 @@ class Checkpoint:
         if change is not None:
             _log.warning("%s Resuming anyway at an epoch boundary.", change)
         if not meta["mid_epoch"] and not getattr(engine, "epoch_length_given", False):
-            _refit_epoch_length(engine)
-        if state.get("sampler") is not None:
-            _load_sampler(engine, state["sampler"], mid_epoch=meta["mid_epoch"])
+            # at an epoch boundary the data decides the epoch length, not the checkpoint
+            fit = refit_epoch_length(_position(engine), data_length(engine.state.dataloader), warn=True)
+            if fit is not None:
+                engine.state.epoch_length, engine.state.iteration = fit.epoch_length, fit.iteration
         if not meta["mid_epoch"]:
             # At an epoch boundary the next draw happens when the epoch's data iterator is
             # made, as in the uninterrupted run: put the generators back before that.
             self._restore_pending_rng(engine)
+
+    def _on_epoch_started(self, engine: Engine) -> None:
+        self.data.epoch_started(
+            engine.state.dataloader, lambda saved: load_sampler(engine.state.dataloader, saved)
+        )
+
+    def _on_data_ran_out(self, engine: Engine) -> None:  # a new iterator follows at once
+        state = engine.state
+        self.data.iterator_ended(state.dataloader, state.iteration, state.epoch, next_epoch_draws=False)
+
+    def _on_epoch_cut(self, engine: Engine, iter_counter: int = 0) -> None:  # ignite passes iter_counter
+        state = engine.state
+        self.data.iterator_ended(state.dataloader, state.iteration, state.epoch, next_epoch_draws=True)
+
+    def _count_batch(self, engine: Engine) -> None:
+        self.data.count(engine.state.batch)
 
     def _restore_pending_rng(self, _: Engine) -> None:
         # Mid-epoch: the uninterrupted run had already made its data iterator when it
@@ -375,27 +383,6 @@ class Checkpoint:
         """Rotation is rebuilt from the folder, which is the truth; nothing to load."""
 
 
-# -- helpers -------------------------------------------------------------------------------------
-
-
-def _check_options(
-    every_epochs: int | None,
-    every_iters: int | None,
-    keep_last: int | None,
-    keep_best: int,
-    metric: str | None,
-    mode: str,
-) -> None:
-    for name, value in (("every_epochs", every_epochs), ("every_iters", every_iters)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"Checkpoint({name}={value!r}) must be a positive int or None.")
-    check_options(keep_last=keep_last, keep_best=keep_best, mode=mode, who="Checkpoint")
-    if keep_best and metric is None:
-        raise ValueError(
-            f"Checkpoint(keep_best={keep_best}) needs metric=<name of a score> to rank checkpoints by."
-        )
-
-
 def _step_attribute(engine: Engine, name: str, default: Any) -> Any:
     """An attribute of the trainer's step (``TrainStep``), or ``default`` for another process function."""
     return getattr(getattr(engine, "_process_function", None), name, default)
@@ -407,42 +394,4 @@ def _position(engine: Engine) -> Position:
 
 def _layout(engine: Engine) -> tuple[int | None, int]:
     """The per-rank batch size of the training data and the accumulation steps."""
-    return getattr(engine.state.dataloader, "batch_size", None), _step_attribute(
-        engine, "accumulation_steps", 1
-    )
-
-
-def _gather_rng() -> list[Any] | None:
-    """Collective: call on every rank. Every rank's generator states on rank 0; None elsewhere."""
-    rng = capture_rng()
-    if not is_distributed():
-        return [rng]
-    everyone: list[Any] | None = [None] * get_world_size() if get_rank() == 0 else None
-    dist.gather_object(rng, everyone, dst=0)
-    return everyone
-
-
-def _refit_epoch_length(engine: Engine) -> None:
-    """At an epoch boundary the data decides the epoch length, not the checkpoint."""
-    fit = refit_epoch_length(_position(engine), data_length(engine.state.dataloader))
-    if fit is None:
-        return
-    _log.warning(
-        "The epoch length changed from %s to %d batches since the checkpoint (another world size or "
-        "batch size); epochs from here on cover the whole data again.",
-        engine.state.epoch_length,
-        fit.epoch_length,
-    )
-    engine.state.epoch_length, engine.state.iteration = fit.epoch_length, fit.iteration
-
-
-def _load_sampler(engine: Engine, saved: Mapping[str, Any], *, mid_epoch: bool) -> None:
-    """Puts the training sampler back at its saved position, or warns that it cannot skip."""
-    sampler = resumable_sampler(engine.state.dataloader)
-    if sampler is not None:
-        sampler.load_state_dict(saved)
-    elif mid_epoch:
-        _log.warning(
-            "The checkpoint was taken mid-epoch but the training data's sampler cannot skip samples "
-            "(use unison.distributed.TrainSampler): the epoch restarts from its first batch."
-        )
+    return fixed_batch_size(engine.state.dataloader), _step_attribute(engine, "accumulation_steps", 1)

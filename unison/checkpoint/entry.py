@@ -1,0 +1,55 @@
+"""One manifest entry: a durable checkpoint file, where it was taken, and when it was saved."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Entry:
+    """One durable checkpoint.
+
+    Attributes:
+        file: the file name, inside the checkpoint folder.
+        epoch: the trainer's epoch at the save.
+        iteration: the trainer's iteration at the save.
+        score: the value of the ranking metric, or None.
+        saved_at: the wall-clock time the file became durable.
+        size: the file's size in bytes.
+        sequence: the save's rank in the folder's history, 1 for its first save; None for
+            files written before unison recorded it. Defines which checkpoint is newest.
+    """
+
+    file: str
+    epoch: int
+    iteration: int
+    score: float | None = None
+    saved_at: float = 0.0
+    size: int = 0
+    sequence: int | None = None
+
+
+def checkpoint_name(prefix: str, epoch: int, iteration: int) -> str:
+    """The file name of the checkpoint taken at ``epoch`` and ``iteration``: ``<prefix>-e0003-i000001200.pt``."""
+    return f"{prefix}-e{epoch:04d}-i{iteration:09d}.pt"
+
+
+def entry_for(meta: Mapping[str, Any], prefix: str) -> Entry:
+    """The manifest entry of a checkpoint with this ``meta``, before its file is durable.
+
+    A score that is not finite is recorded as None: never the best, and ``manifest.json``
+    stays strict JSON.
+    """
+    score = meta.get("score")
+    if score is not None and not math.isfinite(score):
+        score = None
+    return Entry(
+        file=checkpoint_name(prefix, meta["epoch"], meta["iteration"]),
+        epoch=meta["epoch"],
+        iteration=meta["iteration"],
+        score=score,
+        sequence=meta.get("sequence"),
+    )

@@ -1,0 +1,217 @@
+"""Where the training data stands: the sampler's epoch and the samples its iterator handed out.
+
+The engine's counters say how many batches an *epoch* consumed; a resume needs the position
+of the *data iterator*, which is not the same thing: ignite keeps the iterator across
+epochs when ``epoch_length`` is shorter than the loader, starts a new one inside an epoch
+when it is longer, and starts a new one at ``terminate_epoch()``. A :class:`DataPass` is
+one run of one iterator: the sampler epoch it was drawn with and the samples taken from
+it. No engine here: the Checkpoint handler feeds it from the engine's events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from unison.distributed.samplers import samplers_with_set_epoch
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
+
+
+class PositionUnknown(RuntimeError):
+    """The samples consumed mid-epoch cannot be told, so a mid-epoch save would resume wrongly."""
+
+
+def resumable_sampler(data: Any) -> Any | None:
+    """The first sampler behind ``data`` that can save and load its position, or None."""
+    for sampler in samplers_with_set_epoch(data):
+        if callable(getattr(sampler, "load_state_dict", None)):
+            return sampler
+    return None
+
+
+def fixed_batch_size(data: Any) -> int | None:
+    """Samples in every batch but an iterator's last: the loader's ``batch_size``, else its batch
+    sampler's when that is an int; None when batches may vary (a custom ``batch_sampler``).
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> fixed_batch_size(DataLoader(range(10), batch_size=4))
+        4
+    """
+    size = getattr(data, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(data, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def batch_samples(batch: Any) -> int | None:
+    """The samples in a collated batch: the first dimension its tensors share; None when unclear.
+
+    Example:
+        >>> batch_samples((torch.zeros(3, 5), {"y": torch.zeros(3)}))
+        3
+        >>> batch_samples([torch.zeros(3), torch.zeros(2)]) is None
+        True
+    """
+    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in _tensors(value)]
+    if isinstance(batch, (list, tuple)):
+        return [t for value in batch for t in _tensors(value)]
+    return []
+
+
+@dataclass
+class DataPass:
+    """One data iterator's run: drawn with ``sampler_epoch``, started after ``start_iteration``.
+
+    Attributes:
+        start_iteration: the engine's iteration count before the pass's first batch.
+        sampler_epoch: the sampler's epoch the iterator was drawn with; None until known
+            (the iterator is made after the next ``EPOCH_STARTED``).
+        skipped: samples a resumed sampler skips at the pass's start (already trained on).
+        samples: samples taken since the start, when batches are counted; else None.
+    """
+
+    start_iteration: int
+    sampler_epoch: int | None = None
+    skipped: int = 0
+    samples: int | None = None
+
+    def consumed(self, iteration: int, batch_size: int | None) -> int | None:
+        """Samples of the sampler's epoch consumed after ``iteration``; None when unknown."""
+        if self.samples is not None:
+            return self.skipped + self.samples
+        if batch_size is None:
+            return None
+        return self.skipped + (iteration - self.start_iteration) * batch_size
+
+
+def sampler_state(
+    data: Any, current: DataPass, iteration: int, by_rank: list[int | None] | None = None
+) -> dict[str, Any] | None:
+    """The saved position of the resumable sampler behind ``data``; None without one.
+
+    ``epoch`` is the sampler epoch of the current iterator and ``consumed`` the samples of it
+    trained on; a finished iterator is saved as ``consumed=0`` with ``"fresh": True``: the
+    resume draws the next one as the uninterrupted run does. With counted samples,
+    ``by_rank`` (every rank's count) is saved as ``consumed_by_rank``: batches may differ
+    in size from rank to rank.
+
+    Raises:
+        PositionUnknown: mid-iterator, when the samples consumed cannot be told.
+    """
+    sampler = resumable_sampler(data)
+    if sampler is None:
+        return None
+    consumed = current.consumed(iteration, fixed_batch_size(data))
+    total = len(sampler) + getattr(sampler, "start", 0)
+    done = iteration == current.start_iteration and not current.skipped
+    if consumed is None and not done:
+        raise PositionUnknown(
+            "Checkpoint: cannot save mid-epoch: the training data's batch sampler has no fixed batch_size "
+            "and its batches hold no tensors to count samples from, so the sampler's position is unknown. "
+            "Save at epoch ends only (every_iters=None), give the batch sampler a batch_size attribute, or "
+            "collate batches into tensors."
+        )
+    fresh = done or (consumed is not None and consumed >= total)
+    state = dict(sampler.state_dict(consumed=0 if fresh else consumed))
+    state["epoch"] = current.sampler_epoch if current.sampler_epoch is not None else state["epoch"]
+    state["fresh"] = fresh
+    if by_rank is not None and current.samples is not None and not fresh:
+        state["consumed_by_rank"] = list(by_rank)
+    return state
+
+
+def load_sampler(data: Any, saved: Mapping[str, Any]) -> None:
+    """Puts the resumable sampler behind ``data`` at its saved position."""
+    sampler = resumable_sampler(data)
+    if sampler is not None:
+        sampler.load_state_dict(dict(saved))
+
+
+def rank_view(saved: Mapping[str, Any] | None, rank: int) -> Mapping[str, Any] | None:
+    """The saved sampler state as ``rank`` resumes it: its own ``consumed`` when counted per rank."""
+    if saved is None or "consumed_by_rank" not in saved:
+        return saved
+    return {**saved, "consumed": saved["consumed_by_rank"][rank]}
+
+
+class DataTracker:
+    """Follows the training data's iterators through a run, for :func:`sampler_state`.
+
+    The Checkpoint handler calls :meth:`run_started` at ``STARTED``, :meth:`epoch_started`
+    at ``EPOCH_STARTED`` (after the engine's ``set_epoch``), :meth:`iterator_ended` at
+    ``DATALOADER_STOP_ITERATION`` and ``TERMINATE_SINGLE_EPOCH``, and :meth:`count` for
+    each batch when the batches' sizes vary.
+    """
+
+    def __init__(self) -> None:
+        self.current = DataPass(start_iteration=0)
+        self.counting = False
+        self._pending: Mapping[str, Any] | None = None
+        self._overridden = False
+
+    def run_started(self, data: Any, iteration: int, saved: Mapping[str, Any] | None) -> None:
+        """A run starts at ``iteration``; ``saved`` is the sampler state to resume at, if any."""
+        self.counting = resumable_sampler(data) is not None and fixed_batch_size(data) is None
+        self.current = DataPass(start_iteration=iteration, samples=0 if self.counting else None)
+        fresh = saved is None or saved.get("fresh", not int(saved.get("consumed", 0)))
+        self._pending = None if fresh or resumable_sampler(data) is None else saved
+        self._overridden = False
+        if not fresh and resumable_sampler(data) is None:
+            _log.warning(
+                "The checkpoint was taken mid-epoch but the training data's sampler cannot skip samples "
+                "(use unison.distributed.TrainSampler): the epoch restarts from its first batch."
+            )
+
+    def epoch_started(self, data: Any, load: Any) -> None:
+        """After the engine's ``set_epoch``: applies a pending resume (``load(saved)``); notes the epoch."""
+        sampler = resumable_sampler(data)
+        if self._pending is not None:
+            saved, self._pending = self._pending, None
+            load(saved)
+            self.current.skipped = int(saved["consumed"])
+            self.current.sampler_epoch = int(saved["epoch"])
+            self._overridden = sampler is not None
+        if self.current.sampler_epoch is None and sampler is not None:
+            self.current.sampler_epoch = int(sampler.epoch)
+
+    def iterator_ended(self, data: Any, iteration: int, epoch: int, *, next_epoch_draws: bool) -> None:
+        """The current iterator is done; the next starts after ``iteration``.
+
+        Args:
+            data: the training data.
+            iteration: the engine's iteration count.
+            epoch: the engine's epoch (1-based); its sampler epoch is ``epoch - 1``.
+            next_epoch_draws: the next iterator is drawn after the next ``set_epoch``
+                (``terminate_epoch``), rather than now (the data ran out inside an epoch).
+        """
+        sampler = resumable_sampler(data)
+        if self._overridden and sampler is not None:
+            # The resumed iterator skipped samples of its saved epoch; the next one is drawn
+            # as the uninterrupted run drew it: from the engine's epoch, nothing skipped.
+            sampler.load_state_dict({**sampler.state_dict(consumed=0), "epoch": epoch - 1})
+            self._overridden = False
+        drawn = None if next_epoch_draws or sampler is None else int(sampler.epoch)
+        self.current = DataPass(iteration, drawn, samples=0 if self.counting else None)
+
+    def count(self, batch: Any) -> None:
+        """Adds the samples of ``batch``; once one cannot be counted, the position stays unknown."""
+        if self.current.samples is None:
+            return
+        n = batch_samples(batch)
+        if n is None:
+            self.counting = False
+        self.current.samples = None if n is None else self.current.samples + n

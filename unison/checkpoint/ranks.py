@@ -1,0 +1,54 @@
+"""What a checkpoint needs from every rank: gathered states, and answers rank 0 gives them all."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from unison.checkpoint.manifest import Manifest
+from unison.distributed.primitives import broadcast_object, get_rank, get_world_size, is_distributed
+
+
+def gather_on_first(mine: Any) -> list[Any] | None:
+    """Collective: call on every rank. Every rank's ``mine`` on rank 0, by rank; None elsewhere."""
+    if not is_distributed():
+        return [mine]
+    everyone: list[Any] | None = [None] * get_world_size() if get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return everyone
+
+
+def open_folder(manifest: Manifest, *, require_empty: bool) -> None:
+    """Collective: rank 0 rebuilds the manifest from the folder; every rank gets its answer.
+
+    Raises:
+        FileExistsError: on every rank, with ``require_empty`` and a folder that holds
+            checkpoints.
+    """
+    problem = None
+    if get_rank() == 0:
+        manifest.rebuild()
+        if require_empty and manifest.entries:
+            problem = (
+                f"Checkpoint(require_empty=True): {manifest.folder} already holds {len(manifest.entries)} "
+                "checkpoint(s). Choose a new folder, remove them, or resume from them."
+            )
+    problem = broadcast_object(problem)
+    if problem:
+        raise FileExistsError(problem)
+
+
+def choose(manifest: Manifest, which: str | os.PathLike[str]) -> str | None:
+    """Collective: the file to resume from, chosen on rank 0 and shared.
+
+    Args:
+        manifest: the folder's manifest.
+        which: ``"auto"`` for the newest complete checkpoint (None when there is none), or a path.
+    """
+    choice = None
+    if get_rank() == 0:
+        newest = manifest.rebuild().newest_complete() if which == "auto" else which
+        choice = None if newest is None else str(newest)
+    return broadcast_object(choice)

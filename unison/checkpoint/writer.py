@@ -1,0 +1,195 @@
+"""The durable writer: one checkpoint file at a time, recorded in the manifest, then rotation.
+
+No engine and no ranks: it takes a state dict, a path and an :class:`Entry`, on the one
+process that writes (rank 0). With ``async_save`` the state is first copied to CPU memory
+(reusing the previous copy's buffers) and written by a background thread; at most one
+write is in flight.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from unison.checkpoint.io import atomic_save
+from unison.checkpoint.manifest import Entry, Manifest
+from unison.checkpoint.retention import retain
+from unison.checkpoint.state import to_cpu_copy
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
+
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+class CheckpointDiskFull(OSError):
+    """A checkpoint did not fit on its disk; the message says how much was needed and free."""
+
+
+class CheckpointWriter:
+    """Writes checkpoints into the folder of ``manifest``, records them, and rotates.
+
+    Each file is written atomically (temp file, fsync, rename, fsync the folder), then
+    added to the manifest, which is written durably before rotation deletes anything.
+
+    Args:
+        manifest: the folder's manifest (rank 0's view).
+        keep_last: how many of the newest checkpoints to keep; None keeps all.
+        keep_best: how many of the best by score to keep as well.
+        mode: ``"max"`` or ``"min"``: which scores are best.
+        async_save: write in a background thread.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        keep_last: int | None,
+        keep_best: int = 0,
+        mode: Literal["max", "min"] = "max",
+        async_save: bool = False,
+    ) -> None:
+        self.manifest = manifest
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.mode = mode
+        self.async_save = async_save
+        self.saved: list[Path] = []
+        """Files written, in order."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._snapshot: Any = None
+
+    @property
+    def folder(self) -> Path:
+        return self.manifest.folder
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous write has started and not been waited for."""
+        return self._thread is not None
+
+    def write(self, state: dict[str, Any], path: Path, entry: Entry) -> None:
+        """Writes ``state`` to ``path`` and records ``entry``; in the background with ``async_save``.
+
+        Waits first for a write still in flight (re-raising its error).
+        """
+        self.wait()
+        if not self.async_save:
+            self._write(state, path, entry)
+            return
+        # The previous write has finished (wait() above): its buffers are free to reuse.
+        self._snapshot = to_cpu_copy(state, reuse=self._snapshot)
+        self._thread = threading.Thread(
+            target=self._write, args=(self._snapshot, path, entry), name="unison-ckpt", daemon=False
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Blocks until an asynchronous write has finished; re-raises its error."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"Writing a checkpoint to {self.folder} failed: {err}") from err
+
+    def _write(self, state: dict[str, Any], path: Path, entry: Entry) -> None:
+        try:
+            self._save(state, path)
+            entry.saved_at = time.time()
+            entry.size = path.stat().st_size
+            self._record(entry)
+            self.saved.append(path)
+            _log.info("Saved checkpoint %s", path)
+        except BaseException as err:
+            self._error = err
+            if threading.current_thread() is threading.main_thread():
+                self._error = None
+                raise
+
+    def _save(self, state: Mapping[str, Any], path: Path) -> None:
+        try:
+            atomic_save(state, path)
+        except (OSError, RuntimeError) as err:
+            if _disk_full_cause(err) is None:
+                raise
+            raise disk_full_error(path, state, self.manifest) from err
+
+    def _record(self, entry: Entry) -> None:
+        """Adds a durable file to the manifest, then rotates: nothing is deleted before the manifest is."""
+        self.manifest.add(entry)
+        plan = retain(
+            self.manifest.entries, keep_last=self.keep_last, keep_best=self.keep_best, mode=self.mode
+        )
+        self.manifest.remove(set(plan.delete))
+        self.manifest.write()  # durable before anything is deleted
+        for name in plan.delete:
+            (self.folder / name).unlink(missing_ok=True)
+
+
+def _disk_full_cause(err: BaseException) -> OSError | None:
+    """The "no space left" error behind ``err`` (torch wraps it in a RuntimeError), or None."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _FULL:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of every distinct tensor storage in nested containers: about a file's size."""
+    storages: dict[tuple[str, int], int] = {}
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(obj, Mapping):
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                visit(value)
+
+    visit(state)
+    return sum(storages.values())
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def disk_full_error(path: Path, state: Mapping[str, Any], manifest: Manifest) -> CheckpointDiskFull:
+    """The error of a checkpoint that did not fit: the file, the folder, space needed and free, what to do."""
+    try:
+        free = _size(shutil.disk_usage(path.parent).free)
+    except OSError:
+        free = "an unknown amount"
+    previous = manifest.newest()
+    intact = (
+        f"The previous checkpoint {previous[0].file} is intact (nothing was deleted, the manifest is unchanged)."
+        if previous
+        else "No earlier checkpoint was recorded in this folder; nothing was deleted."
+    )
+    message = (
+        f"No space left on device while writing checkpoint {path.name} in {path.parent}: it needs about "
+        f"{_size(state_bytes(state))} and the disk has {free} free. The partial file was removed. {intact} "
+        "Free some space (or point the checkpoint folder at a larger disk, or keep fewer checkpoints with "
+        "keep_last), then resume with resume('auto')."
+    )
+    return CheckpointDiskFull(errno.ENOSPC, message, str(path))
