@@ -154,6 +154,7 @@ def build_parts(
     rng_seed: int | None = None,
     amp: str | None = None,
     batch_sizes: tuple[int, ...] | None = None,
+    num_workers: int = 0,
 ) -> Run:
     """Seeds this rank, builds model (DDP above one rank), Adam, loader and trainer.
 
@@ -165,7 +166,7 @@ def build_parts(
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     dataset = RecordingDataset(size, seed)
     if batch_sizes is None:
-        loader, _ = prepare_loaders(dataset, batch_size=batch_size, seed=seed)
+        loader, _ = prepare_loaders(dataset, batch_size=batch_size, seed=seed, num_workers=num_workers)
     else:
         loader = DataLoader(dataset, batch_sampler=Chunks(TrainSampler(dataset, seed=seed), batch_sizes))
     trainer = create_trainer(
@@ -512,3 +513,60 @@ def train_saving(
         "resumed": None if resumed is None else resumed.name,
         "iteration": run.trainer.state.iteration,
     }
+
+
+# --- signals from outside the job -----------------------------------------------------------------
+
+_HELD_LOCKS: list[Any] = []
+
+
+def train_until_signalled(
+    folder: str,
+    marks: str,
+    *,
+    max_epochs: int,
+    pace_s: float,
+    preemption: bool = True,
+    checkpoint: dict[str, Any] | None = None,
+    **parts: Any,
+) -> dict[str, Any]:
+    """Trains slowly (``pace_s`` per iteration) until a signal from outside the job stops it.
+
+    Each rank writes ``<marks>/rank<r>.pid`` (its pid) after its second iteration: training
+    is under way. As the run completes, before Preemption acts on it, each rank writes what
+    it saw to ``<marks>/report-rank<r>.pt``. Every rank holds a multiprocessing lock, a named
+    semaphore in a spawned rank (as tqdm's lock is), which must not be reported leaked.
+    """
+    import multiprocessing
+    import time
+
+    _HELD_LOCKS.append(multiprocessing.RLock())
+    run = build_run(folder, checkpoint=checkpoint, **parts)
+
+    @run.trainer.on(Events.ITERATION_COMPLETED)
+    def _pace(engine: Engine) -> None:
+        time.sleep(pace_s)
+        if engine.state.iteration == 2:
+            final = Path(marks) / f"rank{get_rank()}.pid"
+            partial = final.with_suffix(".part")
+            partial.write_text(str(os.getpid()))
+            os.replace(partial, final)
+
+    seen: dict[str, Any] = {}
+
+    @run.trainer.on(Events.COMPLETED)  # before Preemption's handler, attached below
+    def _report(engine: Engine) -> None:
+        seen.update(
+            rank=get_rank(),
+            iteration=engine.state.iteration,
+            signalled=None if guard is None else guard.signalled,
+            triggered=None if guard is None else guard.triggered,
+            saved=[p.name for p in run.checkpoint.saved],
+        )
+        torch.save(seen, Path(marks) / f"report-rank{get_rank()}.pt")
+
+    guard = Preemption(run.checkpoint) if preemption else None
+    if guard is not None:
+        guard.attach(run.trainer)
+    run.trainer.run(run.loader, max_epochs=max_epochs)
+    return seen

@@ -127,10 +127,15 @@ class Position(NamedTuple):
     iteration: int
     epoch_length: int | None
     """None (or 0) when the data has no length."""
+    into_epoch: int | None = None
+    """Iterations done of an epoch not yet completed, when the loop knows it (unison's Engine:
+    ``epoch_position``); None to derive it from ``iteration % epoch_length``."""
 
     @property
     def mid_epoch(self) -> bool:
         """Whether the position is inside an epoch rather than at its end."""
+        if self.into_epoch is not None:
+            return self.into_epoch > 0
         return bool(self.epoch_length and self.iteration % self.epoch_length)
 
 

@@ -9,6 +9,9 @@ these members of ignite 0.5's ``Engine`` (pinned ``>=0.5.5,<0.6`` in pyproject.t
 - overrides ``_handle_exception`` (the rank and iteration of a failure, failure callbacks)
   and clears ``_internal_run_generator`` there, so that a failed engine can run again;
 - calls ``_init_timers`` when it runs the epoch events of a rank with no data;
+- sets ``_init_iter`` (the position ignite's epoch loop starts from) when a state loaded
+  from a checkpoint says where the epoch stood, and calls ``_setup_dataloader_iter`` at the
+  epoch after a ``terminate_epoch()``, so the new iterator is made after ``set_epoch``;
 - reads ``_process_function`` (exposed as the public :attr:`Engine.process_function`);
 - overrides the public ``terminate``, ``terminate_epoch`` and ``interrupt`` (agreed, in
   ``engine/control.py``), which calls ignite's own versions to apply a decision.
@@ -146,6 +149,9 @@ class Engine(IgniteEngine):
         """Whether the last ``run`` was given ``epoch_length`` (else the data's length decides)."""
         self._epoch_iteration = 0
         self._resume_offset = 0
+        self._epoch_done = True
+        self._loaded_position: int | None = None
+        self._fresh_data_iter = False
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._control, scope="every")
         self._loaded = False
@@ -239,7 +245,13 @@ class Engine(IgniteEngine):
         if self.state.iteration == 0:
             setattr(self.state, UPDATE_ATTR, 0)  # a fresh run (ignite keeps custom counters)
         length = self.state.epoch_length
-        self._resume_offset = self.state.iteration % length if length else 0
+        if self._loaded_position is not None:
+            # The saved position, not iteration % epoch_length: an epoch cut short by
+            # terminate_epoch() leaves the counters out of step with the epochs.
+            self._resume_offset = self._init_iter = self._loaded_position
+            self._loaded_position = None
+        else:
+            self._resume_offset = self.state.iteration % length if length else 0
         # With one rank a stop request acts at once; sync points inside an epoch (and after
         # its handlers) only serve the other contributors (guards, time limits, votes).
         self._control_contributors = is_distributed() or any(
@@ -331,8 +343,18 @@ class Engine(IgniteEngine):
             self._epoch_iteration += 1
         elif event_name is Events.EPOCH_STARTED:
             self._epoch_iteration, self._resume_offset = self._resume_offset, 0
+            self._epoch_done = False
             # Engine behaviour, before any handler: without it every epoch repeats one order.
             set_sampler_epoch(self.state.dataloader, self.state.epoch - 1)
+            if self._fresh_data_iter:
+                # ignite remade the data iterator when terminate_epoch() cut the last epoch,
+                # before this set_epoch: loader workers had already drawn the old order.
+                self._fresh_data_iter = False
+                self._setup_dataloader_iter()
+        elif event_name is Events.EPOCH_COMPLETED:
+            self._epoch_done = True
+        elif event_name is Events.TERMINATE_SINGLE_EPOCH:
+            self._epoch_done = self._fresh_data_iter = True
         for func, args, kwargs in self._event_handlers[event_name]:
             kwargs.update(event_kwargs)
             if args and isinstance(args[0], weakref.ref):
@@ -365,6 +387,22 @@ class Engine(IgniteEngine):
             and not self.should_terminate
         ):
             self._sync(epoch_end=False)
+
+    @property
+    def epoch_position(self) -> tuple[int, int]:
+        """``(epochs completed, iterations done of the next)``: where a resumed run continues.
+
+        Unlike ``divmod(iteration, epoch_length)`` it is right after an epoch was cut short
+        by ``terminate_epoch()`` (that epoch counts as completed) and after a mid-epoch resume.
+        Checkpoints save it; ``(e, 0)`` is an epoch boundary.
+        """
+        state = self.state
+        if self._loaded_position is not None:  # loaded, not yet run
+            return state.epoch, self._loaded_position
+        length = state.epoch_length
+        if self._epoch_done or state.epoch == 0 or (length is not None and self._epoch_iteration >= length):
+            return state.epoch, 0
+        return state.epoch - 1, self._epoch_iteration
 
     @property
     def epoch_iteration(self) -> int:
@@ -494,6 +532,7 @@ class Engine(IgniteEngine):
             "stop": stop.state_dict(),
             "syncs": self.sync_point.count,
             UPDATE_ATTR: int(getattr(self.state, UPDATE_ATTR, 0)),
+            "position": list(self.epoch_position),
         }
         return state
 
@@ -504,6 +543,10 @@ class Engine(IgniteEngine):
             self._control.load_state_dict(ours.get("stop", {}))
             self.sync_point.count = int(ours.get("syncs", 0))
             setattr(self.state, UPDATE_ATTR, int(ours.get(UPDATE_ATTR, 0)))
+            if "position" in ours:
+                completed, into = (int(v) for v in ours["position"])
+                self.state.epoch = completed
+                self._loaded_position = into
             self._keep_requests = True
         self._loaded = True
 

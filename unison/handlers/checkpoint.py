@@ -389,7 +389,9 @@ def _step_attribute(engine: Engine, name: str, default: Any) -> Any:
 
 
 def _position(engine: Engine) -> Position:
-    return Position(engine.state.epoch, engine.state.iteration, engine.state.epoch_length)
+    position = getattr(engine, "epoch_position", None)  # unison's Engine: right after terminate_epoch()
+    into = position[1] if isinstance(position, tuple) else None
+    return Position(engine.state.epoch, engine.state.iteration, engine.state.epoch_length, into)
 
 
 def _layout(engine: Engine) -> tuple[int | None, int]:
