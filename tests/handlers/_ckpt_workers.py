@@ -277,6 +277,8 @@ def resume_equivalence(
     out: dict[str, Any] = {
         "a": flat_params(a.model),
         "b": flat_params(b2.model),
+        "a_loss": a.trainer.state.metrics.get("loss"),
+        "b_loss": b2.trainer.state.metrics.get("loss"),
         "a_iteration": a.trainer.state.iteration,
         "b_iteration": b2.trainer.state.iteration,
         "stopped": b1.trainer.state.iteration,

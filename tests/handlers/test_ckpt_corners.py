@@ -7,6 +7,7 @@ import errno
 import itertools
 import json
 import logging
+import math
 import re
 import shutil
 import zipfile
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from _ckpt_workers import (
+    BATCH,
     SIZE,
     Chunks,
     LogRecords,
@@ -30,7 +32,7 @@ from unison.checkpoint import CheckpointError, Manifest, load_checkpoint
 from unison.checkpoint.manifest import checkpoint_name
 from unison.checkpoint.verify import NotPlainError
 from unison.checkpoint.writer import CheckpointDiskFull
-from unison.distributed import TrainSampler
+from unison.distributed import TrainSampler, get_world_size
 from unison.engine import Events
 from unison.handlers import Checkpoint, NonFiniteGuard
 from unison.testing import run_distributed
@@ -370,3 +372,25 @@ def test_with_loader_workers_the_epoch_after_terminate_epoch_draws_its_own_permu
     assert torch.equal(result["a"], result["b"])
     plain = _terminate_epoch_runs(str(tmp_path / "plain"))
     assert torch.equal(result["a"], plain["a"])  # workers or not, the same samples in the same order
+
+
+# --- the epoch's mean training loss across a mid-epoch resume -------------------------------------------
+
+
+def _loss_after_resume(folder: str) -> tuple[float, float]:
+    """The last epoch's mean loss, uninterrupted and resumed from inside that epoch."""
+    length = math.ceil(SIZE / (BATCH * get_world_size()))  # batches per epoch and rank
+    result = resume_equivalence(folder, stop=2 * length + 2, max_epochs=3)  # 2 batches into epoch 3
+    return result["a_loss"], result["b_loss"]
+
+
+def test_the_epochs_mean_loss_after_a_mid_epoch_resume_covers_the_whole_epoch(tmp_path):
+    uninterrupted, resumed = _loss_after_resume(str(tmp_path))
+    assert resumed == pytest.approx(uninterrupted, rel=1e-12, abs=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_the_epochs_mean_loss_after_a_mid_epoch_resume_at_two_ranks(tmp_path):
+    for uninterrupted, resumed in run_distributed(_loss_after_resume, str(tmp_path), nproc=2, timeout=100):
+        assert resumed == pytest.approx(uninterrupted, rel=1e-12, abs=0)

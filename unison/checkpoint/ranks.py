@@ -52,3 +52,15 @@ def choose(manifest: Manifest, which: str | os.PathLike[str]) -> str | None:
         newest = manifest.rebuild().newest_complete() if which == "auto" else which
         choice = None if newest is None else str(newest)
     return broadcast_object(choice)
+
+
+def summed_over_ranks(per_rank: list[list[list[float]] | None]) -> list[list[float]] | None:
+    """Element-wise sums over ranks of each rank's partial sums (None at an epoch boundary).
+
+    Example:
+        >>> summed_over_ranks([[[1.0, 2.0]], [[3.0, 4.0]]])
+        [[4.0, 6.0]]
+    """
+    if not per_rank or per_rank[0] is None:
+        return None
+    return [[sum(column) for column in zip(*rows, strict=True)] for rows in zip(*per_rank, strict=True)]

@@ -152,6 +152,8 @@ class Engine(IgniteEngine):
         self._epoch_done = True
         self._loaded_position: int | None = None
         self._fresh_data_iter = False
+        self._pending_partials: list[list[float]] | None = None
+        self._after_iteration: list[Callable[[Engine], None]] = []
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._control, scope="every")
         self._loaded = False
@@ -380,6 +382,14 @@ class Engine(IgniteEngine):
                     self._sync_due = True
                 if self._sync_due and not self._epoch_ends_here() and self.at_boundary():
                     self._sync(epoch_end=False)
+            for callback in self._after_iteration:
+                try:
+                    callback(self)
+                except Exception as err:
+                    add_note(err, f"raised by {_handler_name(callback)} after {self._where(event_name)}")
+                    raise
+        elif event_name is Events.EPOCH_STARTED and self._pending_partials is not None:
+            self._restore_partials()  # after the handlers, which reset the epoch's sums
         elif (
             event_name is Events.EPOCH_COMPLETED
             and self._control_contributors
@@ -387,6 +397,41 @@ class Engine(IgniteEngine):
             and not self.should_terminate
         ):
             self._sync(epoch_end=False)
+
+    def after_iteration(self, callback: Callable[[Engine], None]) -> None:
+        """Calls ``callback(engine)`` at the very end of every ``ITERATION_COMPLETED``: after all
+        of its handlers, whatever their attach order, and after the sync point that follows
+        them, so a stop agreed at this iteration is already applied. For work that must see
+        the iteration whole, such as a checkpoint taken inside an epoch. Adding the same
+        callback twice has no effect.
+        """
+        if callback not in self._after_iteration:
+            self._after_iteration.append(callback)
+
+    def _partial_contributors(self) -> list[Any]:
+        return [c for c in self.sync_point.contributors() if callable(getattr(c, "restore_partial", None))]
+
+    def partial_sums(self) -> list[list[float]] | None:
+        """This rank's sums so far of the epoch's additive contributors (the epoch's mean loss),
+        inside an epoch; None at an epoch boundary.
+
+        A checkpoint taken mid-epoch adds them up over the ranks and stores them with the
+        trainer state (``unison.partials``); the resumed epoch starts from those sums, so its
+        mean covers the whole epoch, as the uninterrupted run's does. A contributor takes
+        part by having ``restore_partial(values)``.
+        """
+        if self.epoch_position[1] == 0:
+            return None
+        return [[float(v) for v in c.sync_state().tolist()] for c in self._partial_contributors()]
+
+    def _restore_partials(self) -> None:
+        pending, self._pending_partials = self._pending_partials, None
+        contributors = self._partial_contributors()
+        if pending is None or len(pending) != len(contributors):
+            return
+        for contributor, values in zip(contributors, pending, strict=True):
+            # The sums are over all ranks: one rank carries them, the others start from zero.
+            contributor.restore_partial(values if get_rank() == 0 else [0.0] * len(values))
 
     @property
     def epoch_position(self) -> tuple[int, int]:
@@ -400,7 +445,8 @@ class Engine(IgniteEngine):
         if self._loaded_position is not None:  # loaded, not yet run
             return state.epoch, self._loaded_position
         length = state.epoch_length
-        if self._epoch_done or state.epoch == 0 or (length is not None and self._epoch_iteration >= length):
+        cut = self.should_terminate_single_epoch  # terminate_epoch() applied: this epoch is over
+        if self._epoch_done or cut or state.epoch == 0 or (length is not None and self._epoch_iteration >= length):
             return state.epoch, 0
         return state.epoch - 1, self._epoch_iteration
 
@@ -497,8 +543,8 @@ class Engine(IgniteEngine):
         if state.max_epochs is None:
             return False
         target = max_epochs if max_epochs is not None else state.max_epochs
-        whole = state.epoch_length is None or state.iteration >= state.epoch_length * target
-        return state.epoch >= target and whole
+        completed, into = self.epoch_position  # an epoch cut by terminate_epoch() counts as completed
+        return completed >= target and into == 0
 
     def _run_empty(self, data: Iterable, max_epochs: int | None) -> State:
         """Fires an epoch's events without iterations, for a rank that holds no samples."""
@@ -540,9 +586,15 @@ class Engine(IgniteEngine):
         ours = state_dict.get(_STATE_KEY)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != _STATE_KEY})
         if ours is not None:
-            self._control.load_state_dict(ours.get("stop", {}))
+            by_rank = ours.get("stop_by_rank")  # a checkpoint holds every rank's own requests
+            if by_rank is not None:
+                self._control.load_state_dict(by_rank[get_rank()] if get_rank() < len(by_rank) else {})
+            else:
+                self._control.load_state_dict(ours.get("stop", {}))
             self.sync_point.count = int(ours.get("syncs", 0))
             setattr(self.state, UPDATE_ATTR, int(ours.get(UPDATE_ATTR, 0)))
+            partials = ours.get("partials")
+            self._pending_partials = [list(map(float, v)) for v in partials] if partials else None
             if "position" in ours:
                 completed, into = (int(v) for v in ours["position"])
                 self.state.epoch = completed

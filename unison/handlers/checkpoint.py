@@ -20,7 +20,7 @@ from unison.checkpoint.position import (
     rank_view,
     sampler_state,
 )
-from unison.checkpoint.ranks import choose, gather_on_first, open_folder
+from unison.checkpoint.ranks import choose, gather_on_first, open_folder, summed_over_ranks
 from unison.checkpoint.retention import best_entry
 from unison.checkpoint.state import (
     Position,
@@ -172,7 +172,9 @@ class Checkpoint:
         if self.every_epochs is not None:
             trainer.add_event_handler(Events.EPOCH_COMPLETED(every=self.every_epochs), self._save_event)
         if self.every_iters is not None:
-            trainer.add_event_handler(Events.ITERATION_COMPLETED, self._iteration_trigger)
+            # After every handler of the iteration and its sync point: the saved state is the
+            # whole iteration's, and a stop agreed at it is already applied.
+            trainer.after_iteration(self._iteration_trigger)  # type: ignore[attr-defined]  # a unison Engine (checked above)
             if k > 1 and self.every_iters % k:
                 _log.info(
                     "Checkpoint(every_iters=%d) with accumulation_steps=%d: each save waits for the end of its "
@@ -188,8 +190,8 @@ class Checkpoint:
             self._save_due = True
         if not self._save_due or not self._agreed.at_boundary():
             return
-        length = engine.state.epoch_length
-        ends_epoch = length is not None and engine.state.iteration % length == 0
+        completed, into = engine.epoch_position  # type: ignore[attr-defined]  # a unison Engine (checked above)
+        ends_epoch = into == 0 and completed == engine.state.epoch
         if ends_epoch and self.every_epochs is not None and engine.state.epoch % self.every_epochs == 0:
             return  # the epoch's save follows, after the epoch's handlers (evaluation)
         self.save(engine)
@@ -217,9 +219,17 @@ class Checkpoint:
         Its ``meta`` gets its save sequence when :meth:`save` writes it.
         """
         pass_, iteration = self.data.current, engine.state.iteration
-        everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None)))  # counted samples
+        partial = getattr(engine, "partial_sums", lambda: None)()  # the epoch's loss sums so far
+        trainer = engine.state_dict()
+        stop = trainer.get("unison", {}).get("stop")  # this rank's requests no sync point has settled
+        everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None), (partial, stop)))
         if everyone is None:
             return None
+        if "unison" in trainer:
+            partials = summed_over_ranks([p for _, _, (p, _) in everyone])
+            if partials is not None:
+                trainer["unison"]["partials"] = partials
+            trainer["unison"]["stop_by_rank"] = [s for _, _, (_, s) in everyone]
         batch_size, steps = _layout(engine)
         meta = checkpoint_meta(
             _position(engine),
@@ -230,12 +240,12 @@ class Checkpoint:
             metric=self.metric,
             saved_at=time.time(),
         )
-        by_rank = [consumed for _, consumed in everyone]
+        by_rank = [consumed for _, consumed, _ in everyone]
         return build_checkpoint(
             meta=meta,
-            trainer=engine.state_dict(),
+            trainer=trainer,
             sampler=sampler_state(engine.state.dataloader, pass_, iteration, by_rank),
-            rng=[rng for rng, _ in everyone],
+            rng=[rng for rng, _, _ in everyone],
             objects=object_states(self.to_save),
             config=self.config,
         )

@@ -71,6 +71,13 @@ class EpochAverage:
         total, count = state.tolist()
         self._mean = total / count if count else float("nan")
 
+    def restore_partial(self, values: list[float]) -> None:
+        """Starts the epoch from saved sums ``[total, count]`` (a mid-epoch resume)."""
+        total, count = values
+        self._sum = None
+        self._plain = float(total)
+        self._count = int(count)
+
     def _write(self, engine: Engine) -> None:
         engine.state.metrics[self.name] = self._mean
 
