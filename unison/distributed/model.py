@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from unison.distributed.ddp_buckets import FixedBucketsDDP, layout_is_fixable
 from unison.distributed.primitives import device as rank_device
 from unison.distributed.primitives import is_distributed
 
@@ -35,6 +36,14 @@ def prepare_model(
     The order is the one DDP needs: move first, convert BatchNorm layers next, wrap last.
     ``device_ids`` is ``[cuda index]`` on a GPU and None on the CPU. DDP broadcasts rank 0's
     parameters at wrapping, so every replica starts from the same weights.
+
+    The gradient buckets are laid out once, at wrapping, and never change (stock DDP
+    re-lays them after the first backward): with 3 or more ranks that change alters the
+    summation order of the first iteration's all-reduce, so a run resumed from a
+    checkpoint would end a few ulps away from the uninterrupted one. The returned module
+    is a :class:`~unison.distributed.ddp_buckets.FixedBucketsDDP`, a
+    ``DistributedDataParallel`` subclass; see that module for the details and the cost
+    (none for sequential models).
 
     Args:
         model: the model, on any device.
@@ -67,9 +76,11 @@ def prepare_model(
     if sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     device_ids = [target.index] if target.type == "cuda" else None
-    return DistributedDataParallel(
-        model, device_ids=device_ids, find_unused_parameters=find_unused_parameters, **ddp_kwargs
+    fixable = layout_is_fixable(
+        find_unused_parameters=find_unused_parameters, static_graph=bool(ddp_kwargs.get("static_graph"))
     )
+    wrapper = FixedBucketsDDP if fixable else DistributedDataParallel
+    return wrapper(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters, **ddp_kwargs)
 
 
 def model_device(model: nn.Module) -> torch.device:
