@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import multiprocessing
 import os
 import threading
@@ -287,3 +288,123 @@ def test_when_every_rank_hits_a_backend_error_of_its_own_the_first_ones_tracebac
     rank, text = _root_cause(tmp_path, reported=1, message="")
     assert rank == 0 and text.startswith("Traceback: rank 0")
     assert "rank(s) [1] failed too, each with an error of its own" in text
+
+
+# --- a rank that leaves early; SLURM's placement --------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_rank_that_calls_sys_exit_0_is_named_with_its_exit_code():
+    from _signal_workers import exit_early_on_rank
+
+    with pytest.raises(RankFailedError) as err:
+        run_distributed(exit_early_on_rank, 1, nproc=2, timeout=60)
+    assert (err.value.rank, err.value.world_size) == (1, 2)
+    message = str(err.value)
+    assert "rank 1 exited with code 0 before returning a result" in message
+    assert "sys.exit(0)" in message and "SystemExit: 0" in message and "exit_early_on_rank" in message
+    assert "FileNotFoundError" not in message
+
+
+def _srun_task_seeing_one_gpu(monkeypatch, tmp_path) -> list[str]:
+    """This process as task 1 of an srun step with ``--gpus-per-task=1``: it sees one GPU, cuda:0."""
+    import random
+
+    from unison.distributed.env import port_is_free
+
+    # ignite's rendezvous port under SLURM: 15000 + the job id's last 4 digits
+    port = next(p for p in random.sample(range(15000, 25000), 200) if port_is_free(p))
+    env = {
+        "SLURM_JOB_ID": str(port - 15000 + 70000),
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_STEP_GPUS": "3",
+        "CUDA_VISIBLE_DEVICES": "3",
+        "PATH": str(tmp_path),  # no scontrol: ignite expands SLURM_JOB_NODELIST itself
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    import torch
+
+    chosen: list[str] = []
+
+    def set_device(device) -> None:
+        index = torch.device(device).index if not isinstance(device, int) else device
+        if index is None or index >= torch.cuda.device_count():
+            raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}, 1 device visible)")
+        chosen.append(f"cuda:{index}")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return chosen
+
+
+@pytest.mark.timeout(60)
+def test_an_srun_task_with_one_gpu_computes_on_cuda_0_whatever_its_local_id(monkeypatch, tmp_path):
+    from unison.distributed import device, get_local_rank
+
+    chosen = _srun_task_seeing_one_gpu(monkeypatch, tmp_path)
+    [(where, local_rank)] = launch(lambda: (device(), get_local_rank()), backend="gloo", timeout=30)
+    assert (str(where), local_rank) == ("cuda:0", 1)
+    assert chosen and set(chosen) == {"cuda:0"}
+    assert not dist.is_initialized()
+    assert os.environ["SLURM_LOCALID"] == "1" and "RANK" not in os.environ, "the environment was not restored"
+
+
+SBATCH_SCRIPT_ENV = {
+    # What an sbatch script inherits in a 2-node, 4-task allocation: no srun step of its own.
+    "SLURM_JOB_ID": "4243",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+}
+
+
+@pytest.mark.parametrize("step", [None, "4294967294", "batch"], ids=["no-step", "batch-step-id", "batch-name"])
+def test_the_sbatch_script_is_no_srun_task(monkeypatch, step):
+    from unison.distributed.env import slurm_batch_placement
+
+    env = dict(SBATCH_SCRIPT_ENV, **({} if step is None else {"SLURM_STEP_ID": step}))
+    from unison.distributed import detect_launcher
+
+    assert detect_launcher(env).kind == "none"
+    assert "SLURM_NTASKS=4" in (slurm_batch_placement(env) or "")
+    assert slurm_batch_placement({**env, "SLURM_STEP_ID": "0"}) is None  # an srun task
+    assert slurm_batch_placement({}) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_nproc_inside_an_sbatch_script_ignores_slurms_placement(monkeypatch):
+    from _signal_workers import placement_and_job
+
+    for key, value in SBATCH_SCRIPT_ENV.items():
+        monkeypatch.setenv(key, value)
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    logger = logging.getLogger("unison.distributed.launcher")
+    logger.addHandler(handler)
+    try:
+        # spawn: each rank starts from this process's environment as it is now
+        results = launch(placement_and_job, nproc_per_node=2, start_method="spawn", timeout=60)
+    finally:
+        logger.removeHandler(handler)
+    assert [(r["rank"], r["local_rank"], r["world_size"]) for r in results] == [(0, 0, 2), (1, 1, 2)]
+    assert all(r["slurm_job"] == "4243" for r in results), "the ranks lost SLURM_JOB_ID (requeueing needs it)"
+    assert any("ignoring SLURM's task placement" in m and "SLURM_NTASKS=4" in m for m in records), records
+    assert os.environ["SLURM_NTASKS"] == "4"

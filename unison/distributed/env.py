@@ -17,6 +17,11 @@ _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
 # Set on processes that unison's own launch() spawned.
 SPAWNED_VAR = "UNISON_SPAWNED"
+# SLURM_STEP_ID of the steps that are no srun task: the batch script, the external step
+# (processes adopted by pam_slurm_adopt) and salloc's interactive step, by name or by number.
+_NOT_SRUN_STEPS = frozenset(
+    {"batch", "extern", "interactive", "4294967294", "4294967295", "4294967290", "4294967293"}
+)
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ def detect_launcher(environ: os._Environ[str] | dict[str, str] | None = None) ->
         return LauncherInfo("torchrun", int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]))
     # srun sets SLURM_STEP_ID; the batch script itself (SLURM_JOB_ID only) is one process
     # that has not been placed by srun, and treating it as a rank would hang the job.
-    if all(k in env for k in _SLURM_VARS) and "SLURM_STEP_ID" in env:
+    if all(k in env for k in _SLURM_VARS) and env.get("SLURM_STEP_ID", "batch") not in _NOT_SRUN_STEPS:
         return LauncherInfo(
             "slurm",
             int(env["SLURM_PROCID"]),
@@ -58,6 +63,21 @@ def detect_launcher(environ: os._Environ[str] | dict[str, str] | None = None) ->
             int(env["SLURM_NTASKS"]),
         )
     return LauncherInfo("none")
+
+
+def slurm_batch_placement(environ: os._Environ[str] | dict[str, str] | None = None) -> str | None:
+    """SLURM's task placement inherited by a process that is no srun task, if any.
+
+    The batch script of an sbatch job (and salloc's shell) carries ``SLURM_*`` variables
+    describing the allocation's tasks, which are not the ranks a local spawn starts.
+    Returns them as ``"SLURM_PROCID=0, SLURM_NTASKS=4, ..."`` for a log line, or None
+    outside SLURM, under srun (each task is a rank), and under torchrun.
+    """
+    env = os.environ if environ is None else environ
+    if "SLURM_JOB_ID" not in env or detect_launcher(env).kind != "none":
+        return None
+    shown = [f"{k}={env[k]}" for k in (*_SLURM_VARS[1:], "SLURM_JOB_NUM_NODES", "SLURM_STEP_ID") if k in env]
+    return ", ".join(shown) or f"SLURM_JOB_ID={env['SLURM_JOB_ID']}"
 
 
 def default_backend() -> str:
@@ -70,9 +90,11 @@ def default_backend() -> str:
 def device_for_local_rank(local_rank: int) -> torch.device:
     """The device a rank should compute on: ``cuda:LOCAL_RANK`` on GPUs, else the CPU.
 
-    When the launcher binds one GPU per task (SLURM's ``--gpus-per-task=1`` or a per-rank
-    ``CUDA_VISIBLE_DEVICES``), each process sees a single device, which is ``cuda:0``
-    whatever its local rank.
+    The device is chosen among those this process can see, not by the node's numbering:
+    when the launcher binds one GPU per task (SLURM's ``--gpus-per-task=1``, whose
+    ``CUDA_VISIBLE_DEVICES`` and ``SLURM_STEP_GPUS`` name one device, or a per-rank
+    ``CUDA_VISIBLE_DEVICES``), the process sees a single device, which is ``cuda:0``
+    whatever its local rank (``SLURM_LOCALID``).
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -82,8 +104,10 @@ def device_for_local_rank(local_rank: int) -> torch.device:
     if local_rank >= count:
         raise RuntimeError(
             f"LOCAL_RANK={local_rank} but this process sees only {count} GPUs "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}). "
-            "Start at most one process per visible GPU, or make every GPU of the node visible."
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}, "
+            f"SLURM_STEP_GPUS={os.environ.get('SLURM_STEP_GPUS', '<unset>')!r}). "
+            "Start at most one process per visible GPU, or make every GPU of the node visible "
+            "(under SLURM, ask for --gpus-per-task=1 or for the node's GPUs with --gpus-per-node)."
         )
     return torch.device("cuda", local_rank)
 

@@ -7,7 +7,9 @@ import faulthandler
 import logging
 import os
 import pickle
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -17,6 +19,7 @@ from typing import Any
 
 import ignite.distributed as idist
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from unison.distributed.env import (
@@ -25,6 +28,7 @@ from unison.distributed.env import (
     detect_launcher,
     device_for_local_rank,
     find_free_port,
+    slurm_batch_placement,
     usable_cores,
 )
 from unison.utils.errors import add_note, has_note
@@ -35,8 +39,27 @@ _log = get_logger(__name__)
 EXIT_PREEMPTED = 75
 """Exit code of ranks that saved a checkpoint and stopped on a preemption signal."""
 
+EXIT_INTERRUPTED = 130
+"""Exit code of a spawned job stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it."""
+
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """Process-group timeout: how long a collective may wait for a missing rank before failing."""
+
+PREEMPTION_GRACE_S = 120.0
+"""After SIGTERM or SIGUSR1 reaches the launcher of spawned ranks, how long it waits for them to
+save and exit (see :class:`unison.handlers.Preemption`) before it kills them: SLURM's
+``--signal=USR1@120`` leaves two minutes."""
+
+INTERRUPT_GRACE_S = 5.0
+"""After Ctrl-C (SIGINT) reaches the launcher of spawned ranks, how long they get to stop before
+they are killed. A second Ctrl-C kills them at once."""
+
+# Signals the launcher of spawned ranks holds for them: it forwards each to the ranks, waits for
+# them, and exits with the code that says what happened.
+_RELAYED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Signals a scheduler sends to every process of a job (process group, cgroup): the helper
+# processes multiprocessing starts (its resource tracker, the fork server) must outlive them.
+_PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class RankFailedError(RuntimeError):
@@ -106,8 +129,18 @@ def launch(
         RankFailedError: when a spawned rank raised or died; names the rank and carries
             its traceback (the rank that failed first for a reason of its own, not one that
             failed waiting for it in a collective).
-        SystemExit: with code 75 (``EXIT_PREEMPTED``) when the spawned ranks were preempted
-            and saved a checkpoint (see :class:`unison.handlers.Preemption`).
+        SystemExit: when spawning, with code 75 (``EXIT_PREEMPTED``) when the ranks were
+            preempted and saved a checkpoint (see :class:`unison.handlers.Preemption`); with
+            130 (``EXIT_INTERRUPTED``) when Ctrl-C (SIGINT) stopped them; with 128 + the
+            signal's number when SIGTERM or SIGUSR1 ended them without a preemption
+            checkpoint.
+
+    Signals, when spawning (from the main thread): SIGTERM, SIGUSR1 and SIGINT sent to this
+    process, or to its whole process group, are forwarded to the ranks, and this process
+    waits for them instead of dying first: up to ``PREEMPTION_GRACE_S`` (SIGTERM, SIGUSR1:
+    time for :class:`~unison.handlers.Preemption` to save) or ``INTERRUPT_GRACE_S`` (SIGINT)
+    before it kills them. Inside an sbatch allocation without srun, SLURM's task placement
+    is ignored (with a log line): the ranks are the ``nproc_per_node`` spawned here.
 
     Example:
         >>> from unison.distributed import launch, get_rank
@@ -268,13 +301,14 @@ def _run_in_process(
 ) -> Any:
     """Runs fn in this process: one rank of a torchrun/SLURM job, or a single process."""
     created_group = False
+    environ = dict(os.environ)  # the placement variables set for the group go once it is destroyed
     result: list[Any] = []
     try:
         with _hide_slurm_from_ignite(torchrun):
             if launched and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
                 # idist.Parallel(backend) would create the group without a timeout; create
                 # it ourselves, then let Parallel run in the existing context.
-                idist.initialize(backend, timeout=timeout)
+                _create_group(backend, timeout)
                 created_group = True
             _configure_rank()
         with idist.Parallel(backend=None) as parallel:
@@ -297,7 +331,43 @@ def _run_in_process(
     # process ends anyway.
     if created_group:
         idist.finalize()
+        os.environ.clear()
+        os.environ.update(environ)
     return result[0]
+
+
+def _create_group(backend: str, timeout: timedelta) -> None:
+    """Creates the process group of a torchrun or srun rank.
+
+    ``idist.initialize`` would call ``torch.cuda.set_device(LOCAL_RANK)``, an invalid
+    ordinal where each task sees only its own GPU (SLURM's ``--gpus-per-task=1``, or a
+    per-rank ``CUDA_VISIBLE_DEVICES``): the device comes from
+    :func:`~unison.distributed.env.device_for_local_rank` instead, and ignite takes the
+    group as it finds it. The placement is read as ignite reads it: torchrun's variables,
+    or under srun SLURM's (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS``, the first
+    host of ``SLURM_JOB_NODELIST`` as the rendezvous).
+    """
+    if "SLURM_JOB_ID" in os.environ:  # an srun task (under torchrun SLURM's variables are hidden here)
+        missing = [k for k in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES") if k not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"This srun task has no {' or '.join(missing)} in its environment, needed to find the "
+                "rendezvous host and the number of nodes. Start the ranks with srun inside an sbatch or "
+                "salloc allocation, or with torchrun."
+            )
+        # ignite's own reading of SLURM's variables: the same rendezvous as idist.initialize.
+        from ignite.distributed.comp_models.native import _setup_ddp_vars_from_slurm_env
+
+        os.environ.update({k: str(v) for k, v in _setup_ddp_vars_from_slurm_env(dict(os.environ)).items()})
+    device = device_for_local_rank(int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    if backend == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+    idist.sync()  # ignite's context, from the group: rank, local rank, nodes
 
 
 def _note_rank(err: BaseException) -> None:
@@ -344,9 +414,15 @@ def _spawn(
         mp.get_context("forkserver").set_forkserver_preload(
             ["torch", "torch._dynamo", "ignite.engine", "unison"]
         )
-    with tempfile.TemporaryDirectory(prefix="unison-launch-") as tmp:
+    environ = dict(os.environ)  # each rank's, once its group exists: SLURM's variables included
+    with (
+        tempfile.TemporaryDirectory(prefix="unison-launch-") as tmp,
+        _SignalRelay() as relay,
+        _without_slurm_placement(nproc),
+    ):
         results = Path(tmp)
         started = time.monotonic()
+        unblock = _start_helpers(start_method)
         try:
             with idist.Parallel(
                 backend=backend,
@@ -356,11 +432,19 @@ def _spawn(
                 timeout=timeout,
                 start_method=start_method,
             ) as parallel:
-                parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline, dict(os.environ))
+                parallel.run(
+                    _spawned_rank, fn, args, kwargs, str(results), nproc, deadline, environ, unblock
+                )
         except mp.ProcessRaisedException as err:
+            relay.stop()
             rank, detail = _root_cause(results, err.error_index, err.msg)
+            if relay.received == signal.SIGINT or (
+                relay.received is not None and _is_peer_failure(Exception(detail))
+            ):
+                raise _signal_exit(relay.received) from None
             raise RankFailedError(rank, nproc, detail) from None
         except mp.ProcessExitedException as err:
+            relay.stop()
             if err.exit_code == EXIT_PREEMPTED:
                 _log.warning(
                     "The job was preempted: the ranks saved a checkpoint and exited with code %d. Run it "
@@ -368,6 +452,8 @@ def _spawn(
                     EXIT_PREEMPTED,
                 )
                 raise SystemExit(EXIT_PREEMPTED) from None
+            if relay.received is not None:
+                raise _signal_exit(relay.received) from None
             elapsed = time.monotonic() - started
             if deadline is not None and elapsed >= deadline:
                 detail = (
@@ -377,12 +463,175 @@ def _spawn(
             else:
                 how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
                 detail = f"the process died with {how} before returning (see its stderr above)."
+                detail += _own_traceback(results, err.error_index)
             raise RankFailedError(err.error_index, nproc, detail) from None
+        relay.stop()
+        missing = [rank for rank in range(nproc) if not (results / f"rank-{rank}.pkl").exists()]
+        if missing and relay.received is not None:
+            raise _signal_exit(relay.received)
+        if missing:
+            rank = missing[0]
+            raise RankFailedError(
+                rank,
+                nproc,
+                f"rank {rank} exited with code 0 before returning a result: its function called "
+                "sys.exit(0) (or exit(), or raised SystemExit(None)), or ended its process some other "
+                "way. A rank's function must return (every rank, the same way) for launch to return; "
+                "to stop a run early, stop the trainer (engine.terminate()) and return."
+                + _own_traceback(results, rank),
+            )
+        if relay.received is not None:
+            _log.warning(
+                "%s arrived as the ranks were finishing; they all returned, and so does launch.",
+                signal.Signals(relay.received).name,
+            )
         out = []
         for rank in range(nproc):
             with open(results / f"rank-{rank}.pkl", "rb") as fh:
                 out.append(pickle.load(fh))
         return out
+
+
+def _own_traceback(results: Path, rank: int) -> str:
+    """What rank ``rank`` recorded as it left its function by an exception, if it did."""
+    path = results / f"error-rank-{rank}.txt"
+    if not path.exists():
+        return ""
+    _, _, text = path.read_text().partition("\n")
+    return f"\nIt left its function with:\n{text}"
+
+
+def _signal_exit(signum: int) -> SystemExit:
+    """The exit of a launcher whose ranks a signal stopped, without a preemption checkpoint."""
+    name = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+        _log.warning(
+            "Interrupted (SIGINT): the ranks were stopped. Checkpoints are written whole or not at all; "
+            "resume continues from the last complete one."
+        )
+        return SystemExit(EXIT_INTERRUPTED)
+    _log.warning(
+        "%s reached the job: the ranks stopped without a preemption checkpoint. To save one at an agreed "
+        "iteration and exit with %d instead, attach unison.handlers.Preemption to the trainer.",
+        name,
+        EXIT_PREEMPTED,
+    )
+    return SystemExit(128 + signum)
+
+
+class _SignalRelay:
+    """Holds SIGTERM, SIGUSR1 and SIGINT in the launcher of spawned ranks while they run.
+
+    A scheduler (SLURM, Kubernetes) or torchrun signals every process of the job, or only
+    the one it started; a terminal's Ctrl-C reaches the foreground process group. Left to
+    their default action these signals would end the launcher first, and the ranks would
+    go on, orphaned, or lose the exit code that says they saved. Instead the launcher
+    forwards the first signal to the ranks it started (a rank also signalled directly only
+    sets :class:`~unison.handlers.Preemption`'s flag again) and waits for them, up to a
+    bound after which it kills them. Installed only in the main thread, where Python
+    delivers signals; the previous handlers are back on exit.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        """The first relayed signal this process received, if any."""
+        self._previous: dict[int, Any] = {}
+        self._others: set[int] = set()
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> _SignalRelay:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._others = {p.pid for p in mp.active_children() if p.pid is not None}  # not ours to signal
+        for sig in _RELAYED:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def stop(self) -> None:
+        """The ranks are gone: no kill after the grace period."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _ranks(self) -> list[Any]:
+        return [p for p in mp.active_children() if p.pid not in self._others]
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            if signum == signal.SIGINT:  # a second Ctrl-C: no more waiting
+                self._kill()
+            return
+        self.received = signum
+        for process in self._ranks():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signum)
+        grace = INTERRUPT_GRACE_S if signum == signal.SIGINT else PREEMPTION_GRACE_S
+        self._timer = threading.Timer(grace, self._kill)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _kill(self) -> None:
+        for process in self._ranks():
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+
+def _start_helpers(start_method: str) -> tuple[int, ...]:
+    """Starts multiprocessing's helper processes with SIGTERM and SIGUSR1 blocked.
+
+    The resource tracker and the fork server are started once per process and serve
+    every later spawn; a SIGTERM or SIGUSR1 sent to the whole job would end them (the
+    tracker ignores SIGTERM and SIGINT only, the fork server SIGINT only), and a dead
+    fork server makes every rank it forked look as if it had exited with 255. Started
+    with the signals blocked (in this thread, whose mask they inherit), they never receive
+    them. Ranks forked by the fork server inherit the block: returned, for them to lift it
+    (a signal that came meanwhile is then delivered, not lost). Helpers already running
+    are left as they are.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPTION_SIGNALS)
+    try:
+        resource_tracker.ensure_running()
+        if start_method == "forkserver":
+            forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    if start_method != "forkserver":
+        return ()
+    return tuple(int(s) for s in _PREEMPTION_SIGNALS if s not in previous)
+
+
+@contextlib.contextmanager
+def _without_slurm_placement(nproc: int) -> Iterator[None]:
+    """Hides SLURM's variables from the spawned ranks while their group is created.
+
+    Inside an sbatch allocation, without srun, the batch script inherits ``SLURM_*``
+    variables that describe the allocation's tasks, not the ``nproc`` ranks asked for
+    here; ignite would place the ranks by them (every rank ``SLURM_PROCID``, a world of
+    ``SLURM_NTASKS``) and fail. The ranks get them back once their group exists
+    (``SLURM_JOB_ID`` is how :class:`~unison.handlers.Preemption` requeues the job).
+    """
+    placement = slurm_batch_placement()
+    if placement is None:
+        yield
+        return
+    _log.warning(
+        "launch(nproc_per_node=%d) inside SLURM job %s without srun: ignoring SLURM's task placement "
+        "(%s); the %d ranks are placed on this machine.",
+        nproc,
+        os.environ.get("SLURM_JOB_ID", "?"),
+        placement,
+        nproc,
+    )
+    with _hide_slurm_from_ignite(True):
+        yield
 
 
 _PLACEMENT_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -442,11 +691,14 @@ def _spawned_rank(
     nproc: int,
     deadline: float | None,
     environ: dict[str, str],
+    unblock: tuple[int, ...] = (),
 ) -> None:
     """Entry point of each spawned process; the process group already exists."""
     # A rank killed by a signal (a backend's abort, a segfault) prints its Python stack
     # instead of leaving only "died with signal SIGABRT".
     faulthandler.enable(all_threads=True)
+    if unblock:  # forked by a fork server started with them blocked (see _start_helpers)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
     # A fork server started earlier hands out the environment of its own start: give the
     # rank the caller's, keeping the placement variables ignite set for this rank.
     placement = {k: os.environ[k] for k in _PLACEMENT_VARS if k in os.environ}
@@ -485,3 +737,12 @@ def _spawned_rank(
     finally:
         if deadline is not None:
             faulthandler.cancel_dump_traceback_later()
+        # This rank is leaving. When another rank exits first with a non-zero code (every
+        # rank of a preempted job exits with 75), the launcher SIGTERMs the others at once;
+        # a rank killed while it tears down skips its finalizers, and the named semaphores
+        # it holds (tqdm's lock, a DataLoader's queues: a spawned rank's multiprocessing
+        # objects are named) are left for the resource tracker, which warns of "leaked
+        # semaphore objects" at exit. It exits on its own instead; the launcher still
+        # SIGKILLs it if it has not done so 30 seconds later.
+        for sig in _PREEMPTION_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)

@@ -34,7 +34,12 @@ class Preemption(SyncedHandler):
     ``checkpoint.resume("auto")``.
 
     SLURM sends SIGTERM at the end of a job's time (after its grace period) and, with
-    ``#SBATCH --signal=USR1@120``, SIGUSR1 two minutes before; both are handled.
+    ``#SBATCH --signal=USR1@120``, SIGUSR1 two minutes before; both are handled. However
+    many ranks receive the signal, and whichever first (SLURM and Kubernetes signal every
+    process of the job), the ranks save once, at one iteration. Ranks spawned by
+    :func:`~unison.distributed.launch` are covered too when only their launcher is
+    signalled: it forwards the signal to them, waits while they save, and exits with 75
+    once they have.
 
     Args:
         checkpoint: the Checkpoint handler that saves.
