@@ -147,3 +147,29 @@ def test_add_replaces_an_entry_of_the_same_file_and_remove_drops_entries(tmp_pat
     assert manifest.next_sequence() == 4
     manifest.remove({name})
     assert [e.file for e in manifest.entries] == [checkpoint_name("ckpt", 2, 10)]
+
+
+@pytest.mark.parametrize("name", ["../../victim.pt", "/etc/passwd", "sub/ckpt-e0001-i000000001.pt", "..", ""])
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused_and_nothing_is_deleted(tmp_path, name):
+    import json
+
+    from unison.checkpoint import CheckpointError, Manifest
+
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    victim = tmp_path / "victim.pt"
+    victim.write_bytes(b"precious")
+    entry = {"file": name, "epoch": 1, "iteration": 1, "score": None}
+    (folder / "manifest.json").write_text(json.dumps({"version": 1, "checkpoints": [entry]}))
+    with pytest.raises(CheckpointError, match="not a file of the checkpoint folder"):
+        Manifest(folder).rebuild()
+    assert victim.read_bytes() == b"precious"
+
+
+def test_rotation_deletes_only_inside_the_folder(tmp_path):
+    from unison.checkpoint import CheckpointError
+    from unison.checkpoint.entry import file_in
+
+    with pytest.raises(CheckpointError):
+        file_in(tmp_path, "../outside.pt")
+    assert file_in(tmp_path, "ckpt-e0001-i000000001.pt") == tmp_path / "ckpt-e0001-i000000001.pt"

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from unison.checkpoint.io import CheckpointError
 
 
 @dataclass
@@ -53,3 +56,26 @@ def entry_for(meta: Mapping[str, Any], prefix: str) -> Entry:
         score=score,
         sequence=meta.get("sequence"),
     )
+
+
+def file_in(folder: Path, name: str, *, source: str = "a checkpoint entry") -> Path:
+    """``folder / name`` for a plain file name; a path that could reach outside ``folder`` is refused.
+
+    Every file a manifest names goes through here before it is read, written or deleted:
+    a manifest travels with its folder and may have been edited.
+
+    Raises:
+        CheckpointError: naming ``source``, the name, and the fix.
+
+    Example:
+        >>> file_in(Path("ckpts"), "ckpt-e0001-i000000010.pt").as_posix()
+        'ckpts/ckpt-e0001-i000000010.pt'
+    """
+    plain = isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+    if not plain:
+        raise CheckpointError(
+            f"{source} names {name!r}, which is not a file of the checkpoint folder {folder} (a path, an absolute "
+            "name or '..'): unison never reads, writes or deletes outside that folder. Remove the entry, or delete "
+            "manifest.json: it is rebuilt from the files in the folder."
+        )
+    return folder / name

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from unison.checkpoint.entry import Entry, checkpoint_name, entry_for
+from unison.checkpoint.entry import Entry, checkpoint_name, entry_for, file_in
 from unison.checkpoint.io import atomic_write_json, is_complete, load_checkpoint
 from unison.checkpoint.retention import oldest_first
 from unison.utils.logging import get_logger
@@ -45,10 +45,13 @@ class Manifest:
             return []
         try:
             raw = json.loads(self.path.read_text())
-            return [Entry(**item) for item in raw.get("checkpoints", [])]
+            entries = [Entry(**item) for item in raw.get("checkpoints", [])]
         except (ValueError, TypeError, KeyError) as err:
             _log.warning("%s is unreadable (%s); rebuilding it from the folder.", self.path, err)
             return []
+        for entry in entries:  # a manifest may have been edited: it never names a file elsewhere
+            file_in(self.folder, entry.file, source=f"{self.path}")
+        return entries
 
     def rebuild(self) -> Manifest:
         """Reads the manifest and reconciles it with the files in the folder."""
@@ -57,7 +60,7 @@ class Manifest:
             stale.unlink(missing_ok=True)
         for stale in self.folder.glob(f".{MANIFEST}.*.tmp"):
             stale.unlink(missing_ok=True)
-        known = {e.file: e for e in self._read() if (self.folder / e.file).is_file()}
+        known = {e.file: e for e in self._read() if file_in(self.folder, e.file).is_file()}
         for path in sorted(self.folder.glob(f"{self.prefix}-e*-i*.pt")):
             if path.name not in known:
                 found = self._entry_from_file(path)
@@ -111,7 +114,7 @@ class Manifest:
     def newest_complete(self) -> Path | None:
         """The newest recorded file that is whole, warning of each damaged newer one; None if none is."""
         for entry in self.newest():
-            path = self.folder / entry.file
+            path = file_in(self.folder, entry.file, source=str(self.path))
             if is_complete(path):
                 return path
             _log.warning(

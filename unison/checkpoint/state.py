@@ -367,7 +367,7 @@ def refit_epoch_length(at: Position, length: int | None, *, warn: bool = False) 
 
     Example:
         >>> refit_epoch_length(Position(epoch=2, iteration=6, epoch_length=3), 5)
-        Position(epoch=2, iteration=10, epoch_length=5)
+        Position(epoch=2, iteration=10, epoch_length=5, into_epoch=None)
     """
     if not length or length == at.epoch_length:
         return None

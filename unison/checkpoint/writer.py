@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from unison.checkpoint.entry import file_in
 from unison.checkpoint.io import atomic_save
 from unison.checkpoint.manifest import Entry, Manifest
 from unison.checkpoint.retention import retain
@@ -132,7 +133,7 @@ class CheckpointWriter:
         self.manifest.remove(set(plan.delete))
         self.manifest.write()  # durable before anything is deleted
         for name in plan.delete:
-            (self.folder / name).unlink(missing_ok=True)
+            file_in(self.folder, name, source=str(self.manifest.path)).unlink(missing_ok=True)
 
 
 def _disk_full_cause(err: BaseException) -> OSError | None:
