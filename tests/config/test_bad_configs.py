@@ -173,9 +173,15 @@ FILE_CASES = [
     ),
     Bad(
         "refused-outside-allow-list",
+        "training:\n  loss: !pyobject unison_not_declared_pkg.loads  # <-- here\n",
+        "training.loss",
+        ("allow-list", "imports: [unison_not_declared_pkg]"),
+    ),
+    Bad(
+        "refused-stdlib",
         "training:\n  loss: !pyobject json.loads  # <-- here\n",
         "training.loss",
-        ("allow-list", "imports: [json]"),
+        ("standard library",),
     ),
     Bad(
         "unknown-key-in-model",
@@ -209,13 +215,13 @@ FILE_CASES = [
         "slot-loss-not-callable",
         "training:\n  loss: !pyobject torch.float32  # <-- here\n",
         "training.loss",
-        ("function or class",),
+        ("found a dtype (torch.float32)", "training.loss accepts"),
     ),
     Bad(
         "slot-metric",
         "validation:\n  metrics:\n    acc: !pyobject torch.nn.Linear  # <-- here\n",
         "validation.metrics.acc",
-        ("not a metric class",),
+        ("found class torch.nn", "accepts an ignite.metrics.Metric subclass"),
     ),
     Bad(
         "slot-model",
@@ -287,6 +293,256 @@ FILE_CASES = [
         "training:\n  max_epochs: 3\n  num_epochs: 4  # <-- here\n",
         "training.num_epochs",
         ("set twice", "max_epochs"),
+    ),
+]
+
+# -- the threat model (docs/configuration.md, "What a config can and cannot do") -------------------
+
+# 1. typed slots: a callable that writes files or runs commands is refused in the model slot,
+# naming what was found and what the slot accepts.
+WRITERS = (
+    ("torch.utils.collect_env.run", "function torch.utils.collect_env.run"),
+    ("unison.checkpoint.io.atomic_write_json", "function unison.checkpoint.io.atomic_write_json"),
+    ("ignite.utils.setup_logger", "function ignite.utils.setup_logger"),
+    ("torch.from_file", "built-in function"),
+    ("torch.onnx.export", "function torch.onnx"),
+    ("unison.checkpoint.atomic_save", "function unison.checkpoint"),
+)
+THREAT_CASES = [
+    Bad(
+        f"model-slot-{path}",
+        f"name: bad\nmodel:\n  type: !pyobject {path}  # <-- here\n  kwargs: {{filepath: BAIT}}\n"
+        "data:\n  build: !pyobject MODULE.build\n",
+        "model.type",
+        (found, "model.type accepts a torch.nn.Module subclass"),
+        whole=True,
+    )
+    for path, found in WRITERS
+] + [
+    Bad(
+        "hook-slot-torch-function",
+        "hooks:\n  after_training: !pyobject torch.utils.collect_env.run  # <-- here\n",
+        "hooks.after_training",
+        ("function torch.utils.collect_env.run", "a function of your own modules"),
+    ),
+    Bad(
+        "data-slot-torch-function",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear\n  kwargs: {in_features: 4, out_features: 2}\n"
+        "data:\n  build: !pyobject torch.utils.data.random_split  # <-- here\n",
+        "data.build",
+        ("function torch.utils.data", "a function of your own modules"),
+        whole=True,
+    ),
+    Bad(
+        "data-slot-dataset-class",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear\n  kwargs: {in_features: 4, out_features: 2}\n"
+        "data:\n  build: !pyobject torch.utils.data.TensorDataset  # <-- here\n",
+        "data.build",
+        ("class torch.utils.data", "a Dataset class builds one dataset"),
+        whole=True,
+    ),
+    Bad(
+        "loss-slot-logger",
+        "training:\n  loss: !pyobject ignite.utils.setup_logger  # <-- here\n",
+        "training.loss",
+        ("function ignite.utils.setup_logger", "training.loss accepts"),
+    ),
+    Bad(
+        "value-in-model-kwargs",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear\n  kwargs:\n    in_features: 4\n"
+        "    out_features: !pyobject torch.utils.collect_env.run  # <-- here\n"
+        "data:\n  build: !pyobject MODULE.build\n",
+        "model.kwargs.out_features",
+        ("function torch.utils.collect_env.run", "inside kwargs"),
+        whole=True,
+    ),
+    Bad(
+        "value-in-metric-kwargs",
+        "validation:\n  metrics:\n    loss:\n      type: !pyobject unison.metrics.Loss\n"
+        "      kwargs:\n        loss_fn: !pyobject unison.checkpoint.atomic_save  # <-- here\n",
+        "validation.metrics.loss.kwargs.loss_fn",
+        ("function unison.checkpoint", "inside kwargs"),
+    ),
+    Bad(
+        "metric-that-downloads",
+        "validation:\n  metrics:\n    fid: !pyobject ignite.metrics.FID  # <-- here\n",
+        "validation.metrics.fid",
+        ("FID",),
+    ),
+    # 2. imports: names the user's own code; stdlib and loaders are refused where they are named
+    *[
+        Bad(
+            f"imports-{module}",
+            f"imports: [{module}]  # <-- here\n",
+            "imports.0",
+            ("refused", module.split(".")[0]),
+        )
+        for module in (
+            "timeit",
+            "cProfile",
+            "pdb",
+            "asyncio",
+            "shelve",
+            "logging.config",
+            "pydoc",
+            "webbrowser",
+            "urllib",
+            "yaml",
+            "numpy",
+            "joblib",
+            "pickle",
+            "torch",
+            "unison.checkpoint",
+        )
+    ],  # fmt: skip
+    *[
+        Bad(
+            f"unreachable-{path}",
+            f"hooks:\n  after_training: !pyobject {path}  # <-- here\n",
+            "hooks.after_training",
+            ("refused",),
+        )
+        for path in (
+            "timeit.timeit",
+            "cProfile.run",
+            "pdb.run",
+            "asyncio.run",
+            "shelve.open",
+            "logging.config.listen",
+            "pydoc.pipepager",
+            "webbrowser.open",
+            "urllib.request.urlretrieve",
+            "yaml.unsafe_load",
+        )
+    ],  # fmt: skip
+    # 5. duplicate keys and sections, naming both lines
+    Bad(
+        "duplicate-key",
+        "training:\n  lr: 0.1\n  lr: 0.2  # <-- here\n",
+        "training.lr",
+        ("set twice", "lines 8 and 9"),
+    ),
+    Bad(
+        "duplicate-section",
+        "training:\n  seed: 1\ntraining:  # <-- here\n  seed: 2\n",
+        "training",
+        ("set twice", "lines 7 and 9"),
+    ),
+    # 6. a name that would leave logging.root
+    *[
+        Bad(
+            f"name-{i}",
+            BASE.replace("name: bad", f"name: {name}  # <-- here"),
+            "name",
+            ("not a folder name",),
+            True,
+        )
+        for i, name in enumerate(["../escape", "/tmp/abs", "a/b", "'..'", "'~x'"])
+    ],
+    # 7. a mode that contradicts a loss-like metric
+    Bad(
+        "mode-max-on-default-loss",
+        "checkpoint:\n  mode: max  # <-- here\n",
+        "checkpoint.mode",
+        ("'loss'", "mode: min"),
+    ),
+    Bad(
+        "mode-max-on-val-loss",
+        "validation:\n  metrics:\n    val_loss: !pyobject unison.metrics.Loss\n"
+        "early_stopping:\n  patience: 2\n  mode: max  # <-- here\n",
+        "early_stopping.mode",
+        ("'val_loss'", "mode: min"),
+    ),
+    Bad(
+        "mode-min-on-accuracy",
+        "validation:\n  metrics:\n    accuracy: !pyobject unison.metrics.Accuracy\n"
+        "checkpoint:\n  mode: min  # <-- here\n",
+        "checkpoint.mode",
+        ("'accuracy'", "mode: max"),
+    ),
+    # 8. mistakes that used to fail only after the ranks started
+    Bad(
+        "model-kwargs-typo",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear\n  kwargs:\n    in_features: 4\n"
+        "    out_feature: 2  # <-- here\ndata:\n  build: !pyobject MODULE.build\n",
+        "model.kwargs.out_feature",
+        ("no argument 'out_feature'", "Did you mean 'out_features'?"),
+        whole=True,
+    ),
+    Bad(
+        "model-kwargs-missing",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear  # <-- here\n  kwargs: {in_features: 4}\n"
+        "data:\n  build: !pyobject MODULE.build\n",
+        "model.type",
+        ("'out_features'", "model.kwargs"),
+        whole=True,
+    ),
+    Bad(
+        "model-kwargs-non-string-key",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear\n  kwargs:\n    in_features: 4\n"
+        "    out_features: 2\n    1: 2  # <-- here\ndata:\n  build: !pyobject MODULE.build\n",
+        "model.kwargs.1",
+        ("int 1",),
+        whole=True,
+    ),
+    Bad(
+        "model-fails-on-meta",
+        "name: bad\nmodel:\n  type: !pyobject torch.nn.Linear\n  kwargs:  # <-- here\n"
+        "    in_features: -4\n    out_features: 2\ndata:\n  build: !pyobject MODULE.build\n",
+        "model.kwargs",
+        ("negative dimension",),
+        whole=True,
+    ),
+    Bad(
+        "optimizer-kwargs-typo",
+        "training:\n  optimizer_kwargs:\n    lrr: 0.1  # <-- here\n",
+        "training.optimizer_kwargs.lrr",
+        ("no argument 'lrr'", "Did you mean 'lr'?"),
+    ),
+    Bad(
+        "optimizer-kwargs-bad-value",
+        "training:\n  optimizer_kwargs:  # <-- here\n    betas: [0.9, 2.0]\n",
+        "training.optimizer_kwargs",
+        ("beta",),
+    ),
+    Bad(
+        "scheduler-kwargs-typo",
+        "training:\n  scheduler_type: !pyobject torch.optim.lr_scheduler.StepLR\n"
+        "  scheduler_kwargs:\n    step_sise: 2  # <-- here\n",
+        "training.scheduler_kwargs.step_sise",
+        ("Did you mean 'step_size'?",),
+    ),
+    Bad(
+        "metric-kwargs-typo",
+        "validation:\n  metrics:\n    acc:\n      type: !pyobject unison.metrics.Accuracy\n"
+        "      kwargs:\n        topk: 2  # <-- here\n",
+        "validation.metrics.acc.kwargs.topk",
+        ("Did you mean 'top_k'?",),
+    ),
+    Bad(
+        "loss-class-needing-arguments",
+        "training:\n  loss: !pyobject torch.nn.Bilinear  # <-- here\n",
+        "training.loss",
+        ("needs arguments", "instance"),
+    ),
+    Bad(
+        "data-build-kwargs-typo",
+        BASE + "  kwargs:\n    nn: 3  # <-- here\n",
+        "data.kwargs.nn",
+        ("no argument 'nn'", "Did you mean 'n'?"),
+        whole=True,
+    ),
+    Bad(
+        "logging-root-under-a-file",
+        "logging:\n  root: FOLDER/MODULE.py/runs  # <-- here\n",
+        "logging.root",
+        ("is a file, not a folder",),
+    ),
+    Bad(
+        "device-not-here",
+        "training:\n  device: cuda:7  # <-- here\n",
+        "training.device",
+        ("'cuda:7'",),
     ),
 ]
 
@@ -430,7 +686,7 @@ def module_name(monkeypatch):
 
 def _write(case: Bad, folder: Path, module: str) -> tuple[Path, int | None]:
     text = case.text if case.whole else BASE + case.text
-    text = text.replace("MODULE", module).replace("BAIT", str(folder / BAIT))
+    text = text.replace("MODULE", module).replace("BAIT", str(folder / BAIT)).replace("FOLDER", str(folder))
     (folder / f"{module}.py").write_text(DATA_MODULE)
     path = folder / f"{case.id}.yaml"
     path.write_text(text)
@@ -477,7 +733,7 @@ def test_the_guard_sees_a_spawn_of_a_good_config(tmp_path, no_spawn, module_name
 @pytest.mark.parametrize("entry", ["api", "cli"])
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, id=c.id) for c in FILE_CASES]
+    [pytest.param(c, id=c.id) for c in FILE_CASES + THREAT_CASES]
     + [
         pytest.param(
             Bad(

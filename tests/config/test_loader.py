@@ -155,7 +155,7 @@ def test_loading_imports_nothing_until_resolve(tmp_path, monkeypatch):
     config_dir.mkdir()
     path = config_dir / "c.yaml"
     path.write_text(
-        f"imports: [{name}]\nmodel:\n  type: !pyobject torch.nn.Linear\n"
+        f"imports: [{name}]\nmodel:\n  type: !pyobject torch.nn.Linear\n  kwargs: {{in_features: 2, out_features: 1}}\n"
         f"data:\n  build: !pyobject {name}.build\n"
     )
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import uuid
 
@@ -54,21 +53,28 @@ def local(tmp_path, monkeypatch):
 # -- the allow-list -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("slot", [None, "callable"])
-def test_imports_allows_a_module(slot):
-    assert resolve_ref(ref("json.dumps"), slot=slot, key="k", imports=["json"]) is json.dumps
+@pytest.mark.parametrize("slot", [None, "hook"])
+def test_imports_allows_a_users_module(slot, local):
+    name = local("def f(context):\n    return 1\n")
+    assert resolve_ref(ref(f"{name}.f"), slot=slot, key="k", imports=[name])(None) == 1
 
 
-def test_outside_the_allow_list_is_refused_with_the_fix():
-    message = refused("json.dumps")
-    assert "imports: [json]" in message
+def test_imports_refuses_the_standard_library():
+    assert "standard library" in refused("json.dumps", imports=["json"])
+
+
+def test_outside_the_allow_list_is_refused_with_the_fix(local):
+    name = local("def f(context):\n    return 1\n")
+    message = refused(f"{name}.f")
+    assert f"imports: [{name}]" in message
     for prefix in ALLOWED_PREFIXES:
         assert prefix.rstrip(".") in message
 
 
-def test_an_import_prefix_matches_whole_module_names_only():
-    """`imports: [js]` does not allow `json`."""
-    assert "allow-list" in refused("json.dumps", imports=["js"])
+def test_an_import_prefix_matches_whole_module_names_only(local):
+    """`imports: [unison_lo]` does not allow `unison_local_...`."""
+    name = local("def f(context):\n    return 1\n")
+    assert "allow-list" in refused(f"{name}.f", imports=["unison_lo"])
 
 
 def test_allowed_prefixes_resolve():
@@ -81,7 +87,7 @@ def test_allowed_prefixes_resolve():
 
 def test_a_module_in_the_configs_folder_is_allowed(tmp_path, local):
     name = local("def build(seed):\n    return seed\n")
-    obj = resolve_ref(ref(f"{name}.build"), slot="callable", key="data.build", config_dir=tmp_path)
+    obj = resolve_ref(ref(f"{name}.build"), slot="data", key="data.build", config_dir=tmp_path)
     assert obj(5) == 5
     # The same module is refused for a config that lives elsewhere.
     other = tmp_path / "elsewhere"
@@ -94,7 +100,7 @@ def test_a_package_in_the_configs_folder_is_allowed(tmp_path, local):
     (tmp_path / name).mkdir()
     (tmp_path / name / "__init__.py").write_text("def build(seed):\n    return -seed\n")
     try:
-        obj = resolve_ref(ref(f"{name}.build"), slot="callable", key="data.build", config_dir=tmp_path)
+        obj = resolve_ref(ref(f"{name}.build"), slot="data", key="data.build", config_dir=tmp_path)
         assert obj(2) == -2
     finally:
         sys.modules.pop(name, None)
@@ -112,12 +118,13 @@ def test_recipe_resolve_finds_modules_next_to_the_config(tmp_path, monkeypatch):
     )
     path = tmp_path / "config.yaml"
     path.write_text(f"model:\n  type: !pyobject {name}.Net\ndata:\n  build: !pyobject {name}.build\n")
-    try:
-        resolved = unison.cli.resolve.resolve(load_config(path))
-        module = sys.modules[name]
-        assert resolved.model_type is module.Net and resolved.data_build is module.build
-    finally:
-        sys.modules.pop(name, None)
+    before = list(sys.path)
+    resolved = unison.cli.resolve.resolve(load_config(path))
+    assert sys.path == before, "the config's folder is never put on sys.path"
+    assert name not in sys.modules, "imported by file path, under a private name"
+    module = sys.modules[resolved.model_type.__module__]
+    assert module.__file__ == str(tmp_path / f"{name}.py")
+    assert resolved.model_type is module.Net and resolved.data_build is module.build
 
 
 # -- denied prefixes ------------------------------------------------------------------------
@@ -153,7 +160,7 @@ def test_a_denied_prefix_does_not_catch_a_longer_module_name(local):
     """`io` is denied, `iox_...` is not: prefixes match whole module names."""
     name = local("def f():\n    return 1\n", prefix="iox")
     assert name.startswith("io") and any(p == "io" for p in DENIED_PREFIXES)
-    assert resolve_ref(ref(f"{name}.f"), slot="callable", key="k", imports=[name])() == 1
+    assert resolve_ref(ref(f"{name}.f"), slot="hook", key="k", imports=[name])() == 1
 
 
 @pytest.mark.parametrize("path", ["torch._C", "torch.nn.Module.__init__", "torch.nn._reduction.get_enum"])
@@ -208,8 +215,8 @@ def test_a_module_whose_own_import_fails_is_named(local):
 
 def test_optimizer_slot_checks_the_class(local):
     name = local("class NotAnOptimizer:\n    def __init__(self, params, lr=0.1):\n        pass\n")
-    message = refused(f"{name}.NotAnOptimizer", slot="torch.optim.Optimizer", imports=[name])
-    assert "class NotAnOptimizer" in message and "torch.optim.Optimizer subclass" in message
+    message = refused(f"{name}.NotAnOptimizer", slot="optimizer", imports=[name])
+    assert f"class {name}.NotAnOptimizer" in message and "torch.optim.Optimizer subclass" in message
     # a subclass of torch.optim.Optimizer fits
     assert resolve_ref(ref("torch.optim.AdamW"), slot="torch.optim.Optimizer", key="k") is torch.optim.AdamW
 
@@ -223,7 +230,11 @@ def test_scheduler_slot():
     cls = torch.optim.lr_scheduler.StepLR
     slot = "torch.optim.lr_scheduler.LRScheduler"
     assert resolve_ref(ref("torch.optim.lr_scheduler.StepLR"), slot=slot, key="k") is cls
-    assert "LRScheduler subclass" in refused("torch.optim.Adam", slot=slot)
+    assert "LRScheduler or ReduceLROnPlateau subclass" in refused("torch.optim.Adam", slot=slot)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    assert (
+        resolve_ref(ref("torch.optim.lr_scheduler.ReduceLROnPlateau"), slot="scheduler", key="k") is plateau
+    )
 
 
 def test_model_slot_takes_a_module_class_or_a_function(local):
@@ -233,40 +244,71 @@ def test_model_slot_takes_a_module_class_or_a_function(local):
     assert resolve_ref(ref("torch.nn.Linear"), slot="model", key="model.type") is torch.nn.Linear
     assert resolve_ref(ref(f"{name}.make"), slot="model", key="model.type", imports=[name])().in_features == 3
     assert "torch.nn.Module subclass" in refused(f"{name}.Plain", slot="model", imports=[name])
-    assert "not a model class" in refused("torch.float32", slot="model")
+    assert "found a dtype" in refused("torch.float32", slot="model")
+    assert "found function torch.nn.functional.relu" in refused("torch.nn.functional.relu", slot="model")
 
 
 def test_metric_slot():
-    assert "not a metric class" in refused("torch.nn.functional.cross_entropy", slot="metric")
+    assert "found function torch.nn.functional" in refused("torch.nn.functional.cross_entropy", slot="metric")
 
 
-def test_callable_slot():
-    assert (
-        resolve_ref(ref("torch.nn.functional.mse_loss"), slot="callable", key="k")
-        is torch.nn.functional.mse_loss
+def test_loss_slot():
+    f = torch.nn.functional
+    assert resolve_ref(ref("torch.nn.functional.mse_loss"), slot="loss", key="k") is f.mse_loss
+    assert resolve_ref(ref("torch.nn.functional.gelu"), slot="loss", key="k") is f.gelu  # a builtin of F
+    assert resolve_ref(ref("torch.nn.CrossEntropyLoss"), slot="loss", key="k") is torch.nn.CrossEntropyLoss
+    assert "found a dtype" in refused("torch.float32", slot="loss")
+    assert "found a float" in refused("torch.pi", slot="loss")
+    assert "found built-in function" in refused("torch.from_file", slot="loss")
+
+
+def test_hook_and_data_slots_take_the_users_functions_only(local):
+    name = local(
+        "import torch\nfrom torch.utils.data import random_split\n\ndef build(seed):\n    return 1, 2\n"
     )
-    assert "function or class" in refused("torch.float32", slot="callable")
-    assert "function or class" in refused("torch.pi", slot="callable")
+    assert resolve_ref(ref(f"{name}.build"), slot="data", key="k", imports=[name])(0) == (1, 2)
+    # a library function imported into the user's module is not the user's
+    assert "function torch.utils.data" in refused(f"{name}.random_split", slot="data", imports=[name])
+    assert "a function of your own modules" in refused("torch.utils.collect_env.run", slot="hook")
 
 
 # -- nested kwargs and unison.cli.resolve.resolve ----------------------------------------------
 
 
 def test_resolve_tree_resolves_nested_references_and_names_their_key():
-    tree = {"act": ref("torch.nn.ReLU"), "layers": [1, {"norm": ref("torch.nn.LayerNorm")}], "n": 3}
+    tree = {
+        "act": ref("torch.nn.ReLU"),
+        "layers": [1, {"norm": ref("torch.nn.LayerNorm")}],
+        "n": 3,
+        "dtype": ref("torch.float32"),
+        "fn": ref("torch.nn.functional.gelu"),
+    }
     out = resolve_tree(tree, key="model.kwargs", imports=(), config_dir=None)
-    assert out == {"act": torch.nn.ReLU, "layers": [1, {"norm": torch.nn.LayerNorm}], "n": 3}
+    assert out == {
+        "act": torch.nn.ReLU,
+        "layers": [1, {"norm": torch.nn.LayerNorm}],
+        "n": 3,
+        "dtype": torch.float32,
+        "fn": torch.nn.functional.gelu,
+    }
+    for path in ("torch.utils.collect_env.run", "torch.optim.SGD", "torch.nn", "ignite.utils.setup_logger"):
+        with pytest.raises(ConfigError, match="inside kwargs"):
+            resolve_tree({"x": ref(path)}, key="model.kwargs", imports=(), config_dir=None)
     with pytest.raises(ConfigError) as info:
         resolve_tree({"layers": [0, ref("os.system")]}, key="model.kwargs", imports=(), config_dir=None)
     assert info.value.key_path == "model.kwargs.layers.1"
 
 
+DATA_NAME = "unison_resolve_data"
+
+
 def _config(tmp_path, body: str):
     path = tmp_path / "c.yaml"
     path.write_text(
-        "model:\n  type: !pyobject torch.nn.Linear\ndata:\n  build: !pyobject torch.utils.data.random_split\n"
-        + body
+        f"model:\n  type: !pyobject torch.nn.Linear\n  kwargs: {{in_features: 2, out_features: 1}}\n"
+        f"data:\n  build: !pyobject {DATA_NAME}.build\n" + body
     )
+    (tmp_path / f"{DATA_NAME}.py").write_text("def build(seed):\n    return [1], [2]\n")
     return path, load_config(path)
 
 
@@ -283,7 +325,7 @@ def test_recipe_resolve_returns_every_object(tmp_path):
     assert r.optimizer_type is torch.optim.AdamW  # the default
     assert r.scheduler_type is torch.optim.lr_scheduler.StepLR and r.scheduler_kwargs == {"step_size": 2}
     assert r.loss is torch.nn.functional.cross_entropy
-    assert r.model_type is torch.nn.Linear and r.data_build is torch.utils.data.random_split
+    assert r.model_type is torch.nn.Linear and r.data_build(seed=0) == ([1], [2])
     from unison.metrics import Loss
 
     assert r.metrics == {"acc": (Accuracy, {}), "loss": (Loss, {"loss_fn": torch.nn.functional.nll_loss})}
@@ -311,10 +353,11 @@ def test_recipe_resolve_names_the_key_and_slot_of_a_wrong_optimizer(tmp_path):
     assert "torch.optim.Optimizer" in str(info.value)
 
 
-def test_recipe_resolve_uses_the_configs_imports(tmp_path):
-    _, config = _config(tmp_path, "imports: [json]\nhooks:\n  after_training: !pyobject json.dumps\n")
-    assert unison.cli.resolve.resolve(config).after_training is json.dumps
+def test_recipe_resolve_uses_the_configs_imports(tmp_path, local):
+    name = local("def hook(context):\n    return context\n")
+    _, config = _config(tmp_path, f"imports: [{name}]\nhooks:\n  after_training: !pyobject {name}.hook\n")
+    assert unison.cli.resolve.resolve(config).after_training(3) == 3
     _, config = _config(tmp_path, "imports: [os]\nhooks:\n  after_training: !pyobject os.system\n")
     with pytest.raises(ConfigError) as info:
         unison.cli.resolve.resolve(config)
-    assert info.value.key_path == "hooks.after_training" and "refused" in str(info.value)
+    assert info.value.key_path == "imports.0" and "standard library" in str(info.value)

@@ -27,8 +27,11 @@ def test_a_minimal_config_takes_every_default():
     config = _validate(MINIMAL)
     default = Config()
     for f in dataclasses.fields(Config):
-        if f.name not in ("model", "data"):
+        if f.name not in ("model", "data", "checkpoint"):
             assert getattr(config, f.name) == getattr(default, f.name), f.name
+    # the watched metric is the training loss (no validation.metrics): lower is better
+    assert config.checkpoint.mode == "min"
+    assert dataclasses.replace(config.checkpoint, mode="max") == default.checkpoint
     assert config.model.type.path == "torch.nn.Linear"
     assert config.training.optimizer_type.path == "torch.optim.AdamW"
     assert config.training.loss.path == "torch.nn.functional.cross_entropy"
@@ -57,8 +60,6 @@ def test_sections_are_independent_between_configs():
     a.imports.append("json")
     assert b.training.optimizer_kwargs == {} and b.imports == []
     assert Config().training.optimizer_kwargs == {}
-
-
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from unison.cli.changes import check_resume, record
-from unison.cli.resolve import Resolved, make_metrics, resolve
+from unison.cli.resolve import Resolved, make_metrics, preflight, resolve
 from unison.cli.steps import RunParts, build_run
 from unison.config import Config, dump_config, load_config
 from unison.distributed import (
@@ -349,7 +349,7 @@ def run(
         config = load_config(config, overrides)
     elif overrides:
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
-    resolve(config)  # fail before spawning
+    preflight(config, resolve(config))  # fail before spawning: every slot, kwargs, the model on meta
     found = previous_run(config, resume)
     if found is not None:
         check_resume(config, found[0])  # a change no checkpoint can follow fails here, not in a rank

@@ -45,6 +45,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     config = validate(raw)
     config.source = str(Path(path).resolve())  # type: ignore[attr-defined]  # set after validation, for error messages
     config.lines = dict(raw.lines)  # type: ignore[attr-defined]  # for errors found when resolving
+    config.overrides = dict(raw.overrides)  # type: ignore[attr-defined]  # keys a --set gave, for errors
     return config
 
 

@@ -80,16 +80,111 @@ def _yaml_1_2_scalars(loader: type[yaml.SafeLoader]) -> None:
 _yaml_1_2_scalars(UnisonLoader)
 
 
-def _line_map(node: yaml.Node, prefix: KeyPath, out: dict[KeyPath, int]) -> None:
+MAX_BYTES = 1 << 20
+"""The largest config file read, in bytes (a config is a few kilobytes)."""
+MAX_DEPTH = 64
+"""The deepest nesting of mappings and lists a config may have."""
+MAX_NODES = 100_000
+"""The most values a config may hold once its aliases are expanded (an alias bomb holds billions)."""
+
+
+def check_budget(text: str, name: str) -> None:
+    """Refuses a document past the size, depth or alias-expansion budget, before it is built.
+
+    The document's events are read one at a time and counted: every alias counts the
+    values of the node it repeats, so a billion laughs is refused after reading a few
+    lines, an alias inside the node it names (a recursive document) at once, and a deep
+    nesting at level :data:`MAX_DEPTH`.
+
+    Raises:
+        ConfigError: naming the file and the line where the budget ran out.
+        yaml.YAMLError: for a syntax error met on the way.
+    """
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_BYTES:
+        raise ConfigError(
+            f"the config is {size} bytes; configs are limited to {MAX_BYTES} bytes. "
+            "Keep data in files that data.build reads, not in the config",
+            file=name,
+        )
+    sizes: dict[str, int] = {}
+    open_nodes: list[tuple[str | None, int]] = []  # (anchor, values so far) per open collection
+    total = 0
+
+    def fail(message: str, event: yaml.Event) -> ConfigError:
+        mark = event.start_mark
+        return ConfigError(message, file=name, line=mark.line + 1 if mark else None)
+
+    def add(count: int, event: yaml.Event) -> None:
+        nonlocal total
+        total += count
+        if total > MAX_NODES:
+            raise fail(
+                f"the config expands to more than {MAX_NODES} values (through its aliases): "
+                "refused as an alias bomb; write the values out or use fewer aliases",
+                event,
+            )
+        if open_nodes:
+            anchor, count_so_far = open_nodes[-1]
+            open_nodes[-1] = (anchor, count_so_far + count)
+
+    for event in yaml.parse(text, Loader=UnisonLoader):  # noqa: S506 - a SafeLoader subclass, events only
+        if isinstance(event, yaml.AliasEvent):
+            anchor = event.anchor
+            if any(open_anchor == anchor for open_anchor, _ in open_nodes):
+                raise fail(
+                    f"the alias *{anchor} is inside the node &{anchor} it repeats: a recursive document",
+                    event,
+                )
+            add(sizes.get(anchor or "", 1), event)
+        elif isinstance(event, yaml.ScalarEvent):
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+            add(1, event)
+        elif isinstance(event, yaml.CollectionStartEvent):
+            if len(open_nodes) >= MAX_DEPTH:
+                raise fail(f"the config nests deeper than {MAX_DEPTH} levels", event)
+            open_nodes.append((event.anchor, 1))
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, count = open_nodes.pop()
+            if anchor is not None:
+                sizes[anchor] = count
+            add(count, event)
+
+
+def _line_map(node: yaml.Node, prefix: KeyPath, out: dict[KeyPath, int], file: str) -> None:
     if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
         for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                _line_map(value_node, prefix, {}, file)
+                continue
             key = str(key_node.value)
-            out[prefix + (key,)] = key_node.start_mark.line + 1
-            _line_map(value_node, prefix + (key,), out)
+            line = key_node.start_mark.line + 1
+            if isinstance(key_node, yaml.ScalarNode) and key in seen:
+                raise ConfigError(
+                    f"{key!r} is set twice, on lines {seen[key]} and {line}; keep one of them "
+                    "(YAML would silently keep the last)",
+                    file=file,
+                    line=line,
+                    key=prefix + (key,),
+                )
+            seen[key] = line
+            out[prefix + (key,)] = line
+            _line_map(value_node, prefix + (key,), out, file)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             out[prefix + (str(i),)] = item.start_mark.line + 1
-            _line_map(item, prefix + (str(i),), out)
+            _line_map(item, prefix + (str(i),), out, file)
+
+
+def read_value(text: str, name: str) -> Any:
+    """Reads a YAML value (a ``--set`` value) with the budget and duplicate checks of a config file."""
+    check_budget(text, name)
+    node = yaml.compose(text, Loader=UnisonLoader)  # noqa: S506 - a SafeLoader subclass
+    if node is not None:
+        _line_map(node, (), {}, name)
+    return yaml.load(text, Loader=UnisonLoader)  # noqa: S506
 
 
 @dataclass
@@ -155,6 +250,11 @@ def load_yaml(source: str | os.PathLike[str], *, text: str | None = None) -> Raw
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file not found (working directory: {os.getcwd()})", file=name)
+        if path.stat().st_size > MAX_BYTES:
+            raise ConfigError(
+                f"the config is {path.stat().st_size} bytes; configs are limited to {MAX_BYTES} bytes",
+                file=name,
+            )
         text = path.read_text()
 
     class _Loader(UnisonLoader):
@@ -168,12 +268,14 @@ def load_yaml(source: str | os.PathLike[str], *, text: str | None = None) -> Raw
         return min(on_line, key=len) if on_line else ()
 
     try:
+        check_budget(text, name)
         node = yaml.compose(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
         if node is not None:
-            _line_map(node, (), lines)
+            _line_map(node, (), lines, name)
         data = yaml.load(text, Loader=_Loader)  # noqa: S506
     except ConfigError as err:
-        raise ConfigError(err.problem, file=name, line=err.line, key=key_at(err.line)) from None
+        key = err.key_path.split(".") if err.key_path else key_at(err.line)
+        raise ConfigError(err.problem, file=name, line=err.line, key=key) from None
     except yaml.constructor.ConstructorError as err:
         mark = err.problem_mark
         tag = err.problem or "an unknown tag"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from unison.config.errors import ConfigError
-from unison.config.loader import PyObjectRef, RawConfig, UnisonLoader
+from unison.config.loader import PyObjectRef, RawConfig, read_value
 
 
 def apply_overrides(raw: RawConfig, overrides: list[str]) -> RawConfig:
@@ -24,7 +24,7 @@ def apply_overrides(raw: RawConfig, overrides: list[str]) -> RawConfig:
                 f"expected KEY.PATH=VALUE, like training.lr=3e-4, got {item!r}", file=f"--set {item}"
             )
         try:
-            value = yaml.load(text, Loader=UnisonLoader) if text.strip() else ""  # noqa: S506 - SafeLoader subclass
+            value = read_value(text, f"--set {item}") if text.strip() else ""
         except ConfigError as err:
             raise ConfigError(err.problem, file=f"--set {item}", key=key.split(".")) from None
         except yaml.YAMLError as err:

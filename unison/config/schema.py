@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ class TrainingConfig:
     batch_size: int = option(32, "samples per rank per step (total = batch_size x world size)")
     epoch_length: int | None = option(None, "iterations per epoch; default, one pass over the shard")
     optimizer_type: PyObjectRef = option(
-        PyObjectRef("torch.optim.AdamW"), "optimizer class", slot="torch.optim.Optimizer"
+        PyObjectRef("torch.optim.AdamW"), "optimizer class", slot="optimizer"
     )
     optimizer_kwargs: dict[str, Any] = option({}, "keyword arguments of the optimizer (lr, weight_decay ...)")
     lr: float | None = option(None, "learning rate; overrides optimizer_kwargs.lr")
@@ -60,13 +61,13 @@ class TrainingConfig:
         "none", "scale lr by the world size (linear) or its square root (sqrt)"
     )
     scheduler_type: PyObjectRef | None = option(
-        None, "LR scheduler class, stepped once per epoch", slot="torch.optim.lr_scheduler.LRScheduler"
+        None, "LR scheduler class, stepped once per epoch", slot="scheduler"
     )
     scheduler_kwargs: dict[str, Any] = option({}, "keyword arguments of the scheduler")
     loss: PyObjectRef = option(
         PyObjectRef("torch.nn.functional.cross_entropy"),
-        "loss_fn(y_pred, y) -> scalar tensor",
-        slot="callable",
+        "loss_fn(y_pred, y) -> scalar tensor; a loss module class is built with no arguments",
+        slot="loss",
     )
     amp: Literal["none", "bf16", "fp16"] = option("none", "autocast precision")
     accumulation_steps: int = option(1, "micro-batches per optimizer update")
@@ -79,7 +80,9 @@ class TrainingConfig:
     time_limit: float | None = option(None, "stop every rank together after this many seconds")
     nonfinite_guard: bool = option(True, "stop every rank when a loss is NaN or infinite on any of them")
     hang_timeout: float | None = option(None, "seconds without progress before a rank dumps its stacks")
-    device: str | None = option(None, "kept for compatibility; each rank uses its own device")
+    device: str | None = option(
+        None, "kept for compatibility; each rank uses its own device (checked to exist on this machine)"
+    )
     path: str | None = option(None, "output root; the same as logging.root")
     checkpoint_at: int | None = option(
         None, "save every this many epochs; the same as checkpoint.every_epochs"
@@ -95,7 +98,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     build: PyObjectRef | None = option(
-        None, "fn(seed, **kwargs) -> (train, val, test) datasets; test may be None", slot="callable"
+        None, "fn(seed, **kwargs) -> (train, val, test) datasets; test may be None", slot="data"
     )
     kwargs: dict[str, Any] = option({}, "keyword arguments of build")
 
@@ -133,7 +136,11 @@ class CheckpointConfig:
     keep_last: int | None = option(2, "newest checkpoints to keep")
     keep_best: int = option(1, "best checkpoints (by metric) to keep as well")
     metric: str | None = option(None, "validation metric ranking checkpoints; default the first metric")
-    mode: Literal["max", "min"] = option("max", "whether a higher or lower metric is better")
+    mode: Literal["max", "min"] = option(
+        "max",
+        "whether a higher or lower metric is better; when left out, min for a loss-like metric "
+        "(loss, *_loss, mse, mae, perplexity ...), else max",
+    )
     async_save: bool = option(False, "write in a background thread")
     preemption: bool = option(True, "on SIGTERM/SIGUSR1 save at an agreed iteration and exit 75")
     requeue: bool = option(False, "under SLURM, requeue the job after a preemption save")
@@ -143,7 +150,9 @@ class CheckpointConfig:
 class EarlyStoppingConfig:
     patience: int | None = option(None, "evaluations without improvement before stopping; None disables")
     metric: str | None = option(None, "validation metric to watch; default checkpoint.metric")
-    mode: Literal["max", "min"] | None = option(None, "default checkpoint.mode")
+    mode: Literal["max", "min"] | None = option(
+        None, "default checkpoint.mode (for another metric: min for a loss-like one, else max)"
+    )
     min_delta: float = option(0.0, "smallest change that counts as improvement")
     threshold_mode: Literal["abs", "rel"] = option("abs", "min_delta absolute or relative")
     cumulative_delta: bool = option(False, "compare with the score at the last improvement")
@@ -161,7 +170,7 @@ class LoggingConfig:
 @dataclass
 class HooksConfig:
     after_training: PyObjectRef | None = option(
-        None, "fn(context) called on every rank after training and testing", slot="callable"
+        None, "fn(context) called on every rank after training and testing", slot="hook"
     )
 
 
@@ -170,7 +179,9 @@ class Config:
     """A whole run. Sections are optional; keys left out take their defaults."""
 
     name: str = option("run", "the run's name: its directory is <logging.root>/<name>/<timestamp>/")
-    imports: list[str] = option([], "extra module prefixes that !pyobject may name")
+    imports: list[str] = option(
+        [], "your own modules (installed or on sys.path) that !pyobject may name; not stdlib or libraries"
+    )
     parallel: ParallelConfig = section(ParallelConfig, "how ranks are started")
     training: TrainingConfig = section(TrainingConfig, "the training loop")
     model: ModelConfig = section(ModelConfig, "the model")
@@ -322,7 +333,81 @@ def validate(raw: RawConfig) -> Config:
                 key=path,
             )
     _check_values(config, raw)
+    _check_name(config, raw)
+    _check_modes(config, raw)
     return config
+
+
+def _check_name(config: Config, raw: RawConfig) -> None:
+    """``name`` is one folder name: the run directory stays inside ``logging.root``."""
+    name = config.name
+    bad = not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
+    if bad:
+        path = ("name",)
+        raise ConfigError(
+            f"{name!r} is not a folder name: the run directory is <logging.root>/<name>/, so a name with "
+            "'/', '\\', '..' or '~' (or an empty one) would write outside logging.root; use a name like "
+            "'digits-small'",
+            file=raw.file_of(path),
+            line=raw.line_of(path),
+            key=path,
+        )
+
+
+_LOWER_IS_BETTER = frozenset(
+    "loss mse mae rmse msle nll perplexity ppl error err cer wer mape smape kl kld bce xent".split()
+)
+_HIGHER_IS_BETTER = frozenset(
+    "accuracy acc f1 precision recall auc auroc roc r2 iou miou dice bleu rouge".split()
+)
+
+
+def metric_direction(name: str) -> Literal["max", "min"] | None:
+    """``"min"`` for a loss-like metric name (``loss``, ``val_loss``, ``mse`` ...), ``"max"`` for an
+    accuracy-like one (``accuracy``, ``f1`` ...), None when the name does not say."""
+    lowered = name.lower()
+    words = {w for w in re.split(r"[^a-z0-9]+", lowered) if w}
+    if words & _LOWER_IS_BETTER or lowered.endswith("loss"):
+        return "min"
+    if words & _HIGHER_IS_BETTER:
+        return "max"
+    return None
+
+
+def _explicit(raw: RawConfig, section: str, key: str) -> bool:
+    data = raw.data.get(section)
+    return isinstance(data, dict) and key in data
+
+
+def _check_modes(config: Config, raw: RawConfig) -> None:
+    """Fills ``checkpoint.mode`` from the watched metric's name when left out, and refuses a mode
+    that contradicts the name (``mode: max`` on a loss keeps the worst checkpoint)."""
+    names = [str(k) for k in config.validation.metrics] or ["loss"]
+    watched = config.checkpoint.metric or names[0]
+    es = config.early_stopping
+    es_watched = es.metric or watched
+    for section, metric, explicit in (
+        ("checkpoint", watched, _explicit(raw, "checkpoint", "mode")),
+        ("early_stopping", es_watched, es.mode is not None),
+    ):
+        direction = metric_direction(metric)
+        holder = config.checkpoint if section == "checkpoint" else es
+        if not explicit:
+            if section == "checkpoint":
+                config.checkpoint.mode = direction or "max"
+            elif es.metric is not None and es.metric != watched:
+                es.mode = direction or "max"
+            continue
+        if direction is not None and holder.mode != direction:
+            path = (section, "mode")
+            better = "lower" if direction == "min" else "higher"
+            raise ConfigError(
+                f"mode {holder.mode!r} contradicts the watched metric {metric!r}, for which {better} is better: "
+                f"'best' would keep the worst model. Set `mode: {direction}` (or leave mode out)",
+                file=raw.file_of(path),
+                line=raw.line_of(path),
+                key=path,
+            )
 
 
 def _check_values(config: Config, raw: RawConfig) -> None:
@@ -432,15 +517,15 @@ def schema_reference() -> list[tuple[str, str, str, str]]:
 
 def reference_markdown() -> str:
     """The configuration reference page (``docs/configuration.md``), generated from the schema."""
+    from unison.config.resolve import SLOTS
+
     lines = [
         "# Configuration reference",
         "",
         "Every key a run config may set, its type and its default. Sections and keys left out",
         "take their defaults; `model.type` and `data.build` are required. `!pyobject dotted.path`",
-        "names a class or function: it is imported when the run is built, only from `torch.`,",
-        "`unison.`, `ignite.`, modules in the config's own folder, and prefixes listed under",
-        "`imports:`; never from `os`, `subprocess`, `builtins` or private names. Override any key",
-        "from the command line with `--set section.key=value` (the value is read as YAML).",
+        "names a class or function for a key that takes one (see below). Override any key from",
+        "the command line with `--set section.key=value` (the value is read as YAML).",
         "",
         "This page is generated from `unison/config/schema.py`; a test keeps them equal.",
         "",
@@ -450,4 +535,74 @@ def reference_markdown() -> str:
     for key, type_name, default, doc in schema_reference():
         cell = type_name.replace("|", "\\|")
         lines.append(f"| `{key}` | {cell} | `{default}` | {doc} |")
+    lines += [
+        "",
+        "## What a config can and cannot do",
+        "",
+        "Configs travel: copied from papers, colleagues and issue threads. Reading a config and",
+        "resolving it imports modules and looks objects up, but calls nothing except the objects",
+        "the keys below accept, and nothing a config names can write files, run commands or",
+        "import arbitrary modules.",
+        "",
+        "- **YAML is data.** The loader is PyYAML's safe loader plus `!pyobject`, which only makes",
+        "  an inert reference; Python tags (`!!python/object/apply` ...) are refused. A document",
+        "  over 1 MiB, nested deeper than 64 levels, or expanding to more than 100000 values",
+        "  through its aliases (an alias bomb, a recursive alias) is refused before it is built. A",
+        "  key or section given twice is refused, naming both lines.",
+        "- **Which modules a `!pyobject` may come from.** torch, ignite and unison (always the",
+        "  installed ones); modules beside the config file; and your own modules named under",
+        "  `imports:`. Nothing else, and never private names (`_x`), `os`, `subprocess`,",
+        "  `builtins`, `torch.hub`, `torch.load` and the like.",
+        "- **What `imports:` trusts.** Your own code: a module beside the config, or one installed",
+        "  or on `sys.path` that is not in Python's standard library, not torch, ignite or unison,",
+        "  not a library unison depends on, and not a data loader (`numpy`, `joblib`, `pandas`,",
+        "  `yaml` ...). An entry naming one of those is refused. Functions of these modules may",
+        "  fill the keys that take your functions; nothing else of theirs can.",
+        "- **Modules beside the config** are imported by file path under a private package name,",
+        "  the same in every rank; the config's folder is never put on `sys.path`, so a `tqdm.py`",
+        "  or `torch.py` there cannot replace the installed package. Modules there import each",
+        "  other relatively (`from . import helpers`).",
+        "- **Every key that takes a `!pyobject` says what it accepts**, and the object is checked",
+        "  before anything is called:",
+        "",
+        "| key | accepts |",
+        "|---|---|",
+    ]
+    for key, slot in _slot_keys():
+        lines.append(f"| `{key}` | {SLOTS[slot].accepts} |")
+    lines += [
+        "| `validation.metrics.<name>` (or its `type`) | " + SLOTS["metric"].accepts + " |",
+        "| any `!pyobject` inside `kwargs` | " + SLOTS["value"].accepts + " |",
+        "",
+        "Anything else is refused with the file, the line, the key, what was found (for example",
+        "`function torch.utils.collect_env.run`) and what the key accepts.",
+        "",
+        "- **Checked before any rank starts:** every `kwargs` mapping against the signature it",
+        "  will be called with (unknown or missing arguments, with the nearest name), the model",
+        "  built on the `meta` device with its optimizer and scheduler, the metrics built,",
+        "  `training.device` against this machine, and the output folder (it must be writable).",
+        "  `data.build` is not called before spawn: its signature is checked.",
+        "- **The run's `name`** is one folder name: `/`, `\\`, `..` and `~` are refused, so a run",
+        "  stays inside `logging.root`.",
+        "- **Which checkpoint is best:** when `checkpoint.mode` is left out, a loss-like watched",
+        "  metric (`loss`, `*_loss`, `mse`, `mae`, `perplexity` ...; `loss` is watched when",
+        "  `validation.metrics` is empty) is minimised, others maximised. A mode that contradicts",
+        "  the metric's name (`mode: max` on a loss, `mode: min` on an accuracy) is refused.",
+    ]
     return "\n".join(lines) + "\n"
+
+
+def _slot_keys() -> list[tuple[str, str]]:
+    """(key path, slot) of every schema key that takes a ``!pyobject``."""
+    found: list[tuple[str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            if _is_section(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+            elif f.metadata.get("slot"):
+                found.append((f"{prefix}{f.name}", f.metadata["slot"]))
+
+    walk(Config, "")
+    return found
