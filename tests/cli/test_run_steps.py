@@ -166,3 +166,19 @@ def test_checkpoint_holds_model_optimizer_scheduler_and_early_stopping(tmp_path:
     assert list(checkpoint_objects(parts)) == ["model", "optimizer", "scheduler"]
     assert parts.checkpoint is not None
     assert list(parts.checkpoint.to_save) == ["model", "optimizer", "scheduler", "early_stopping"]
+
+
+@pytest.mark.parametrize(("every", "steps"), [("epoch", 2), ("update", 4)])
+def test_the_scheduler_steps_per_epoch_or_per_optimizer_update(tmp_path: Path, every: str, steps: int) -> None:
+    """12 training samples in batches of 4, 2 micro-batches per update: each epoch is 3 iterations
+    and 2 updates (the last window is short), so 2 epochs are 2 scheduler steps or 4."""
+    c = config()
+    c.training.max_epochs = 2
+    c.training.accumulation_steps = 2
+    c.training.scheduler_every = every  # type: ignore[assignment]  # a Literal set from a str
+    r = resolved(scheduler_type=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 1, "gamma": 0.5})
+    parts = parts_of(c, r, tmp_path)
+    parts.trainer.run(parts.train_loader, max_epochs=2)
+    assert parts.trainer.state.update == 4
+    assert parts.scheduler.last_epoch == steps
+    assert parts.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**steps)

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from unison.cli.resolve import Resolved, make_metrics, scaled_lr
 from unison.config import Config, ConfigError, to_plain
 from unison.distributed import prepare_loaders, prepare_model
-from unison.engine import Engine, Events, TrainStep, create_evaluator, create_trainer
+from unison.engine import Engine, Events, TrainStep, UpdateEvents, create_evaluator, create_trainer
 from unison.handlers import (
     Checkpoint,
     EarlyStopping,
@@ -106,7 +106,7 @@ def build_run(config: Config, resolved: Resolved, run_dir: Path, world_size: int
         datasets, train_loader, val_loader, model, optimizer, scheduler, trainer, evaluator, watched
     )
     attach_validation(config, parts)
-    attach_scheduler(parts)
+    attach_scheduler(parts, config.training.scheduler_every)
     attach_handlers(config, parts, run_dir)
     return parts
 
@@ -265,8 +265,9 @@ def attach_validation(config: Config, parts: RunParts) -> None:
     parts.trainer.add_event_handler(Events.EPOCH_COMPLETED, validate)
 
 
-def attach_scheduler(parts: RunParts) -> None:
-    """Scheduler, wired: steps once per epoch, after validation (on the watched metric for plateaus)."""
+def attach_scheduler(parts: RunParts, every: str = "epoch") -> None:
+    """Scheduler, wired: once per epoch after validation (on the watched metric for plateaus), or
+    with ``every="update"`` once per optimizer update (``UpdateEvents.UPDATE_COMPLETED``)."""
     scheduler, evaluator, watched = parts.scheduler, parts.evaluator, parts.watched
     if scheduler is None:
         return
@@ -274,6 +275,8 @@ def attach_scheduler(parts: RunParts) -> None:
         parts.trainer.add_event_handler(
             Events.EPOCH_COMPLETED, lambda e: scheduler.step(evaluator.state.metrics[watched])
         )
+    elif every == "update":
+        parts.trainer.add_event_handler(UpdateEvents.UPDATE_COMPLETED, lambda e: scheduler.step())
     else:
         parts.trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: scheduler.step())
 

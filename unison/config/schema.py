@@ -61,9 +61,15 @@ class TrainingConfig:
         "none", "scale lr by the world size (linear) or its square root (sqrt)"
     )
     scheduler_type: PyObjectRef | None = option(
-        None, "LR scheduler class, stepped once per epoch", slot="scheduler"
+        None, "LR scheduler class, stepped as training.scheduler_every says", slot="scheduler"
     )
     scheduler_kwargs: dict[str, Any] = option({}, "keyword arguments of the scheduler")
+    scheduler_every: Literal["epoch", "update"] = option(
+        "epoch",
+        "step the scheduler once per epoch (after validation), or once per optimizer update "
+        "(UPDATE_COMPLETED: once per accumulation window, never per micro-batch); ReduceLROnPlateau "
+        "always steps per epoch, on the watched metric",
+    )
     loss: PyObjectRef = option(
         PyObjectRef("torch.nn.functional.cross_entropy"),
         "loss_fn(y_pred, y) -> scalar tensor; a loss module class is built with no arguments",
