@@ -27,7 +27,7 @@ from _lockstep_workers import (
 )
 from ignite.engine import Engine as IgniteEngine
 
-from unison.distributed import RankFailedError, launch
+from unison.distributed import RankFailedError, get_rank, launch
 from unison.engine import Engine, Events
 from unison.testing import run_distributed
 
@@ -466,9 +466,12 @@ def test_debug_reports_a_handler_attached_on_rank_zero_only(kind, sync_every, wo
     with pytest.raises(RankFailedError) as info:
         run_distributed(rank_local_handler_worker, kind, sync_every, nproc=world_size, timeout=RUN_TIMEOUT)
     message = str(info.value)
-    assert "Ranks left lockstep" in message
-    assert kind in message and "sync contributors" in message
-    assert "rank 1 is at" in message  # the first rank that differs from rank 0
+    if sync_every is None:  # no collective at the run's start: debug's check at the sync point finds it
+        assert "Ranks left lockstep" in message
+        assert kind in message and "sync contributors" in message
+        assert "rank 1 is at" in message  # the first rank that differs from rank 0
+    else:  # the layout check at the run's start names it, with or without debug
+        assert f"the sync contributor {kind} is registered on rank(s) [0] but not on rank(s) [1, 2]" in message
 
 
 @pytest.mark.distributed
@@ -511,3 +514,53 @@ def test_recorded_events_are_all_fired_by_a_plain_run():
         "epoch_reasons": [],
         "interrupt_reasons": [],
     }
+
+
+class _Ragged:
+    """A contributor whose state is longer on rank 1: a collective of mismatched sizes."""
+
+    def sync_state(self) -> torch.Tensor:
+        return torch.zeros(2 + get_rank(), dtype=torch.float64)
+
+    def load_synced_state(self, state: torch.Tensor) -> None:
+        pass
+
+
+def _ragged_contributor() -> None:
+    engine = Engine(ones, sync_every=2)
+    engine.sync_point.register(_Ragged(), scope="every")
+    engine.run(range(4))
+
+
+def _contributor_on_rank_zero_only() -> None:
+    engine = Engine(ones, sync_every=2)
+    if get_rank() == 0:
+        engine.sync_point.register(_Ragged(), scope="every")
+    engine.run(range(4))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("worker", "expected"),
+    [
+        (_ragged_contributor, "returns states of different lengths on different ranks (rank 0: 2, rank 1: 3)"),
+        (_contributor_on_rank_zero_only, "is registered on rank(s) [0] but not on rank(s) [1]"),
+    ],
+)
+def test_a_sync_layout_that_differs_between_ranks_fails_at_the_start_naming_the_contributor(worker, expected):
+    """Without debug mode: not a hang until the collective timeout, nor a bare gloo abort."""
+    with pytest.raises(RankFailedError) as info:
+        run_distributed(worker, nproc=2, timeout=50)
+    assert "_Ragged" in str(info.value) and expected in str(info.value)
+
+
+def _stop_agreed_from_a_handler() -> None:
+    engine = Engine(ones)
+    engine.add_event_handler(Events.ITERATION_COMPLETED(once=2), lambda e: e.stop_agreed("alone"))
+    engine.run(range(4))
+
+
+def test_stop_agreed_outside_a_sync_point_is_refused_at_the_call() -> None:
+    with pytest.raises(RuntimeError, match=r"stop_agreed\('alone'\) was called outside a sync point"):
+        _stop_agreed_from_a_handler()

@@ -28,17 +28,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from ignite.engine import Engine as IgniteEngine
 from ignite.engine import Events, State
-from torch.utils.data import DataLoader, RandomSampler
 
-from unison.distributed.primitives import all_reduce_sum, get_rank, get_world_size, is_distributed
+from unison.distributed.primitives import get_rank, get_world_size, is_distributed
 from unison.distributed.samplers import set_sampler_epoch
 from unison.distributed.sync import SyncPoint
-from unison.engine.control import Kind, StopControl
+from unison.engine.checks import check_sharded, handler_name, is_empty, run_empty
+from unison.engine.control import StopControl
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
+from unison.engine.lockstep import agree_on_layout, check_lockstep, requests_settle_here
+from unison.engine.position import EpochTracker, partial_contributors, partial_sums, restore_partials
+from unison.engine.stopping import AgreedStops
 from unison.utils.errors import add_note, has_note
 from unison.utils.logging import get_logger
 
@@ -50,7 +51,7 @@ DEFAULT_SYNC_EVERY = 100
 _STATE_KEY = "unison"
 
 
-class Engine(IgniteEngine):
+class Engine(AgreedStops):
     """An ignite ``Engine`` that keeps every rank in step.
 
     It runs ignite's loop and fires ignite's events, so ignite's handlers and metrics
@@ -73,23 +74,8 @@ class Engine(IgniteEngine):
     - **Errors** raised in a handler or the step carry a note naming the handler, the
       event, the iteration and the rank.
 
-    The loop, as pseudocode (``*`` marks what unison adds)::
-
-        fire STARTED                   * ranks compare epoch lengths once (sync_every only)
-        while epoch < max_epochs and not terminated:
-            epoch += 1
-            * sampler.set_epoch(epoch - 1)
-            fire EPOCH_STARTED
-            for batch in data:         # GET_BATCH_STARTED / GET_BATCH_COMPLETED around next()
-                iteration += 1
-                fire ITERATION_STARTED
-                output = process_function(engine, batch)
-                fire ITERATION_COMPLETED
-                * every sync_every iterations: sync point (stop requests, guards)
-            * sync point: metrics, epoch loss, stop requests (one all-reduce)
-            fire EPOCH_COMPLETED
-            * unless this was the last epoch: sync point (requests made by those handlers)
-        fire COMPLETED
+    Where each event fires in the loop, and where unison's sync points and ``set_epoch``
+    come, is drawn as pseudocode in docs/concepts.md ("The loop").
 
     Args:
         process_function: ``fn(engine, batch) -> output``, as in ignite.
@@ -141,18 +127,14 @@ class Engine(IgniteEngine):
         self.sync_point = SyncPoint()
         self._control = StopControl(name)
         self._waiting_boundary = False
+        self._in_sync = False
         self._keep_requests = False
         self._iteration_syncs = False
         self._sync_due = False
         self._control_contributors = True
         self.epoch_length_given = False
         """Whether the last ``run`` was given ``epoch_length`` (else the data's length decides)."""
-        self._epoch_iteration = 0
-        self._resume_offset = 0
-        self._epoch_done = True
-        self._loaded_position: int | None = None
-        self._fresh_data_iter = False
-        self._pending_partials: list[list[float]] | None = None
+        self._epoch = EpochTracker()
         self._after_iteration: list[Callable[[Engine], None]] = []
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._control, scope="every")
@@ -167,74 +149,6 @@ class Engine(IgniteEngine):
         holding model, optimizer, scaler and last gradient norm)."""
         return self._process_function
 
-    # -- stopping (every path goes through engine/control.py) ---------------------------
-
-    def terminate(self, skip_completed: bool = False) -> None:
-        """Stops the run; with several ranks, all stop after the same iteration.
-
-        At world size 1 the run stops after the current event, as ignite's does. With more
-        ranks the call is a request: every rank stops at the first sync point at or after
-        it (see :meth:`request_stop`), whichever ranks made it. Either way a stop never
-        splits a gradient-accumulation window: it waits for the window's last micro-batch.
-        """
-        self._request("stop", "terminate() was called", skip_completed)
-
-    def terminate_epoch(self, skip_epoch_completed: bool = False) -> None:
-        """Ends the current epoch; with several ranks, all end it after the same iteration."""
-        if skip_epoch_completed and get_world_size() > 1:
-            raise ValueError(
-                "terminate_epoch(skip_epoch_completed=True) is not supported with several ranks: the "
-                "epoch's sync point runs at EPOCH_COMPLETED and every rank must reach it."
-            )
-        self._request("epoch", "terminate_epoch() was called", skip_epoch_completed)
-
-    def interrupt(self) -> None:
-        """Pauses the run after the current iteration; ``run()`` continues it (see ignite).
-
-        With several ranks every rank pauses after the same iteration, the first sync point
-        at or after the call.
-        """
-        if not self.interrupt_resume_enabled:
-            super().interrupt()  # ignite's error: interrupting is switched off
-        self._request("interrupt", "interrupt() was called")
-
-    def request_stop(self, reason: str = "requested", *, skip_completed: bool = False) -> None:
-        """Asks every rank to stop at the next sync point; call it from any rank, any handler.
-
-        Args:
-            reason: why, for rank 0's log.
-            skip_completed: do not fire ``COMPLETED`` after ``TERMINATE``.
-
-        Distributed:
-            Not a collective: one rank may call it alone. The stop itself is agreed at
-            the next sync point, where every rank learns who asked.
-        """
-        self._request("stop", reason, skip_completed)
-
-    def stop_agreed(self, reason: str) -> None:
-        """Stops every rank at the end of the current sync point, for a decision all ranks share.
-
-        For handlers that decide from state reduced at a sync point (inside
-        ``load_synced_state``): every rank sees the same sums, takes the same decision and
-        calls this, so no further agreement is needed. Anywhere else, use
-        :meth:`request_stop`.
-        """
-        self._control.agree(reason)
-
-    @property
-    def stop_requested(self) -> bool:
-        """Whether this rank has asked to stop and the ranks have not agreed yet."""
-        return self._control.requested
-
-    def _request(self, kind: Kind, reason: str, skip_completed: bool = False) -> None:
-        self._control.request(kind, reason, skip_completed)
-        if get_world_size() == 1:
-            # Nothing to agree on: decide now, and apply at once unless a window is open.
-            self._control.decide_alone()
-            self._waiting_boundary = not self.at_boundary()
-            if not self._waiting_boundary:
-                self._control.apply(self)
-
     # -- sync points ------------------------------------------------------------------
 
     def _on_started(self, _: IgniteEngine) -> None:
@@ -246,81 +160,34 @@ class Engine(IgniteEngine):
         self._waiting_boundary = False
         if self.state.iteration == 0:
             setattr(self.state, UPDATE_ATTR, 0)  # a fresh run (ignite keeps custom counters)
-        length = self.state.epoch_length
-        if self._loaded_position is not None:
+        loaded = self._epoch.start_run(self.state)
+        if loaded is not None:
             # The saved position, not iteration % epoch_length: an epoch cut short by
             # terminate_epoch() leaves the counters out of step with the epochs.
-            self._resume_offset = self._init_iter = self._loaded_position
-            self._loaded_position = None
-        else:
-            self._resume_offset = self.state.iteration % length if length else 0
+            self._init_iter = loaded
         # With one rank a stop request acts at once; sync points inside an epoch (and after
         # its handlers) only serve the other contributors (guards, time limits, votes).
         self._control_contributors = is_distributed() or any(
             c is not self._control for c in self.sync_point.contributors(epoch_end=False)
         )
         self._iteration_syncs = (
-            self.sync_every is not None and self._control_contributors and self._equal_epoch_lengths()
+            self.sync_every is not None and self._control_contributors and agree_on_layout(self)
         )
-
-    def _equal_epoch_lengths(self) -> bool:
-        """Collective when distributed: do all ranks run epochs of the same length?"""
-        if not is_distributed():
-            return True
-        world, rank = get_world_size(), get_rank()
-        lengths = [0.0] * world
-        lengths[rank] = float(self.state.epoch_length if self.state.epoch_length is not None else -1)
-        (gathered,) = all_reduce_sum([torch.tensor(lengths, dtype=torch.float64)])
-        values = {int(v) for v in gathered.tolist()}
-        if len(values) > 1:
-            _log.debug(
-                "%s: ranks run epochs of different lengths %s; sync points at epoch ends only.",
-                self.name,
-                [int(v) for v in gathered.tolist()],
-            )
-            return False
-        return True
 
     def _sync_epoch(self, _: IgniteEngine) -> None:
         self._sync(epoch_end=True)
-
-    def at_boundary(self) -> bool:
-        """Whether the step's state is whole here: no accumulation window is half done.
-
-        Asks the process function (``TrainStep.at_boundary``) when it can tell; any other
-        process function is always at a boundary. Sync points and checkpoints inside an
-        epoch wait for one.
-        """
-        check = getattr(self._process_function, "at_boundary", None)
-        return True if check is None else bool(check(self))
 
     def _sync(self, epoch_end: bool) -> None:
         """Collective: every rank runs it at the same event and iteration."""
         self._sync_due = False
         if self.debug and is_distributed():
-            self._check_lockstep(epoch_end)
-        self.sync_point(epoch_end=epoch_end)
+            check_lockstep(self, epoch_end)
+        self._in_sync = True
+        try:
+            self.sync_point(epoch_end=epoch_end)
+        finally:
+            self._in_sync = False
         self._control.apply(self)
-
-    def _check_lockstep(self, epoch_end: bool) -> None:
-        here = (
-            self.name,
-            str(self.last_event_name),
-            self.state.iteration,
-            [type(c).__name__ for c in self.sync_point.contributors(epoch_end)],
-        )
-        everyone: list[Any] = [None] * get_world_size()
-        dist.all_gather_object(everyone, here)
-        reference = everyone[0]
-        for rank, other in enumerate(everyone):
-            if other != reference:
-                raise RuntimeError(
-                    "Ranks left lockstep: at a sync point rank 0 is at "
-                    f"{_describe(reference)} but rank {rank} is at {_describe(other)}. A decision was taken "
-                    "on one rank alone (a handler attached on some ranks only, a terminate outside "
-                    "unison's Engine, a branch on the rank around a collective). Attach every handler "
-                    "on every rank and stop through engine.terminate() / request_stop()."
-                )
 
     def _is_last_epoch(self) -> bool:
         state = self.state
@@ -342,21 +209,19 @@ class Engine(IgniteEngine):
             )
         self.last_event_name = event_name
         if event_name is Events.ITERATION_STARTED:
-            self._epoch_iteration += 1
+            self._epoch.iteration += 1
         elif event_name is Events.EPOCH_STARTED:
-            self._epoch_iteration, self._resume_offset = self._resume_offset, 0
-            self._epoch_done = False
+            fresh = self._epoch.start_epoch()
             # Engine behaviour, before any handler: without it every epoch repeats one order.
             set_sampler_epoch(self.state.dataloader, self.state.epoch - 1)
-            if self._fresh_data_iter:
+            if fresh:
                 # ignite remade the data iterator when terminate_epoch() cut the last epoch,
                 # before this set_epoch: loader workers had already drawn the old order.
-                self._fresh_data_iter = False
                 self._setup_dataloader_iter()
         elif event_name is Events.EPOCH_COMPLETED:
-            self._epoch_done = True
+            self._epoch.done = True
         elif event_name is Events.TERMINATE_SINGLE_EPOCH:
-            self._epoch_done = self._fresh_data_iter = True
+            self._epoch.done = self._epoch.fresh_iterator = True
         for func, args, kwargs in self._event_handlers[event_name]:
             kwargs.update(event_kwargs)
             if args and isinstance(args[0], weakref.ref):
@@ -371,7 +236,7 @@ class Engine(IgniteEngine):
                 func(*first, *(event_args + others), **kwargs)
             except Exception as err:
                 if event_name is not Events.EXCEPTION_RAISED:  # a re-raise is not a new failure
-                    add_note(err, f"raised by handler {_handler_name(func)} at {self._where(event_name)}")
+                    add_note(err, f"raised by handler {handler_name(func)} at {self._where(event_name)}")
                 raise
         if event_name is Events.ITERATION_COMPLETED:
             if self._waiting_boundary and self.at_boundary():
@@ -386,10 +251,12 @@ class Engine(IgniteEngine):
                 try:
                     callback(self)
                 except Exception as err:
-                    add_note(err, f"raised by {_handler_name(callback)} after {self._where(event_name)}")
+                    add_note(err, f"raised by {handler_name(callback)} after {self._where(event_name)}")
                     raise
-        elif event_name is Events.EPOCH_STARTED and self._pending_partials is not None:
-            self._restore_partials()  # after the handlers, which reset the epoch's sums
+        elif event_name is Events.EPOCH_STARTED and self._epoch.pending_partials is not None:
+            pending, self._epoch.pending_partials = self._epoch.pending_partials, None
+            # After the handlers, which reset the epoch's sums.
+            restore_partials(partial_contributors(self.sync_point), pending, get_rank() == 0)
         elif (
             event_name is Events.EPOCH_COMPLETED
             and self._control_contributors
@@ -408,30 +275,10 @@ class Engine(IgniteEngine):
         if callback not in self._after_iteration:
             self._after_iteration.append(callback)
 
-    def _partial_contributors(self) -> list[Any]:
-        return [c for c in self.sync_point.contributors() if callable(getattr(c, "restore_partial", None))]
-
     def partial_sums(self) -> list[list[float]] | None:
         """This rank's sums so far of the epoch's additive contributors (the epoch's mean loss),
-        inside an epoch; None at an epoch boundary.
-
-        A checkpoint taken mid-epoch adds them up over the ranks and stores them with the
-        trainer state (``unison.partials``); the resumed epoch starts from those sums, so its
-        mean covers the whole epoch, as the uninterrupted run's does. A contributor takes
-        part by having ``restore_partial(values)``.
-        """
-        if self.epoch_position[1] == 0:
-            return None
-        return [[float(v) for v in c.sync_state().tolist()] for c in self._partial_contributors()]
-
-    def _restore_partials(self) -> None:
-        pending, self._pending_partials = self._pending_partials, None
-        contributors = self._partial_contributors()
-        if pending is None or len(pending) != len(contributors):
-            return
-        for contributor, values in zip(contributors, pending, strict=True):
-            # The sums are over all ranks: one rank carries them, the others start from zero.
-            contributor.restore_partial(values if get_rank() == 0 else [0.0] * len(values))
+        inside an epoch; None at an epoch boundary. See :func:`unison.engine.position.partial_sums`."""
+        return partial_sums(self.sync_point, self.epoch_position)
 
     @property
     def epoch_position(self) -> tuple[int, int]:
@@ -441,14 +288,8 @@ class Engine(IgniteEngine):
         by ``terminate_epoch()`` (that epoch counts as completed) and after a mid-epoch resume.
         Checkpoints save it; ``(e, 0)`` is an epoch boundary.
         """
-        state = self.state
-        if self._loaded_position is not None:  # loaded, not yet run
-            return state.epoch, self._loaded_position
-        length = state.epoch_length
-        cut = self.should_terminate_single_epoch  # terminate_epoch() applied: this epoch is over
-        if self._epoch_done or cut or state.epoch == 0 or (length is not None and self._epoch_iteration >= length):
-            return state.epoch, 0
-        return state.epoch - 1, self._epoch_iteration
+        # terminate_epoch() applied: the current epoch is over
+        return self._epoch.position(self.state, cut=bool(self.should_terminate_single_epoch))
 
     @property
     def epoch_iteration(self) -> int:
@@ -457,11 +298,10 @@ class Engine(IgniteEngine):
         Unlike ``state.iteration % epoch_length`` it stays right after an epoch was cut
         short by ``terminate_epoch()``, and after a mid-epoch resume.
         """
-        return self._epoch_iteration
+        return self._epoch.iteration
 
     def _epoch_ends_here(self) -> bool:
-        length = self.state.epoch_length
-        return length is not None and self._epoch_iteration >= length
+        return self._epoch.ends_here(self.state)
 
     def _where(self, event_name: Any) -> str:
         event = getattr(event_name, "name", str(event_name))
@@ -524,9 +364,9 @@ class Engine(IgniteEngine):
             )
             return self.state
         if data is not None:
-            _check_sharded(data)
-            if epoch_length is None and _is_empty(data) and max_iters is None:
-                return self._run_empty(data, max_epochs)
+            check_sharded(data)
+            if epoch_length is None and is_empty(data) and max_iters is None:
+                return run_empty(self, data, max_epochs)
         return super().run(data, max_epochs=max_epochs, max_iters=max_iters, epoch_length=epoch_length)
 
     def is_complete(self, max_epochs: int | None = None, max_iters: int | None = None) -> bool:
@@ -546,34 +386,13 @@ class Engine(IgniteEngine):
         completed, into = self.epoch_position  # an epoch cut by terminate_epoch() counts as completed
         return completed >= target and into == 0
 
-    def _run_empty(self, data: Iterable, max_epochs: int | None) -> State:
-        """Fires an epoch's events without iterations, for a rank that holds no samples."""
-        if max_epochs is not None and max_epochs < 1:
-            raise ValueError(f"Argument max_epochs should be greater than or equal to 1, got {max_epochs}.")
-        self.state = State()
-        self.state.dataloader = data
-        self.state.max_epochs = max_epochs or 1
-        self.state.epoch_length = 0
-        self.should_terminate = self.should_terminate_single_epoch = self.should_interrupt = False
-        self._init_timers(self.state)
-        try:
-            self._fire_event(Events.STARTED)
-            while self.state.epoch < self.state.max_epochs and not self.should_terminate:
-                self.state.epoch += 1
-                self._fire_event(Events.EPOCH_STARTED)
-                self._fire_event(Events.EPOCH_COMPLETED)
-            self._fire_event(Events.COMPLETED)
-        except BaseException as err:
-            self._handle_exception(err)
-        return self.state
-
     # -- state --------------------------------------------------------------------------
 
     def state_dict(self) -> OrderedDict:
         """ignite's engine state, plus the update count, the sync count and this rank's stop
         requests that no sync point will have settled before the next iteration."""
         state = super().state_dict()
-        stop = StopControl(self.name) if self._requests_settle_here() else self._control
+        stop = StopControl(self.name) if requests_settle_here(self) else self._control
         state[_STATE_KEY] = {
             "stop": stop.state_dict(),
             "syncs": self.sync_point.count,
@@ -593,65 +412,6 @@ class Engine(IgniteEngine):
                 self._control.load_state_dict(ours.get("stop", {}))
             self.sync_point.count = int(ours.get("syncs", 0))
             setattr(self.state, UPDATE_ATTR, int(ours.get(UPDATE_ATTR, 0)))
-            partials = ours.get("partials")
-            self._pending_partials = [list(map(float, v)) for v in partials] if partials else None
-            if "position" in ours:
-                completed, into = (int(v) for v in ours["position"])
-                self.state.epoch = completed
-                self._loaded_position = into
+            self._epoch.load(ours, self.state)
             self._keep_requests = True
         self._loaded = True
-
-    def _requests_settle_here(self) -> bool:
-        """Whether this rank's pending stop requests will be decided before the next iteration.
-
-        A checkpoint taken now must not hold them: the run it resumes would stop again for a
-        request the saved run already acted on. That is so everywhere but inside an epoch
-        between sync points, where a request waits for a sync point the saved run has not
-        reached.
-        """
-        if self.last_event_name is not Events.ITERATION_COMPLETED:
-            return True  # an epoch's end or the run's end: a sync point or the end comes first
-        if not self.at_boundary():
-            return False
-        if get_world_size() == 1:
-            return True  # applied at this boundary, right after this event's handlers
-        if self._epoch_ends_here():
-            return True
-        every = self.sync_every
-        due = self._sync_due or (every is not None and self.state.iteration % every == 0)
-        return self._iteration_syncs and due
-
-
-def _handler_name(func: Callable[..., Any]) -> str:
-    target = getattr(func, "_parent", None)
-    handler = target() if callable(target) else func
-    owner = getattr(handler, "__self__", None)
-    if owner is not None:
-        return f"{type(owner).__name__}.{getattr(handler, '__name__', '?')}"
-    return getattr(handler, "__qualname__", None) or type(handler).__name__
-
-
-def _describe(where: Any) -> str:
-    name, event, iteration, contributors = where
-    return f"{name} {event} iteration {iteration} with sync contributors {contributors}"
-
-
-def _is_empty(data: Iterable) -> bool:
-    try:
-        return len(data) == 0  # type: ignore[arg-type]  # probing: no __len__ raises TypeError, handled below
-    except TypeError:
-        return False
-
-
-def _check_sharded(data: Iterable) -> None:
-    if not isinstance(data, DataLoader) or get_world_size() == 1:
-        return
-    samplers = (data.sampler, getattr(data.batch_sampler, "sampler", None))
-    if any(isinstance(sampler, RandomSampler) for sampler in samplers):
-        raise ValueError(
-            f"The DataLoader given to Engine.run uses a RandomSampler while {get_world_size()} ranks run: "
-            "each rank would shuffle the whole dataset on its own, so ranks would train on overlapping "
-            "samples. Build the loader with unison.distributed.prepare_loaders(...), or pass "
-            "sampler=unison.distributed.TrainSampler(dataset) instead of shuffle=True."
-        )

@@ -1,0 +1,69 @@
+"""Helpers of the Engine's run: checks on the data it is given, the epoch events of a rank
+without data, and the names its errors use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from ignite.engine import Events, State
+from torch.utils.data import DataLoader, RandomSampler
+
+from unison.distributed.primitives import get_world_size
+
+if TYPE_CHECKING:
+    from unison.engine.engine import Engine
+
+
+def handler_name(func: Callable[..., Any]) -> str:
+    """A readable name for a handler in an error note: ``Class.method`` or the function's."""
+    target = getattr(func, "_parent", None)
+    handler = target() if callable(target) else func
+    owner = getattr(handler, "__self__", None)
+    if owner is not None:
+        return f"{type(owner).__name__}.{getattr(handler, '__name__', '?')}"
+    return getattr(handler, "__qualname__", None) or type(handler).__name__
+
+
+def is_empty(data: Iterable) -> bool:
+    """Whether ``data`` has a length of 0 (data without a length is not empty)."""
+    try:
+        return len(data) == 0  # type: ignore[arg-type]  # probing: no __len__ raises TypeError, handled below
+    except TypeError:
+        return False
+
+
+def check_sharded(data: Iterable) -> None:
+    """Refuses, with more than one rank, a DataLoader that shuffles the whole dataset on each rank."""
+    if not isinstance(data, DataLoader) or get_world_size() == 1:
+        return
+    samplers = (data.sampler, getattr(data.batch_sampler, "sampler", None))
+    if any(isinstance(sampler, RandomSampler) for sampler in samplers):
+        raise ValueError(
+            f"The DataLoader given to Engine.run uses a RandomSampler while {get_world_size()} ranks run: "
+            "each rank would shuffle the whole dataset on its own, so ranks would train on overlapping "
+            "samples. Build the loader with unison.distributed.prepare_loaders(...), or pass "
+            "sampler=unison.distributed.TrainSampler(dataset) instead of shuffle=True."
+        )
+
+
+def run_empty(engine: Engine, data: Iterable, max_epochs: int | None) -> State:
+    """Fires an epoch's events without iterations, for a rank that holds no samples."""
+    if max_epochs is not None and max_epochs < 1:
+        raise ValueError(f"Argument max_epochs should be greater than or equal to 1, got {max_epochs}.")
+    engine.state = State()
+    engine.state.dataloader = data
+    engine.state.max_epochs = max_epochs or 1
+    engine.state.epoch_length = 0
+    engine.should_terminate = engine.should_terminate_single_epoch = engine.should_interrupt = False
+    engine._init_timers(engine.state)
+    try:
+        engine._fire_event(Events.STARTED)
+        while engine.state.epoch < engine.state.max_epochs and not engine.should_terminate:
+            engine.state.epoch += 1
+            engine._fire_event(Events.EPOCH_STARTED)
+            engine._fire_event(Events.EPOCH_COMPLETED)
+        engine._fire_event(Events.COMPLETED)
+    except BaseException as err:
+        engine._handle_exception(err)
+    return engine.state
