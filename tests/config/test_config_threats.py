@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import unison
+import unison.cli.preflight
 import unison.cli.resolve
 from unison.config import ConfigError, apply_overrides, load_config, load_yaml
 
@@ -116,7 +117,7 @@ def test_a_module_beside_the_config_is_named_without_imports_and_its_function_ch
     with pytest.raises(ConfigError, match="returned a str"):
         resolved.model_type()
     with pytest.raises(ConfigError, match=r"c.yaml:2: model.type: .*returned a str"):
-        unison.cli.resolve.preflight(load_config(path), resolved)
+        unison.cli.preflight.preflight(load_config(path), resolved)
 
 
 # -- 4. YAML bombs: refused, naming the file, in well under a second --------------------------
@@ -206,7 +207,7 @@ def test_preflight_builds_nothing_real_and_calls_no_data_builder(tmp_path):
         code.read_text().replace("def build(seed, n=8):", "def build(seed, n=8):\n    raise SystemExit(3)")
     )
     config = load_config(path)
-    unison.cli.resolve.preflight(config, unison.cli.resolve.resolve(config))
+    unison.cli.preflight.preflight(config, unison.cli.resolve.resolve(config))
     assert not (tmp_path / "runs").exists()
 
 

@@ -275,13 +275,13 @@ def test_run_distributed_timeout_is_the_process_group_timeout():
     ],
 )
 def test_only_a_lost_connection_counts_as_a_peers_failure(message: str, peer: bool) -> None:
-    from unison.distributed.launcher import _is_peer_failure
+    from unison.distributed.rank_setup import _is_peer_failure
 
     assert _is_peer_failure(RuntimeError(message)) is peer
 
 
 def test_when_every_rank_hits_a_backend_error_of_its_own_the_first_ones_traceback_is_reported(tmp_path) -> None:
-    from unison.distributed.launcher import _root_cause
+    from unison.distributed.spawn import _root_cause
 
     (tmp_path / "error-rank-1.txt").write_text("2.0\nTraceback: rank 1 ProcessGroupGloo size mismatch")
     (tmp_path / "error-rank-0.txt").write_text("1.0\nTraceback: rank 0 ProcessGroupGloo size mismatch")
@@ -397,7 +397,7 @@ def test_nproc_inside_an_sbatch_script_ignores_slurms_placement(monkeypatch):
             records.append(record.getMessage())
 
     handler = Collect(level=logging.INFO)
-    logger = logging.getLogger("unison.distributed.launcher")
+    logger = logging.getLogger("unison.distributed.spawn")
     logger.addHandler(handler)
     try:
         # spawn: each rank starts from this process's environment as it is now

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from unison.cli.changes import check_resume, record
-from unison.cli.resolve import Resolved, make_metrics, preflight, resolve
+from unison.cli.preflight import preflight
+from unison.cli.resolve import Resolved, make_metrics, resolve
 from unison.cli.steps import RunParts, build_run
 from unison.config import Config, dump_config, load_config
 from unison.distributed import (

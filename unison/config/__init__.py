@@ -12,8 +12,10 @@ import yaml
 from unison.config.errors import ConfigError
 from unison.config.loader import PyObjectRef, RawConfig, UnisonLoader, load_yaml
 from unison.config.overrides import apply_overrides
+from unison.config.reference import schema_reference
 from unison.config.resolve import ALLOWED_PREFIXES, DENIED_PREFIXES, resolve_ref, resolve_tree
-from unison.config.schema import Config, schema_reference, validate
+from unison.config.schema import Config
+from unison.config.validation import validate
 
 __all__ = [
     "ALLOWED_PREFIXES",

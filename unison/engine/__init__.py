@@ -4,8 +4,9 @@ from ignite.engine import Events, State
 
 from unison.distributed.sync import SyncContributor, SyncPoint
 from unison.engine.engine import Engine
+from unison.engine.evaluation import EvalStep, create_evaluator
 from unison.engine.events import UpdateEvents
-from unison.engine.steps import EvalStep, TrainStep, create_evaluator, create_trainer, prepare_batch
+from unison.engine.steps import TrainStep, create_trainer, prepare_batch
 
 __all__ = [
     "Engine",

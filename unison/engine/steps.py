@@ -8,20 +8,16 @@ from typing import Any, Literal
 import torch
 from ignite.engine import Engine as IgniteEngine
 from ignite.engine import Events
-from ignite.metrics import EpochMetric, Metric
 from ignite.utils import convert_tensor
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from unison.distributed.model import model_device, unwrap_model
-from unison.distributed.primitives import broadcast_buffers, get_rank
+from unison.distributed.model import model_device
+from unison.distributed.primitives import get_rank
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
-from unison.metrics.base import SumMetric
 from unison.metrics.epoch_average import EpochAverage
-from unison.metrics.gathered import exact_epoch_metric
-from unison.metrics.group import MetricGroup
 from unison.utils.seed import fork_rank_streams
 
 AmpMode = Literal["bf16", "fp16"]
@@ -59,7 +55,7 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
     )
 
 
-def _check_device(model: nn.Module, device: torch.device | str | None, fn: str) -> torch.device:
+def check_device(model: nn.Module, device: torch.device | str | None, fn: str) -> torch.device:
     actual = model_device(model)
     if device is None:
         return actual
@@ -75,7 +71,7 @@ def _check_device(model: nn.Module, device: torch.device | str | None, fn: str) 
     return wanted
 
 
-def _check_amp(amp: str | None, fn: str) -> torch.dtype | None:
+def check_amp(amp: str | None, fn: str) -> torch.dtype | None:
     if amp is None or amp == "none":
         return None
     if amp not in _AMP_DTYPES:
@@ -290,8 +286,8 @@ def create_trainer(
         raise ValueError(
             f"create_trainer(clip_grad_norm={clip_grad_norm!r}) must be a positive number or None."
         )
-    resolved = _check_device(model, device, "create_trainer")
-    amp_dtype = _check_amp(amp, "create_trainer")
+    resolved = check_device(model, device, "create_trainer")
+    amp_dtype = check_amp(amp, "create_trainer")
     if scaler is not None and amp != "fp16":
         raise ValueError(
             f"create_trainer(scaler=...) was given with amp={amp!r}; a GradScaler is only for amp='fp16' "
@@ -339,124 +335,3 @@ def create_trainer(
     if track_loss:
         EpochAverage(name="loss").attach(trainer)
     return trainer
-
-
-class EvalStep:
-    """One evaluation iteration: a forward pass without gradients, returning ``(y_pred, y)``.
-
-    It runs the module inside any DDP wrapper: DDP's forward may issue collectives, and
-    ranks of an unpadded evaluation run different numbers of batches.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        device: torch.device,
-        amp_dtype: torch.dtype | None,
-        prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]],
-        non_blocking: bool,
-    ) -> None:
-        self.model = unwrap_model(model)
-        self.device = device
-        self.amp_dtype = amp_dtype
-        self.prepare_batch = prepare_batch
-        self.non_blocking = non_blocking
-
-    def __call__(self, engine: IgniteEngine, batch: Any) -> tuple[Any, Any]:
-        x, y = self.prepare_batch(batch, self.device, self.non_blocking)
-        with torch.no_grad():
-            if self.amp_dtype is not None:
-                with torch.autocast(self.device.type, dtype=self.amp_dtype):
-                    y_pred = self.model(x)
-            else:
-                y_pred = self.model(x)
-        return y_pred, y
-
-
-def create_evaluator(
-    model: nn.Module,
-    metrics: Mapping[str, Metric] | None = None,
-    *,
-    device: torch.device | str | None = None,
-    amp: AmpMode | None = None,
-    prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]] = prepare_batch,
-    non_blocking: bool = True,
-) -> Engine:
-    """Builds an evaluation :class:`~unison.engine.Engine` that computes ``metrics``.
-
-    unison's metrics (:mod:`unison.metrics`) are reduced across ranks together, in one
-    all-reduce at the end of the run, and are exact at any world size when the data is
-    sharded without padding (:class:`~unison.distributed.EvalSampler`). Any ignite metric
-    may be passed too; it syncs itself, as in ignite, except ignite's epoch metrics
-    (``ROC_AUC``, ``AveragePrecision``, ...), whose fixed-size gather would crash on uneven
-    shards: they gather exactly (:func:`~unison.metrics.exact_epoch_metric`). Results are in
-    ``evaluator.state.metrics``. The model is switched to eval mode for the run and back
-    to its previous mode afterwards. Every rank evaluates with rank 0's buffers (BatchNorm's
-    running statistics, broadcast at the start of the run: under DDP they drift apart per
-    rank), so the result is that of the model rank 0 saves.
-
-    Args:
-        model: the model (plain or DDP; the forward pass runs on the module inside).
-        metrics: name -> metric.
-        device: where batches go; default, the model's device. Given, it must match it.
-        amp: ``"bf16"`` or ``"fp16"`` autocast, or None.
-        prepare_batch: ``fn(batch, device, non_blocking) -> (x, y)``.
-        non_blocking: copy batches to the device asynchronously.
-
-    Example:
-        >>> import torch
-        >>> from unison.engine import create_evaluator
-        >>> from unison.metrics import MeanSquaredError
-        >>> model = torch.nn.Linear(2, 1)
-        >>> evaluator = create_evaluator(model, {"mse": MeanSquaredError()})
-        >>> data = [(torch.ones(4, 2), torch.zeros(4, 1))]
-        >>> "mse" in evaluator.run(data).metrics
-        True
-
-    Distributed:
-        Build it and run it on every rank; each rank evaluates its own shard.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"create_evaluator(model=...) needs an nn.Module, got {type(model).__name__}.")
-    metrics = dict(metrics or {})
-    for name, metric in metrics.items():
-        if not isinstance(metric, Metric):
-            raise TypeError(
-                f"create_evaluator(metrics={{{name!r}: ...}}) needs an ignite or unison Metric, "
-                f"got {type(metric).__name__}."
-            )
-    resolved = _check_device(model, device, "create_evaluator")
-    amp_dtype = _check_amp(amp, "create_evaluator")
-    step = EvalStep(
-        model, device=resolved, amp_dtype=amp_dtype, prepare_batch=prepare_batch, non_blocking=non_blocking
-    )
-    # Evaluation shards differ in length by design: sync at the run's end only.
-    evaluator = Engine(step, sync_every=None, name="evaluator")
-
-    modes: list[bool] = []
-
-    def _eval_mode(_: Engine) -> None:
-        # Ranks' running statistics drift apart under DDP: evaluate the model rank 0 saves.
-        broadcast_buffers(unwrap_model(step.model))
-        modes.append(step.model.training)
-        step.model.eval()
-
-    def _restore_mode(_: Engine) -> None:
-        if modes:
-            step.model.train(modes.pop())
-
-    evaluator.add_event_handler(Events.STARTED, _eval_mode)
-    evaluator.add_event_handler(Events.COMPLETED, _restore_mode)
-    evaluator.add_event_handler(Events.TERMINATE, _restore_mode)
-    evaluator.add_failure_callback(lambda: _restore_mode(evaluator))
-
-    ours = {name: m for name, m in metrics.items() if isinstance(m, SumMetric)}
-    if ours:
-        MetricGroup(ours).attach(evaluator)
-    for name, metric in metrics.items():
-        if name not in ours:
-            if isinstance(metric, EpochMetric):
-                exact_epoch_metric(metric)  # ignite's gather crashes on uneven shards
-            metric.attach(evaluator, name)
-    return evaluator

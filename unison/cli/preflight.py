@@ -1,0 +1,157 @@
+"""Checking the run in the launching process, before any rank is spawned.
+
+:func:`preflight` takes what :func:`~unison.cli.resolve.resolve` imported and builds what
+it can without memory or data: the model on the ``meta`` device, its optimizer and
+scheduler, the validation metrics; and checks ``training.device`` against this machine
+and that the output folder can be written.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from unison.cli.references import _References
+from unison.cli.resolve import Resolved
+from unison.config import Config, ConfigError
+from unison.config.usercode import describe
+from unison.metrics import Loss
+from unison.utils import get_logger
+
+_log = get_logger("unison.cli.preflight")
+
+
+def preflight(config: Config, resolved: Resolved) -> None:
+    """Checks, in the launching process, what would otherwise fail only once ranks run.
+
+    Checks ``training.device`` against this machine and that the output folder
+    (``training.path`` or ``logging.root``) can be written; builds the model on the
+    ``meta`` device (no memory, no data), the optimizer on its parameters and the
+    scheduler on that optimizer, and the validation metrics. The data builder is not
+    called (it may be expensive): :func:`~unison.cli.resolve.resolve` checked its signature.
+
+    Raises:
+        ConfigError: naming the file, line and key of the first problem.
+    """
+    refs = _References.of(config)
+    _check_device(config, refs)
+    _check_output_root(config, refs)
+    model = _meta_model(resolved, refs)
+    if model is not None:
+        _meta_optimizer(config, resolved, model, refs)
+    for name, (cls, kwargs) in resolved.metrics.items():
+        if issubclass(cls, Loss) and "loss_fn" not in kwargs:
+            kwargs = {"loss_fn": resolved.loss, **kwargs}
+        try:
+            cls(**kwargs)
+        except Exception as err:
+            raise refs.error(
+                f"validation.metrics.{name}", f"building {describe(cls)} raised {type(err).__name__}: {err}"
+            ) from err
+
+
+def _check_device(config: Config, refs: _References) -> None:
+    """``training.device``: a device this machine has (each rank still takes its own)."""
+    text = config.training.device
+    if text is None:
+        return
+    key = "training.device"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as err:
+        raise refs.error(
+            key, f"{text!r} is not a device ({err}); use 'cpu' or 'cuda', or leave it out"
+        ) from None
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    available = bool(getattr(backend, "is_available", lambda: False)())
+    if not available:
+        raise refs.error(
+            key,
+            f"{text!r} asks for {device.type}, which this machine does not have; leave training.device out "
+            "(each rank takes its own device) or set it to 'cpu'",
+        )
+    count = int(getattr(backend, "device_count", lambda: 0)())
+    if device.index is not None and device.index >= count:
+        raise refs.error(
+            key,
+            f"{text!r}: this machine has {count} {device.type} device(s) (0..{count - 1}); leave "
+            "training.device out (each rank takes its own device)",
+        )
+
+
+def _check_output_root(config: Config, refs: _References) -> None:
+    """The run folder ``<root>/<name>`` can be made: its nearest existing parent is a writable folder."""
+    key = "training.path" if config.training.path else "logging.root"
+    root = Path(config.training.path or config.logging.root)
+    probe = root / config.name
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise refs.error(key, f"{probe} is a file, not a folder: runs cannot be written under {root}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise refs.error(key, f"{probe} is not writable here: runs cannot be written under {root}")
+
+
+def _meta_only(err: BaseException) -> bool:
+    """Whether ``err`` comes from the meta device itself (a real device would not raise it)."""
+    return isinstance(err, NotImplementedError) or "meta" in str(err).lower()
+
+
+def _meta_model(resolved: Resolved, refs: _References) -> nn.Module | None:
+    """The model built on the ``meta`` device; None when it cannot be built there."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return resolved.model_type(**resolved.model_kwargs)
+    except ConfigError:
+        raise
+    except Exception as err:
+        if _meta_only(err):
+            _log.debug("the model cannot be built on the meta device (%s); not checked before spawn", err)
+            return None
+        raise refs.error(
+            "model.kwargs" if resolved.model_kwargs else "model.type",
+            f"building the model ({describe(resolved.model_type)}) raised {type(err).__name__}: {err}",
+        ) from err
+
+
+def _meta_optimizer(config: Config, resolved: Resolved, model: nn.Module, refs: _References) -> None:
+    """The optimizer on the meta model's parameters, and the scheduler on that optimizer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise refs.error(
+            "model.type", f"{describe(resolved.model_type)} built a model with no trainable parameters"
+        )
+    kwargs = dict(resolved.optimizer_kwargs)
+    if config.training.lr is not None:
+        kwargs["lr"] = config.training.lr
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer = resolved.optimizer_type(params, **kwargs)
+    except Exception as err:
+        if _meta_only(err) or {"fused", "foreach", "capturable"} & set(kwargs):
+            return
+        raise refs.error(
+            "training.optimizer_kwargs" if kwargs else "training.optimizer_type",
+            f"building {describe(resolved.optimizer_type)} raised {type(err).__name__}: {err}",
+        ) from err
+    if resolved.scheduler_type is None:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resolved.scheduler_type(optimizer, **resolved.scheduler_kwargs)
+    except Exception as err:
+        if _meta_only(err):
+            return
+        raise refs.error(
+            "training.scheduler_kwargs" if resolved.scheduler_kwargs else "training.scheduler_type",
+            f"building {describe(resolved.scheduler_type)} raised {type(err).__name__}: {err}",
+        ) from err

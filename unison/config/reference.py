@@ -1,0 +1,131 @@
+"""The configuration reference (``docs/configuration.md``), generated from the schema."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from unison.config.loader import PyObjectRef
+from unison.config.resolve import SLOTS
+from unison.config.schema import Config, _hints, _is_section, _type_name
+
+
+def schema_reference() -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, doc) for every key: the configuration reference."""
+    rows: list[tuple[str, str, str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            key = f"{prefix}{f.name}"
+            if _is_section(tp):
+                walk(tp, key + ".")
+                continue
+            factory: Any = f.default_factory
+            default = factory() if factory is not dataclasses.MISSING else f.default
+            doc = f.metadata.get("doc", "")
+            if f.metadata.get("alias"):
+                doc += f" (also read as `{f.metadata['alias']}`)"
+            rows.append(
+                (
+                    key,
+                    _type_name(tp),
+                    repr(default) if not isinstance(default, PyObjectRef) else str(default),
+                    doc,
+                )
+            )
+
+    walk(Config, "")
+    return rows
+
+
+def reference_markdown() -> str:
+    """The configuration reference page (``docs/configuration.md``), generated from the schema."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Every key a run config may set, its type and its default. Sections and keys left out",
+        "take their defaults; `model.type` and `data.build` are required. `!pyobject dotted.path`",
+        "names a class or function for a key that takes one (see below). Override any key from",
+        "the command line with `--set section.key=value` (the value is read as YAML).",
+        "",
+        "This page is generated from `unison/config/schema.py`; a test keeps them equal.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for key, type_name, default, doc in schema_reference():
+        cell = type_name.replace("|", "\\|")
+        lines.append(f"| `{key}` | {cell} | `{default}` | {doc} |")
+    lines += [
+        "",
+        "## What a config can and cannot do",
+        "",
+        "Configs travel: copied from papers, colleagues and issue threads. Reading a config and",
+        "resolving it imports modules and looks objects up, but calls nothing except the objects",
+        "the keys below accept, and nothing a config names can write files, run commands or",
+        "import arbitrary modules.",
+        "",
+        "- **YAML is data.** The loader is PyYAML's safe loader plus `!pyobject`, which only makes",
+        "  an inert reference; Python tags (`!!python/object/apply` ...) are refused. A document",
+        "  over 1 MiB, nested deeper than 64 levels, or expanding to more than 100000 values",
+        "  through its aliases (an alias bomb, a recursive alias) is refused before it is built. A",
+        "  key or section given twice is refused, naming both lines.",
+        "- **Which modules a `!pyobject` may come from.** torch, ignite and unison (always the",
+        "  installed ones); modules beside the config file; and your own modules named under",
+        "  `imports:`. Nothing else, and never private names (`_x`), `os`, `subprocess`,",
+        "  `builtins`, `torch.hub`, `torch.load` and the like.",
+        "- **What `imports:` trusts.** Your own code: a module beside the config, or one installed",
+        "  or on `sys.path` that is not in Python's standard library, not torch, ignite or unison,",
+        "  not a library unison depends on, and not a data loader (`numpy`, `joblib`, `pandas`,",
+        "  `yaml` ...). An entry naming one of those is refused. Functions of these modules may",
+        "  fill the keys that take your functions; nothing else of theirs can.",
+        "- **Modules beside the config** are imported by file path under a private package name,",
+        "  the same in every rank; the config's folder is never put on `sys.path`, so a `tqdm.py`",
+        "  or `torch.py` there cannot replace the installed package. Modules there import each",
+        "  other relatively (`from . import helpers`).",
+        "- **Every key that takes a `!pyobject` says what it accepts**, and the object is checked",
+        "  before anything is called:",
+        "",
+        "| key | accepts |",
+        "|---|---|",
+    ]
+    for key, slot in _slot_keys():
+        lines.append(f"| `{key}` | {SLOTS[slot].accepts} |")
+    lines += [
+        "| `validation.metrics.<name>` (or its `type`) | " + SLOTS["metric"].accepts + " |",
+        "| any `!pyobject` inside `kwargs` | " + SLOTS["value"].accepts + " |",
+        "",
+        "Anything else is refused with the file, the line, the key, what was found (for example",
+        "`function torch.utils.collect_env.run`) and what the key accepts.",
+        "",
+        "- **Checked before any rank starts:** every `kwargs` mapping against the signature it",
+        "  will be called with (unknown or missing arguments, with the nearest name), the model",
+        "  built on the `meta` device with its optimizer and scheduler, the metrics built,",
+        "  `training.device` against this machine, and the output folder (it must be writable).",
+        "  `data.build` is not called before spawn: its signature is checked.",
+        "- **The run's `name`** is one folder name: `/`, `\\`, `..` and `~` are refused, so a run",
+        "  stays inside `logging.root`.",
+        "- **Which checkpoint is best:** when `checkpoint.mode` is left out, a loss-like watched",
+        "  metric (`loss`, `*_loss`, `mse`, `mae`, `perplexity` ...; `loss` is watched when",
+        "  `validation.metrics` is empty) is minimised, others maximised. A mode that contradicts",
+        "  the metric's name (`mode: max` on a loss, `mode: min` on an accuracy) is refused.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _slot_keys() -> list[tuple[str, str]]:
+    """(key path, slot) of every schema key that takes a ``!pyobject``."""
+    found: list[tuple[str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            if _is_section(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+            elif f.metadata.get("slot"):
+                found.append((f"{prefix}{f.name}", f.metadata["slot"]))
+
+    walk(Config, "")
+    return found

@@ -1,0 +1,281 @@
+"""Validation of a raw config into a :class:`~unison.config.schema.Config`.
+
+Every key is checked against the schema's types (an unknown key gets the nearest valid
+one), values against their ranges, the run's name as one folder name, and the best
+checkpoint's mode against the watched metric's name; every error names the file, the
+line and the key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from typing import Any, Literal, Union
+
+from unison.config.errors import ConfigError
+from unison.config.loader import KeyPath, RawConfig
+from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    return isinstance(value, tp)
+
+
+def _takes_float(tp: Any) -> bool:
+    if tp is float:
+        return True
+    return (
+        typing.get_origin(tp) in (Union, types.UnionType)
+        and float in typing.get_args(tp)
+        and int not in typing.get_args(tp)
+    )
+
+
+def _section_error(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
+    return ConfigError(message, file=raw.file_of(path), line=raw.line_of(path), key=path)
+
+
+def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _section_error(
+            raw, path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    aliases = {f.metadata["alias"]: f.name for f in fields.values() if f.metadata.get("alias")}
+    hints = _hints(cls)
+    values: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for key, value in data.items():
+        key = str(key)
+        name = aliases.get(key, key)
+        if name not in fields:
+            choices = list(fields) + list(aliases)
+            near = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            where = ".".join(path) or "the top level"
+            raise _section_error(
+                raw,
+                path + (key,),
+                f"unknown key {key!r} in {where}. Valid keys: {', '.join(sorted(fields))}.{hint}",
+            )
+        if name in values:
+            earlier = given_as[name]
+            if path + (earlier,) in raw.overrides:
+                continue  # the command line's --set wins over the file
+            if path + (key,) not in raw.overrides:
+                raise _section_error(
+                    raw,
+                    path + (key,),
+                    f"the key is set twice, as {earlier!r} and as {key!r}; keep one of them",
+                )
+        given_as[name] = key
+        tp = hints[name]
+        if _is_section(tp):
+            values[name] = _build(tp, value, raw, path + (key,))
+            continue
+        if not _matches(value, tp):
+            raise _section_error(
+                raw,
+                path + (key,),
+                f"expected {_type_name(tp)}, got {type(value).__name__}: {value!r}",
+            )
+        if isinstance(value, int) and not isinstance(value, bool) and _takes_float(tp):
+            value = float(value)
+        values[name] = value
+    for name in fields:
+        if name not in values and _is_section(hints[name]):
+            values[name] = hints[name]()
+    return cls(**values)
+
+
+def validate(raw: RawConfig) -> Config:
+    """Checks a config read by :func:`~unison.config.load_yaml` against the schema.
+
+    Raises:
+        ConfigError: naming the file, the line, the key path and the expected type; for
+            an unknown key, the nearest valid one.
+    """
+    config = _build(Config, raw.data, raw, ())
+    for path in REQUIRED:
+        section = getattr(config, path[0])
+        if getattr(section, path[1]) is None:
+            raise ConfigError(
+                f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)",
+                file=raw.file_of(path),
+                line=raw.line_of(path),
+                key=path,
+            )
+    _check_values(config, raw)
+    _check_name(config, raw)
+    _check_modes(config, raw)
+    return config
+
+
+def _check_name(config: Config, raw: RawConfig) -> None:
+    """``name`` is one folder name: the run directory stays inside ``logging.root``."""
+    name = config.name
+    bad = not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
+    if bad:
+        path = ("name",)
+        raise ConfigError(
+            f"{name!r} is not a folder name: the run directory is <logging.root>/<name>/, so a name with "
+            "'/', '\\', '..' or '~' (or an empty one) would write outside logging.root; use a name like "
+            "'digits-small'",
+            file=raw.file_of(path),
+            line=raw.line_of(path),
+            key=path,
+        )
+
+
+_LOWER_IS_BETTER = frozenset(
+    "loss mse mae rmse msle nll perplexity ppl error err cer wer mape smape kl kld bce xent".split()
+)
+_HIGHER_IS_BETTER = frozenset(
+    "accuracy acc f1 precision recall auc auroc roc r2 iou miou dice bleu rouge".split()
+)
+
+
+def metric_direction(name: str) -> Literal["max", "min"] | None:
+    """``"min"`` for a loss-like metric name (``loss``, ``val_loss``, ``mse`` ...), ``"max"`` for an
+    accuracy-like one (``accuracy``, ``f1`` ...), None when the name does not say."""
+    lowered = name.lower()
+    words = {w for w in re.split(r"[^a-z0-9]+", lowered) if w}
+    if words & _LOWER_IS_BETTER or lowered.endswith("loss"):
+        return "min"
+    if words & _HIGHER_IS_BETTER:
+        return "max"
+    return None
+
+
+def _explicit(raw: RawConfig, section: str, key: str) -> bool:
+    data = raw.data.get(section)
+    return isinstance(data, dict) and key in data
+
+
+def _check_modes(config: Config, raw: RawConfig) -> None:
+    """Fills ``checkpoint.mode`` from the watched metric's name when left out, and refuses a mode
+    that contradicts the name (``mode: max`` on a loss keeps the worst checkpoint)."""
+    names = [str(k) for k in config.validation.metrics] or ["loss"]
+    watched = config.checkpoint.metric or names[0]
+    es = config.early_stopping
+    es_watched = es.metric or watched
+    for section, metric, explicit in (
+        ("checkpoint", watched, _explicit(raw, "checkpoint", "mode")),
+        ("early_stopping", es_watched, es.mode is not None),
+    ):
+        direction = metric_direction(metric)
+        holder = config.checkpoint if section == "checkpoint" else es
+        if not explicit:
+            if section == "checkpoint":
+                config.checkpoint.mode = direction or "max"
+            elif es.metric is not None and es.metric != watched:
+                es.mode = direction or "max"
+            continue
+        if direction is not None and holder.mode != direction:
+            path = (section, "mode")
+            better = "lower" if direction == "min" else "higher"
+            raise ConfigError(
+                f"mode {holder.mode!r} contradicts the watched metric {metric!r}, for which {better} is better: "
+                f"'best' would keep the worst model. Set `mode: {direction}` (or leave mode out)",
+                file=raw.file_of(path),
+                line=raw.line_of(path),
+                key=path,
+            )
+
+
+def _check_values(config: Config, raw: RawConfig) -> None:
+    positive = [
+        (("training", "max_epochs"), config.training.max_epochs),
+        (("training", "batch_size"), config.training.batch_size),
+        (("training", "accumulation_steps"), config.training.accumulation_steps),
+        (("training", "epoch_length"), config.training.epoch_length),
+        (("training", "sync_every"), config.training.sync_every),
+        (("training", "checkpoint_at"), config.training.checkpoint_at),
+        (("parallel", "nproc_per_node"), config.parallel.nproc_per_node),
+        (("parallel", "timeout"), config.parallel.timeout),
+        (("validation", "every"), config.validation.every),
+        (("validation", "batch_size"), config.validation.batch_size),
+        (("checkpoint", "every_epochs"), config.checkpoint.every_epochs),
+        (("checkpoint", "every_iters"), config.checkpoint.every_iters),
+        (("checkpoint", "keep_last"), config.checkpoint.keep_last),
+        (("early_stopping", "patience"), config.early_stopping.patience),
+        (("logging", "log_every"), config.logging.log_every),
+        (("training", "time_limit"), config.training.time_limit),
+        (("training", "hang_timeout"), config.training.hang_timeout),
+        (("training", "clip_grad_norm"), config.training.clip_grad_norm),
+        (("training", "lr"), config.training.lr),
+    ]
+    for path, value in positive:
+        if value is not None and value <= 0:
+            raise ConfigError(
+                f"must be > 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path
+            )
+    for path, value in (
+        (("training", "num_workers"), config.training.num_workers),
+        (("checkpoint", "keep_best"), config.checkpoint.keep_best),
+    ):
+        if value < 0:
+            raise ConfigError(
+                f"must be >= 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path
+            )
+    port = config.parallel.master_port
+    if isinstance(port, str):
+        if not port.strip().isdigit():
+            path = ("parallel", "master_port")
+            raise ConfigError(
+                f"expected a port number, got {port!r}",
+                file=raw.file_of(path),
+                line=raw.line_of(path),
+                key=path,
+            )
+        config.parallel.master_port = port = int(port)
+    if port is not None and not 0 < port < 65536:
+        path = ("parallel", "master_port")
+        raise ConfigError(
+            f"expected a port in 1..65535, got {config.parallel.master_port}",
+            file=raw.file_of(path),
+            line=raw.line_of(path),
+            key=path,
+        )
+    if config.training.prefetch_factor is not None and config.training.num_workers == 0:
+        path = ("training", "prefetch_factor")
+        raise ConfigError(
+            "needs training.num_workers > 0 (prefetching is done by worker processes)",
+            file=raw.file_of(path),
+            line=raw.line_of(path),
+            key=path,
+        )
+    if config.parallel.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            path = ("parallel", "backend")
+            raise ConfigError(
+                "'nccl' needs CUDA, which is not available here; use 'gloo' or leave it unset",
+                file=raw.file_of(path),
+                line=raw.line_of(path),
+                key=path,
+            )

@@ -1,0 +1,286 @@
+"""The local spawn: ``launch(nproc_per_node=N)`` starts N ranks on this machine.
+
+:func:`_spawn` starts the ranks through ``idist.Parallel`` and turns how they ended into a
+result, a :class:`RankFailedError` or an exit code. Each rank runs :func:`_spawned_rank`,
+which writes its result (or its traceback, with a timestamp) to a file in a temporary
+folder; :func:`_root_cause` reads those files to name the rank whose failure started it
+all, not one that failed waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+import torch.multiprocessing as mp
+
+from unison.distributed.env import SPAWNED_VAR, find_free_port, slurm_batch_placement, usable_cores
+from unison.distributed.rank_setup import (
+    _PEER_FAILURE_MARKERS,
+    _configure_rank,
+    _hide_slurm_from_ignite,
+    _is_peer_failure,
+    _note_rank,
+)
+from unison.distributed.signals import (
+    _PREEMPTION_SIGNALS,
+    EXIT_PREEMPTED,
+    _signal_exit,
+    _SignalRelay,
+    _start_helpers,
+)
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
+
+_PLACEMENT_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankFailedError(RuntimeError):
+    """A spawned rank raised or died; the message holds its rank and traceback."""
+
+    def __init__(self, rank: int, world_size: int, detail: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        super().__init__(f"rank {rank} of {world_size} failed:\n{detail}")
+
+
+def _spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nproc: int,
+    backend: str,
+    timeout: timedelta,
+    master_addr: str,
+    master_port: int | None,
+    start_method: str,
+    deadline: float | None,
+) -> list[Any]:
+    port = master_port if master_port is not None else find_free_port(master_addr)
+    if start_method == "forkserver":
+        # The fork server imports these once; each rank then starts in a fraction of a second.
+        mp.get_context("forkserver").set_forkserver_preload(
+            ["torch", "torch._dynamo", "ignite.engine", "unison"]
+        )
+    environ = dict(os.environ)  # each rank's, once its group exists: SLURM's variables included
+    with (
+        tempfile.TemporaryDirectory(prefix="unison-launch-") as tmp,
+        _SignalRelay() as relay,
+        _without_slurm_placement(nproc),
+    ):
+        results = Path(tmp)
+        started = time.monotonic()
+        unblock = _start_helpers(start_method)
+        try:
+            with idist.Parallel(
+                backend=backend,
+                nproc_per_node=nproc,
+                master_addr=master_addr,
+                master_port=port,
+                timeout=timeout,
+                start_method=start_method,
+            ) as parallel:
+                parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline, environ, unblock)
+        except mp.ProcessRaisedException as err:
+            relay.stop()
+            rank, detail = _root_cause(results, err.error_index, err.msg)
+            if relay.received == signal.SIGINT or (
+                relay.received is not None and _is_peer_failure(Exception(detail))
+            ):
+                raise _signal_exit(relay.received) from None
+            raise RankFailedError(rank, nproc, detail) from None
+        except mp.ProcessExitedException as err:
+            relay.stop()
+            if err.exit_code == EXIT_PREEMPTED:
+                _log.warning(
+                    "The job was preempted: the ranks saved a checkpoint and exited with code %d. Run it "
+                    "again with resume to continue.",
+                    EXIT_PREEMPTED,
+                )
+                raise SystemExit(EXIT_PREEMPTED) from None
+            if relay.received is not None:
+                raise _signal_exit(relay.received) from None
+            elapsed = time.monotonic() - started
+            if deadline is not None and elapsed >= deadline:
+                detail = (
+                    f"it did not finish within deadline={deadline:g} s; the stacks of all its threads "
+                    "were printed to stderr above."
+                )
+            else:
+                how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
+                detail = f"the process died with {how} before returning (see its stderr above)."
+                detail += _own_traceback(results, err.error_index)
+            raise RankFailedError(err.error_index, nproc, detail) from None
+        relay.stop()
+        missing = [rank for rank in range(nproc) if not (results / f"rank-{rank}.pkl").exists()]
+        if missing and relay.received is not None:
+            raise _signal_exit(relay.received)
+        if missing:
+            rank = missing[0]
+            raise RankFailedError(
+                rank,
+                nproc,
+                f"rank {rank} exited with code 0 before returning a result: its function called "
+                "sys.exit(0) (or exit(), or raised SystemExit(None)), or ended its process some other "
+                "way. A rank's function must return (every rank, the same way) for launch to return; "
+                "to stop a run early, stop the trainer (engine.terminate()) and return."
+                + _own_traceback(results, rank),
+            )
+        if relay.received is not None:
+            _log.warning(
+                "%s arrived as the ranks were finishing; they all returned, and so does launch.",
+                signal.Signals(relay.received).name,
+            )
+        out = []
+        for rank in range(nproc):
+            with open(results / f"rank-{rank}.pkl", "rb") as fh:
+                out.append(pickle.load(fh))
+        return out
+
+
+def _own_traceback(results: Path, rank: int) -> str:
+    """What rank ``rank`` recorded as it left its function by an exception, if it did."""
+    path = results / f"error-rank-{rank}.txt"
+    if not path.exists():
+        return ""
+    _, _, text = path.read_text().partition("\n")
+    return f"\nIt left its function with:\n{text}"
+
+
+@contextlib.contextmanager
+def _without_slurm_placement(nproc: int) -> Iterator[None]:
+    """Hides SLURM's variables from the spawned ranks while their group is created.
+
+    Inside an sbatch allocation, without srun, the batch script inherits ``SLURM_*``
+    variables that describe the allocation's tasks, not the ``nproc`` ranks asked for
+    here; ignite would place the ranks by them (every rank ``SLURM_PROCID``, a world of
+    ``SLURM_NTASKS``) and fail. The ranks get them back once their group exists
+    (``SLURM_JOB_ID`` is how :class:`~unison.handlers.Preemption` requeues the job).
+    """
+    placement = slurm_batch_placement()
+    if placement is None:
+        yield
+        return
+    _log.warning(
+        "launch(nproc_per_node=%d) inside SLURM job %s without srun: ignoring SLURM's task placement "
+        "(%s); the %d ranks are placed on this machine.",
+        nproc,
+        os.environ.get("SLURM_JOB_ID", "?"),
+        placement,
+        nproc,
+    )
+    with _hide_slurm_from_ignite(True):
+        yield
+
+
+def _root_cause(results: Path, reported: int, message: str) -> tuple[int, str]:
+    """The rank whose failure started it all, and its traceback.
+
+    When one rank raises, the ranks waiting for it in a collective fail a moment later
+    with a connection error, and either may be the first the parent hears of. Each rank
+    records its failure with a timestamp; the earliest that is not such a secondary
+    error is the cause.
+    """
+    failures = []
+    for path in results.glob("error-rank-*.txt"):
+        stamp, _, text = path.read_text().partition("\n")
+        try:
+            failures.append((float(stamp), int(path.stem.rsplit("-", 1)[1]), text))
+        except ValueError:
+            continue
+    if not failures:
+        return reported, message
+    failures.sort()
+    primary = [f for f in failures if not any(m in f[2] for m in _PEER_FAILURE_MARKERS)]
+    _, rank, text = (primary or failures)[0]
+    if not primary:
+        text += (
+            "\n(this rank failed in a collective because a peer went away; the peer left no traceback: it "
+            "was killed, ran out of memory, or exited on its own, e.g. a Watchdog abort. Look at its stderr.)"
+        )
+    waiting = sorted(r for _, r, t in failures if r != rank and any(m in t for m in _PEER_FAILURE_MARKERS))
+    own = sorted(r for _, r, t in failures if r != rank and r not in waiting)
+    if waiting:
+        text += f"\n(rank(s) {waiting} then failed in a collective, waiting for rank {rank})"
+    if own:
+        text += f"\n(rank(s) {own} failed too, each with an error of its own)"
+    return rank, text
+
+
+def _spawned_rank(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    result_dir: str,
+    nproc: int,
+    deadline: float | None,
+    environ: dict[str, str],
+    unblock: tuple[int, ...] = (),
+) -> None:
+    """Entry point of each spawned process; the process group already exists."""
+    # A rank killed by a signal (a backend's abort, a segfault) prints its Python stack
+    # instead of leaving only "died with signal SIGABRT".
+    faulthandler.enable(all_threads=True)
+    if unblock:  # forked by a fork server started with them blocked (see _start_helpers)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
+    # A fork server started earlier hands out the environment of its own start: give the
+    # rank the caller's, keeping the placement variables ignite set for this rank.
+    placement = {k: os.environ[k] for k in _PLACEMENT_VARS if k in os.environ}
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(placement)
+    os.environ[SPAWNED_VAR] = "1"
+    if deadline is not None:
+        faulthandler.dump_traceback_later(deadline, exit=True)
+    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+        # N ranks on one CPU: give each its share of the cores instead of N x all cores.
+        torch.set_num_threads(max(1, usable_cores() // nproc))
+    try:
+        _configure_rank()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as err:
+            _note_rank(err)
+            # Written whole or not at all: the launcher may end this rank at any moment.
+            final = Path(result_dir) / f"error-rank-{local_rank}.txt"
+            partial = final.with_suffix(".part")
+            partial.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+            os.replace(partial, final)
+            raise
+        path = Path(result_dir) / f"rank-{local_rank}.pkl"
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as fh:
+                pickle.dump(result, fh, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            raise TypeError(
+                f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__} that cannot be "
+                f"pickled back to the launching process ({err}). Return plain data or tensors."
+            ) from err
+        os.replace(tmp, path)
+    finally:
+        if deadline is not None:
+            faulthandler.cancel_dump_traceback_later()
+        # This rank is leaving. When another rank exits first with a non-zero code (every
+        # rank of a preempted job exits with 75), the launcher SIGTERMs the others at once;
+        # a rank killed while it tears down skips its finalizers, and the named semaphores
+        # it holds (tqdm's lock, a DataLoader's queues: a spawned rank's multiprocessing
+        # objects are named) are left for the resource tracker, which warns of "leaked
+        # semaphore objects" at exit. It exits on its own instead; the launcher still
+        # SIGKILLs it if it has not done so 30 seconds later.
+        for sig in _PREEMPTION_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
