@@ -90,6 +90,34 @@ def test_a_tqdm_py_beside_the_config_does_not_replace_tqdm(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
 
 
+def test_modules_beside_the_config_import_each_other_by_plain_name(tmp_path):
+    """``import helpers`` in the user's module finds helpers.py beside it (after everything
+    installed), as the one module, not a second copy with other classes."""
+    (tmp_path / "helpers.py").write_text("SIZE = 8\n")
+    (tmp_path / "shapes.py").write_text(
+        "import helpers\nfrom helpers import SIZE\n\n\ndef build(seed):\n    return list(range(SIZE)), []\n"
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model:\n  type: !pyobject torch.nn.Linear\n  kwargs: {in_features: 4, out_features: 2}\n"
+        "data:\n  build: !pyobject shapes.build\n"
+    )
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from unison.config import load_config
+        from unison.cli.resolve import resolve
+        r = resolve(load_config({str(path)!r}))
+        assert len(r.data_build(seed=0)[0]) == 8
+        shapes = sys.modules[r.data_build.__module__]
+        assert shapes.helpers is sys.modules["helpers"] and shapes.helpers.__name__.endswith(".helpers")
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
+
+
 def test_every_process_gets_the_same_private_module_name(tmp_path):
     """Ranks re-resolve the config: the module beside it has one name in every process, which
     a fresh interpreter imports back (as unpickling an object of the user's would)."""

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from unison.distributed.samplers import samplers_with_set_epoch
+from unison.checkpoint.state import Position, check_layout, data_length, refit_epoch_length
+from unison.distributed.samplers import TrainSampler, samplers_with_set_epoch
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -82,12 +83,14 @@ class DataPass:
             (the iterator is made after the next ``EPOCH_STARTED``).
         skipped: samples a resumed sampler skips at the pass's start (already trained on).
         samples: samples taken since the start, when batches are counted; else None.
+        resumed: the pass continues a saved one (its shards may start inside the epoch).
     """
 
     start_iteration: int
     sampler_epoch: int | None = None
     skipped: int = 0
     samples: int | None = None
+    resumed: bool = False
 
     def consumed(self, iteration: int, batch_size: int | None) -> int | None:
         """Samples of the sampler's epoch consumed after ``iteration``; None when unknown."""
@@ -117,7 +120,7 @@ def sampler_state(
         return None
     consumed = current.consumed(iteration, fixed_batch_size(data))
     total = len(sampler) + getattr(sampler, "start", 0)
-    done = iteration == current.start_iteration and not current.skipped
+    done = iteration == current.start_iteration and not (current.skipped or current.resumed)
     if consumed is None and not done:
         raise PositionUnknown(
             "Checkpoint: cannot save mid-epoch: the training data's batch sampler has no fixed batch_size "
@@ -126,10 +129,18 @@ def sampler_state(
             "collate batches into tensors."
         )
     fresh = done or (consumed is not None and consumed >= total)
-    state = dict(sampler.state_dict(consumed=0 if fresh else consumed))
+    counted = by_rank is not None and current.samples is not None and not fresh
+    if isinstance(sampler, TrainSampler):
+        state = sampler.state_dict(
+            consumed=0 if fresh else consumed,  # type: ignore[arg-type]  # known unless done, checked above
+            consumed_by_rank=[int(c or 0) for c in by_rank] if counted and by_rank is not None else None,
+            epoch=current.sampler_epoch,
+        )
+    else:
+        state = dict(sampler.state_dict(consumed=0 if fresh else consumed))
     state["epoch"] = current.sampler_epoch if current.sampler_epoch is not None else state["epoch"]
     state["fresh"] = fresh
-    if by_rank is not None and current.samples is not None and not fresh:
+    if counted and by_rank is not None:
         state["consumed_by_rank"] = list(by_rank)
     return state
 
@@ -142,10 +153,124 @@ def load_sampler(data: Any, saved: Mapping[str, Any]) -> None:
 
 
 def rank_view(saved: Mapping[str, Any] | None, rank: int) -> Mapping[str, Any] | None:
-    """The saved sampler state as ``rank`` resumes it: its own ``consumed`` when counted per rank."""
+    """The saved sampler state as ``rank`` resumes it: its own ``consumed`` when counted per rank
+    (0 for a rank the saving run did not have: at another world size the global position counts)."""
     if saved is None or "consumed_by_rank" not in saved:
         return saved
-    return {**saved, "consumed": saved["consumed_by_rank"][rank]}
+    by_rank = saved["consumed_by_rank"]
+    return {**saved, "consumed": by_rank[rank] if rank < len(by_rank) else 0}
+
+
+def resumed_pass_length(data: Any, saved: Mapping[str, Any]) -> int | None:
+    """The batches the training data yields once its TrainSampler is at ``saved``; None when unknown.
+
+    The sampler is put back as it was (at no position) before returning.
+    """
+    sampler = resumable_sampler(data)
+    if not isinstance(sampler, TrainSampler):
+        return None
+    before = sampler.state_dict()
+    sampler.load_state_dict(dict(saved))
+    try:
+        return data_length(data)
+    finally:
+        sampler.load_state_dict({**before, "fresh": True})
+
+
+def fit_resumed_epoch(at: Position, data: Any, saved: Mapping[str, Any] | None) -> Position | None:
+    """The engine position that fits a mid-epoch resume to the data's layout now; None when it fits.
+
+    The saved position counts ``at.epoch_length`` iterations an epoch, ``at.into_epoch`` of them
+    done. At another world size or per-rank batch size the resumed pass yields ``k`` batches,
+    not ``epoch_length - into_epoch``, and later epochs ``L = len(data)``: the resumed epoch is
+    then placed at ``L - k`` of an epoch of ``L`` (iteration ``epoch * L + L - k``), so that it
+    ends with its data and the next epoch is a normal one. With nothing left (``k == 0``) the
+    epoch counts as completed.
+
+    Args:
+        at: the loaded position (mid-epoch).
+        data: the training data of the resumed run.
+        saved: this rank's view of the saved sampler state.
+    """
+    length = data_length(data)
+    if not length or saved is None or saved.get("fresh") or at.into_epoch is None or not at.epoch_length:
+        return None
+    remaining = resumed_pass_length(data, saved)
+    if remaining is None or (length == at.epoch_length and remaining == at.epoch_length - at.into_epoch):
+        return None
+    if remaining == 0:
+        _log.warning(
+            "The epoch the checkpoint was taken in has no batch left at this run's layout (its remaining "
+            "samples were dropped by drop_last): the epoch counts as completed, without its end-of-epoch handlers."
+        )
+        return Position(at.epoch + 1, (at.epoch + 1) * length, length, 0)
+    remaining = min(remaining, length)
+    return Position(at.epoch, at.epoch * length + length - remaining, length, length - remaining)
+
+
+def fit_to_data(
+    engine: Any,
+    at: Position,
+    meta: Mapping[str, Any],
+    saved: Mapping[str, Any] | None,
+    *,
+    layout: tuple[int | None, int],
+) -> Mapping[str, Any] | None:
+    """At ``STARTED`` of a resumed run: fits the engine's epochs to the data of this run.
+
+    Reports a changed per-rank layout (:func:`~unison.checkpoint.state.check_layout`). Unless
+    the run was given ``epoch_length``, the data decides the epoch length: at an epoch
+    boundary through :func:`~unison.checkpoint.state.refit_epoch_length`, mid-epoch through
+    :func:`fit_resumed_epoch` and :func:`place_engine`.
+
+    Args:
+        engine: the trainer (a unison Engine), with the checkpoint's state loaded.
+        at: its loaded position.
+        meta: the checkpoint's ``meta``.
+        saved: this rank's view of the saved sampler state.
+        layout: this run's per-rank batch size and accumulation steps.
+
+    Returns:
+        The sampler state to resume at: ``saved``, or None when nothing of its epoch is left.
+
+    Raises:
+        CheckpointError: for another ``accumulation_steps`` mid-epoch.
+    """
+    change = check_layout(meta, batch_size=layout[0], accumulation_steps=layout[1])
+    if change is not None:
+        where = (
+            "mid-epoch: the epoch's remaining samples are batched anew"
+            if meta["mid_epoch"]
+            else "at an epoch boundary"
+        )
+        _log.warning("%s Resuming anyway %s.", change, where)
+    if getattr(engine, "epoch_length_given", False):
+        return saved
+    data = engine.state.dataloader
+    if not meta["mid_epoch"]:
+        fit = refit_epoch_length(at, data_length(data), warn=True)
+        if fit is not None:
+            engine.state.epoch_length, engine.state.iteration = fit.epoch_length, fit.iteration
+        return saved
+    fit = fit_resumed_epoch(at, data, saved)
+    if fit is None:
+        return saved
+    place_engine(engine, fit)
+    return None if fit.epoch > at.epoch else saved  # nothing left of the saved epoch
+
+
+def place_engine(engine: Any, at: Position) -> None:
+    """Puts a unison Engine, at ``STARTED`` of a resumed run, at ``at`` (from :func:`fit_resumed_epoch`).
+
+    The epoch, iteration and epoch length are ignite's public state; the position inside the
+    epoch is set through the engine's ``reposition(into)``.
+    """
+    engine.state.epoch, engine.state.iteration, engine.state.epoch_length = (
+        at.epoch,
+        at.iteration,
+        at.epoch_length,
+    )
+    engine.reposition(at.into_epoch or 0)
 
 
 class DataTracker:
@@ -182,8 +307,9 @@ class DataTracker:
         if self._pending is not None:
             saved, self._pending = self._pending, None
             load(saved)
-            self.current.skipped = int(saved["consumed"])
+            self.current.skipped = int(getattr(sampler, "start", saved["consumed"]))
             self.current.sampler_epoch = int(saved["epoch"])
+            self.current.resumed = True
             self._overridden = sampler is not None
         if self.current.sampler_epoch is None and sampler is not None:
             self.current.sampler_epoch = int(sampler.epoch)
@@ -202,7 +328,7 @@ class DataTracker:
         if self._overridden and sampler is not None:
             # The resumed iterator skipped samples of its saved epoch; the next one is drawn
             # as the uninterrupted run drew it: from the engine's epoch, nothing skipped.
-            sampler.load_state_dict({**sampler.state_dict(consumed=0), "epoch": epoch - 1})
+            sampler.load_state_dict({**sampler.state_dict(consumed=0), "epoch": epoch - 1, "fresh": True})
             self._overridden = False
         drawn = None if next_epoch_draws or sampler is None else int(sampler.epoch)
         self.current = DataPass(iteration, drawn, samples=0 if self.counting else None)

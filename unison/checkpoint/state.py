@@ -292,11 +292,12 @@ def check_checkpoint(
         world_size: this run's number of ranks.
 
     Returns:
-        None, or a warning when it was saved at an epoch's end with another world size.
+        None, or a warning when it was saved with another world size.
 
     Raises:
         CheckpointError: for another format, a missing object, or another world size
-            mid-epoch.
+            mid-epoch without the position of a TrainSampler over the saved world size
+            (the epoch's remaining samples cannot be resharded then).
     """
     meta = state.get("meta", {})
     if meta.get("format") != FORMAT:
@@ -311,11 +312,18 @@ def check_checkpoint(
         )
     if meta["world_size"] == world_size:
         return None
+    sampler = state.get("sampler")
     if meta["mid_epoch"]:
-        raise CheckpointError(
-            f"Checkpoint {source} was taken mid-epoch (iteration {meta['iteration']}) with world size "
-            f"{meta['world_size']}; this run has {world_size}. Resume with {meta['world_size']} ranks, "
-            "or from a checkpoint taken at an epoch's end."
+        if not sampler or sampler.get("world_size") != meta["world_size"]:
+            raise CheckpointError(
+                f"Checkpoint {source} was taken mid-epoch (iteration {meta['iteration']}) with world size "
+                f"{meta['world_size']}; this run has {world_size}. Resume with {meta['world_size']} ranks, "
+                "or from a checkpoint taken at an epoch's end. It holds no TrainSampler position over "
+                f"{meta['world_size']} ranks to reshard the epoch's remaining samples from."
+            )
+        return (
+            f"Resuming {source}, saved mid-epoch with world size {meta['world_size']}, on {world_size} ranks: "
+            "the epoch's remaining samples are sharded over them, and the global batch changes from here on."
         )
     return (
         f"Resuming {source}, saved with world size {meta['world_size']}, on {world_size} ranks: "
@@ -327,8 +335,9 @@ def check_layout(meta: Mapping[str, Any], *, batch_size: int | None, accumulatio
     """Compares the run's per-rank layout with the checkpoint's: what changed, or None.
 
     Raises:
-        CheckpointError: when the layout changed and the checkpoint is mid-epoch, where a
-            position belongs to one layout.
+        CheckpointError: when ``accumulation_steps`` changed and the checkpoint is mid-epoch:
+            the saved position sits at the end of a window of the saved size. (A per-rank
+            batch size may change: the epoch's remaining samples are batched anew.)
     """
     now = {"batch_size": batch_size, "accumulation_steps": accumulation_steps}
     changed = [
@@ -337,7 +346,7 @@ def check_layout(meta: Mapping[str, Any], *, batch_size: int | None, accumulatio
     if not changed:
         return None
     message = f"The run differs from its checkpoint: {', '.join(changed)} (per rank)."
-    if meta["mid_epoch"]:
+    if meta["mid_epoch"] and meta.get("accumulation_steps") not in (None, accumulation_steps):
         raise CheckpointError(
             message
             + " A mid-epoch position is only exact with the same layout; resume with the saved values, "

@@ -52,13 +52,49 @@ def folder_package(folder: Path) -> str:
     return f"{PREFIX}.f{str(folder.resolve()).encode('utf-8').hex()}"
 
 
+_FOLDERS: list[Path] = []
+"""Config folders whose modules were resolved in this process: their modules may import one
+another by plain name (``import helpers``), found after everything installed."""
+
+
 def local_module(top: str, folder: Path | None) -> str | None:
     """The private name of module ``top`` when it is a file (or package) in ``folder``, else None."""
     if folder is None or top in RESERVED or not _DOTTED.match(top) or "." in top:
         return None
     if (folder / f"{top}.py").is_file() or (folder / top / "__init__.py").is_file():
+        if folder.resolve() not in _FOLDERS:
+            _FOLDERS.append(folder.resolve())
         return f"{folder_package(folder)}.{top}"
     return None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Makes a plain name (``helpers``) the very module imported under its private name."""
+
+    def __init__(self, private: str) -> None:
+        self.private = private
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return importlib.import_module(self.private)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None  # already executed under its private name: one module, one set of classes
+
+
+class _SiblingFinder(importlib.abc.MetaPathFinder):
+    """Last on ``sys.meta_path``: a top-level name nothing installed provides, found as a module
+    beside a resolved config. Installed packages always win, so nothing is shadowed."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if path is not None or "." in fullname:
+            return None
+        for folder in _FOLDERS:
+            private = local_module(fullname, folder)
+            if private is not None:
+                return importlib.machinery.ModuleSpec(fullname, _AliasLoader(private))
+        return None
 
 
 class _FolderLoader(importlib.abc.Loader):
@@ -94,6 +130,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
     sys.meta_path.append(_Finder())
+if not any(isinstance(finder, _SiblingFinder) for finder in sys.meta_path):
+    sys.meta_path.append(_SiblingFinder())
 
 
 @functools.lru_cache(maxsize=1)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sized
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence, Sized
+from typing import Any, NamedTuple
 
+import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 from unison.distributed.primitives import get_rank, get_world_size
@@ -57,6 +58,107 @@ def set_sampler_epoch(data: Any, epoch: int) -> None:
         sampler.set_epoch(epoch)
 
 
+def epoch_order(size: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The epoch's order of ``range(size)``, as torch's ``DistributedSampler`` draws it.
+
+    Example:
+        >>> epoch_order(4, seed=0, epoch=0, shuffle=False)
+        [0, 1, 2, 3]
+    """
+    if not shuffle:
+        return list(range(size))
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(size, generator=generator).tolist()
+
+
+def layout_order(rest: Sequence[int], world_size: int, drop_last: bool) -> list[int]:
+    """``rest`` made a multiple of ``world_size`` long, as ``DistributedSampler`` does: padded with
+    its own first items (repeated when needed), or with its tail dropped (``drop_last``).
+
+    Rank ``r`` takes ``layout_order(...)[r::world_size]``.
+
+    Example:
+        >>> layout_order([7, 8, 9], 2, drop_last=False), layout_order([7, 8, 9], 2, drop_last=True)
+        ([7, 8, 9, 7], [7, 8])
+    """
+    n = len(rest)
+    if drop_last:
+        return list(rest[: n - n % world_size])
+    if n == 0:
+        return []
+    pad = math.ceil(n / world_size) * world_size - n
+    return list(rest) + (list(rest) * math.ceil(pad / n))[:pad]
+
+
+def remaining_positions(size: int, consumed: int, extra: Sequence[int] = ()) -> list[int]:
+    """The positions of an epoch's order not yet consumed, in order.
+
+    Args:
+        size: the dataset size.
+        consumed: positions ``0 .. consumed - 1`` are consumed.
+        extra: positions after those that are consumed as well (ranks that consumed unequal counts).
+    """
+    skip = set(extra)
+    return [p for p in range(consumed, size) if p not in skip]
+
+
+def advance_position(
+    size: int,
+    consumed: int,
+    extra: Sequence[int],
+    *,
+    world_size: int,
+    drop_last: bool,
+    counts: Sequence[int],
+) -> tuple[int, list[int]]:
+    """The epoch's global position after rank ``r`` consumed ``counts[r]`` samples of its shard.
+
+    The shards are those of the positions still to go at ``(consumed, extra)`` (see
+    :func:`remaining_positions`), laid out by :func:`layout_order` over ``world_size`` ranks. A
+    padding sample consumed marks the sample it repeats as seen: it is not new, and is not
+    given out again.
+
+    Returns:
+        ``(consumed, extra)`` after them: positions ``0 .. consumed - 1`` and ``extra`` are done.
+
+    Example:
+        >>> advance_position(10, 0, [], world_size=2, drop_last=False, counts=[2, 2])
+        (4, [])
+        >>> advance_position(10, 0, [], world_size=2, drop_last=False, counts=[1, 2])
+        (2, [3])
+    """
+    if len(counts) != world_size:
+        raise ValueError(f"advance_position: {len(counts)} per-rank counts for world_size={world_size}.")
+    top, low = max(counts, default=0), min(counts, default=0)
+    ahead = sum(1 for c in counts if c > low)
+    if not extra and top - low <= 1 and all(c == top for c in counts[:ahead]):
+        # The common case: equal counts, or the first ranks one ahead: a prefix of the layout.
+        return min(consumed + world_size * low + ahead, size), []
+    rest = remaining_positions(size, consumed, extra)
+    order = layout_order(rest, world_size, drop_last)
+    done = set(extra)
+    for rank, count in enumerate(counts):
+        done.update(order[rank::world_size][: max(count, 0)])
+    while consumed in done:
+        done.discard(consumed)
+        consumed += 1
+    return consumed, sorted(done)
+
+
+class _Resume(NamedTuple):
+    """A loaded position: the epoch, the samples of this rank's shard to skip, and where its layout starts."""
+
+    epoch: int
+    skip: int
+    consumed: int = 0
+    extra: tuple[int, ...] = ()
+
+    @property
+    def resharded(self) -> bool:
+        return bool(self.consumed or self.extra)
+
+
 class TrainSampler(DistributedSampler[int]):
     """Shards a dataset for training: torch's ``DistributedSampler``, resumable mid-epoch.
 
@@ -66,6 +168,14 @@ class TrainSampler(DistributedSampler[int]):
     takes every ``world_size``-th index from its rank on, so shards are disjoint. To give
     every rank the same number of samples, the permutation is padded with its own first
     indices (``drop_last=False``) or its tail is dropped (``drop_last=True``).
+
+    **Another world size mid-epoch**: a position saved at ``N`` ranks and loaded at ``M != N``
+    (or with another ``drop_last``) continues the saved epoch's permutation from its first
+    sample not yet consumed. The samples still to go, in permutation order, are sharded over
+    the ``M`` ranks by the same rule: padded with their own first samples, or their tail
+    dropped with ``drop_last``. Over the whole epoch no sample is seen twice but for that
+    padding, and none is left out but for that dropped tail (at ``N`` ranks with
+    ``drop_last``, the tail the stopped run would have dropped is among the samples to go).
 
     The engine calls :meth:`set_epoch` at every epoch start; a loop written by hand must
     call it too, or every epoch repeats the same order.
@@ -118,7 +228,8 @@ class TrainSampler(DistributedSampler[int]):
             drop_last=drop_last,
         )
         self.dataset_size = size
-        self._resume: tuple[int, int] | None = None  # (epoch, samples of the shard to skip)
+        self._resume: _Resume | None = None
+        self._loaded: _Resume | None = None  # the last loaded position, kept past set_epoch for state_dict
 
     @property
     def world_size(self) -> int:
@@ -128,63 +239,127 @@ class TrainSampler(DistributedSampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Selects the permutation of ``epoch`` (0-based); the engine calls it at each epoch start."""
         self.epoch = int(epoch)
-        if self._resume is not None and self._resume[0] != self.epoch:
+        if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None
 
     @property
     def start(self) -> int:
         """How many samples of this rank's shard the current epoch skips (after a resume)."""
-        return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+        resume = self._current()
+        return resume.skip if resume is not None else 0
 
-    def state_dict(self, consumed: int = 0) -> dict[str, int | bool]:
-        """The sampler's position: epoch, and ``consumed`` samples of this rank's shard.
+    def _current(self) -> _Resume | None:
+        return self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
+
+    def state_dict(
+        self, consumed: int = 0, *, consumed_by_rank: Sequence[int] | None = None, epoch: int | None = None
+    ) -> dict[str, Any]:
+        """The sampler's position: epoch, ``consumed`` samples of this rank's shard, and the global position.
 
         The sampler cannot count what it handed out itself (a DataLoader with workers
         reads ahead); the caller (unison's Checkpoint) passes the samples the engine
         actually trained on.
+
+        Args:
+            consumed: samples of this rank's shard trained on (skipped ones included).
+            consumed_by_rank: every rank's ``consumed``, when they differ; else all equal it.
+            epoch: the epoch of the data iterator described, when it is not the current one.
+
+        Returns:
+            The sharding (``seed``, ``epoch``, ``dataset_size``, ``world_size``, ``shuffle``,
+            ``drop_last``), this rank's ``consumed``, where the shards start in the epoch's
+            order (``layout_consumed``, ``layout_extra``: 0 and ``[]`` but after a resume at
+            another world size) and the global position: positions ``0 ..
+            global_consumed - 1`` of the epoch's order, and ``global_extra``, are consumed.
         """
+        epoch = self.epoch if epoch is None else int(epoch)
+        layout = self._loaded if self._loaded is not None and self._loaded.epoch == epoch else None
+        origin = (layout.consumed, layout.extra) if layout is not None else (0, ())
+        counts = (
+            [int(c) for c in consumed_by_rank]
+            if consumed_by_rank is not None
+            else [int(consumed)] * self.world_size
+        )
+        done = advance_position(
+            self.dataset_size, *origin, world_size=self.world_size, drop_last=self.drop_last, counts=counts
+        )
         return {
             "seed": self.seed,
-            "epoch": self.epoch,
+            "epoch": epoch,
             "consumed": int(consumed),
             "dataset_size": self.dataset_size,
             "world_size": self.world_size,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "layout_consumed": origin[0],
+            "layout_extra": list(origin[1]),
+            "global_consumed": done[0],
+            "global_extra": done[1],
         }
 
-    def load_state_dict(self, state: dict[str, int | bool]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at a saved position: the saved epoch then skips the samples already seen.
 
-        Skipped samples are never loaded: they are left out of the index list. Resuming
-        mid-epoch needs the same world size and dataset; at an epoch boundary the world
-        size may change.
+        Skipped samples are never loaded: they are left out of the index list. With the
+        saved world size (and ``drop_last``), each rank skips what it consumed of its own
+        shard: the order is the uninterrupted run's, bit for bit. With another one, the
+        epoch's samples not yet consumed are sharded over this run's ranks (see the class).
+        At an epoch boundary (``consumed`` 0 everywhere, or ``"fresh"``) nothing is skipped.
+
+        Raises:
+            ValueError: for a position saved on a dataset of another size.
         """
         if int(state["dataset_size"]) != self.dataset_size:
             raise ValueError(
                 f"TrainSampler.load_state_dict: the checkpoint was taken on a dataset of {state['dataset_size']} "
                 f"samples, this one has {self.dataset_size}. Resume with the same dataset."
             )
+        saved_world, saved_drop = int(state["world_size"]), bool(state.get("drop_last", self.drop_last))
         consumed = int(state["consumed"])
-        if consumed and int(state["world_size"]) != self.world_size:
-            raise ValueError(
-                f"TrainSampler.load_state_dict: the checkpoint was taken mid-epoch with world size "
-                f"{state['world_size']}, this run has {self.world_size}. A mid-epoch position belongs to one "
-                "sharding; resume with the same world size, or from a checkpoint taken at an epoch's end."
+        by_rank = state.get("consumed_by_rank")
+        counts = [int(c) for c in by_rank] if by_rank is not None else [consumed] * saved_world
+        origin = (int(state.get("layout_consumed", 0)), tuple(int(p) for p in state.get("layout_extra", ())))
+        if "global_consumed" in state:
+            done = (int(state["global_consumed"]), tuple(int(p) for p in state["global_extra"]))
+        else:  # a checkpoint of an older unison
+            position = advance_position(
+                self.dataset_size, *origin, world_size=saved_world, drop_last=saved_drop, counts=counts
             )
+            done = (position[0], tuple(position[1]))
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
         self.epoch = int(state["epoch"])
-        self._resume = (self.epoch, consumed) if consumed else None
+        if state.get("fresh") or done == (0, ()):
+            self._resume = None
+        elif saved_world == self.world_size and saved_drop == self.drop_last:
+            self._resume = _Resume(self.epoch, consumed, *origin)  # the saved shards: bitwise
+        else:
+            self._resume = _Resume(self.epoch, 0, *done)
+        self._loaded = self._resume
+
+    def _shard(self, resume: _Resume) -> list[int]:
+        order = epoch_order(self.dataset_size, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        rest = [order[p] for p in remaining_positions(self.dataset_size, resume.consumed, resume.extra)]
+        return layout_order(rest, self.world_size, self.drop_last)[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
+        resume = self._current()
+        if resume is not None and resume.resharded:
+            return iter(self._shard(resume)[resume.skip :])
         shard = super().__iter__()
-        if self.start:
-            return itertools.islice(shard, self.start, None)  # skipped samples are never loaded
+        if resume is not None and resume.skip:
+            return itertools.islice(shard, resume.skip, None)  # skipped samples are never loaded
         return shard
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        resume = self._current()
+        if resume is None:
+            return self.num_samples
+        if not resume.resharded:
+            return self.num_samples - resume.skip
+        rest = self.dataset_size - resume.consumed - len(resume.extra)
+        per_rank = rest // self.world_size if self.drop_last else math.ceil(rest / self.world_size)
+        return max(per_rank - resume.skip, 0)
 
 
 class EvalSampler(Sampler[int]):

@@ -38,7 +38,13 @@ from unison.engine.checks import check_sharded, handler_name, is_empty, run_empt
 from unison.engine.control import StopControl
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.engine.lockstep import agree_on_layout, check_lockstep, requests_settle_here
-from unison.engine.position import EpochTracker, partial_contributors, partial_sums, restore_partials
+from unison.engine.position import (
+    EpochTracker,
+    partial_contributors,
+    partial_sums,
+    restore_partials,
+    run_complete,
+)
 from unison.engine.stopping import AgreedStops
 from unison.utils.errors import add_note, has_note
 from unison.utils.logging import get_logger
@@ -280,6 +286,15 @@ class Engine(AgreedStops):
         inside an epoch; None at an epoch boundary. See :func:`unison.engine.position.partial_sums`."""
         return partial_sums(self.sync_point, self.epoch_position)
 
+    def reposition(self, into: int) -> None:
+        """At ``STARTED`` of a resumed run: the first epoch starts ``into`` iterations in.
+
+        For a checkpoint handler that refits the epoch to new data (a resume at another world
+        size): ``state.epoch``, ``state.iteration`` and ``state.epoch_length`` are set through
+        ``state``; this sets where ignite's epoch loop starts counting, to match.
+        """
+        self._init_iter = self._epoch.resume_offset = int(into)
+
     @property
     def epoch_position(self) -> tuple[int, int]:
         """``(epochs completed, iterations done of the next)``: where a resumed run continues.
@@ -370,21 +385,8 @@ class Engine(AgreedStops):
         return super().run(data, max_epochs=max_epochs, max_iters=max_iters, epoch_length=epoch_length)
 
     def is_complete(self, max_epochs: int | None = None, max_iters: int | None = None) -> bool:
-        """Whether the state has reached the run's end: ``max_epochs``/``max_iters``, or the kept limits.
-
-        ignite restarts a finished state from epoch 0; unison's ``run`` returns a state loaded
-        from a checkpoint unchanged when it is complete, so a finished run that is resumed
-        neither retrains nor overwrites its checkpoints.
-        """
-        state = self.state
-        limit = max_iters if max_iters is not None else state.max_iters
-        if limit is not None:
-            return state.iteration >= limit
-        if state.max_epochs is None:
-            return False
-        target = max_epochs if max_epochs is not None else state.max_epochs
-        completed, into = self.epoch_position  # an epoch cut by terminate_epoch() counts as completed
-        return completed >= target and into == 0
+        """Whether the state has reached the run's end (see :func:`unison.engine.position.run_complete`)."""
+        return run_complete(self.state, self.epoch_position, max_epochs, max_iters)
 
     # -- state --------------------------------------------------------------------------
 

@@ -98,3 +98,23 @@ def restore_partials(contributors: list[Any], pending: list[list[float]], first_
         return
     for contributor, values in zip(contributors, pending, strict=True):
         contributor.restore_partial(values if first_rank else [0.0] * len(values))
+
+
+def run_complete(
+    state: State, position: tuple[int, int], max_epochs: int | None, max_iters: int | None
+) -> bool:
+    """Whether ``state`` has reached the run's end: ``max_epochs``/``max_iters``, or the kept limits.
+
+    ignite restarts a finished state from epoch 0; unison's ``run`` returns a state loaded
+    from a checkpoint unchanged when it is complete, so a finished run that is resumed
+    neither retrains nor overwrites its checkpoints. An epoch cut by ``terminate_epoch()``
+    counts as completed (``position`` is the engine's ``epoch_position``).
+    """
+    limit = max_iters if max_iters is not None else state.max_iters
+    if limit is not None:
+        return bool(state.iteration >= limit)
+    if state.max_epochs is None:
+        return False
+    target = max_epochs if max_epochs is not None else state.max_epochs
+    completed, into = position
+    return completed >= target and into == 0

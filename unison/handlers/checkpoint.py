@@ -15,6 +15,7 @@ from unison.checkpoint.manifest import Entry, Manifest, entry_for
 from unison.checkpoint.position import (
     DataTracker,
     PositionUnknown,
+    fit_to_data,
     fixed_batch_size,
     load_sampler,
     rank_view,
@@ -27,14 +28,11 @@ from unison.checkpoint.state import (
     build_checkpoint,
     capture_rng,
     check_checkpoint,
-    check_layout,
     check_options,
     check_to_save,
     checkpoint_meta,
-    data_length,
     load_object_states,
     object_states,
-    refit_epoch_length,
     restore_rng,
     rng_of_rank,
 )
@@ -342,22 +340,14 @@ class Checkpoint:
     def _on_started(self, engine: Engine) -> None:
         state, self._pending_resume = self._pending_resume, None
         saved = rank_view(None if state is None else state.get("sampler"), get_rank())
+        if state is not None:  # the data decides the epoch length, not the checkpoint
+            batch_size, steps = _layout(engine)
+            saved = fit_to_data(engine, _position(engine), state["meta"], saved, layout=(batch_size, steps))
+            self._last_saved_iteration = engine.state.iteration  # that position is on disk
         self.data.run_started(engine.state.dataloader, engine.state.iteration, saved)
         if self.data.counting and not engine.has_event_handler(self._count_batch, Events.GET_BATCH_COMPLETED):
             engine.add_event_handler(Events.GET_BATCH_COMPLETED, self._count_batch)
-        if state is None:
-            return
-        meta = state["meta"]
-        batch_size, accumulation_steps = _layout(engine)
-        change = check_layout(meta, batch_size=batch_size, accumulation_steps=accumulation_steps)
-        if change is not None:
-            _log.warning("%s Resuming anyway at an epoch boundary.", change)
-        if not meta["mid_epoch"] and not getattr(engine, "epoch_length_given", False):
-            # at an epoch boundary the data decides the epoch length, not the checkpoint
-            fit = refit_epoch_length(_position(engine), data_length(engine.state.dataloader), warn=True)
-            if fit is not None:
-                engine.state.epoch_length, engine.state.iteration = fit.epoch_length, fit.iteration
-        if not meta["mid_epoch"]:
+        if state is not None and not state["meta"]["mid_epoch"]:
             # At an epoch boundary the next draw happens when the epoch's data iterator is
             # made, as in the uninterrupted run: put the generators back before that.
             self._restore_pending_rng(engine)
