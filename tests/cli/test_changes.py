@@ -93,3 +93,17 @@ def test_a_model_shape_change_is_refused_before_any_rank_starts(write, monkeypat
     assert "model.kwargs.out_features 2 -> 3" in message and "cannot resume" in message
     assert ": model.kwargs.out_features: " in message  # the key path, where a ConfigError puts it
     assert spawned == []
+
+
+def test_a_busy_master_port_is_refused_before_any_rank_starts(write, monkeypatch) -> None:
+    import socket
+
+    spawned: list[str] = []
+    monkeypatch.setattr(launcher, "_spawn", lambda *a, **k: spawned.append("spawn"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"parallel.master_port: {port} is in use on 127.0.0.1"):
+            run(write(), nproc=2, overrides=[f"parallel.master_port={port}"])
+    assert spawned == []

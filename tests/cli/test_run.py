@@ -130,3 +130,16 @@ def test_a_run_folder_and_its_checkpoints_resume(tmp_path: Path) -> None:
     assert previous_run(c, str(tmp_path)) == (tmp_path, "auto")
     assert previous_run(c, str(tmp_path / "checkpoints")) == (tmp_path, "auto")
     assert previous_run(c, str(newest)) == (tmp_path, str(newest))
+
+
+def test_a_hook_that_fails_after_training_loses_no_results(tmp_path: Path) -> None:
+    from unison.cli.run import _train
+
+    def broken(context: Any) -> None:
+        context.results["from_hook"] = 1
+        raise RuntimeError("the hook broke")
+
+    with pytest.raises(RuntimeError, match="the hook broke"):
+        _train(config(tmp_path), resolved(after_training=broken), tmp_path, None)
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written["epochs"] == 1 and "validation" in written and "from_hook" not in written

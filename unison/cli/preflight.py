@@ -19,6 +19,7 @@ from unison.cli.references import _References
 from unison.cli.resolve import Resolved
 from unison.config import Config, ConfigError
 from unison.config.usercode import describe
+from unison.distributed.env import port_is_free
 from unison.metrics import Loss
 from unison.utils import get_logger
 
@@ -155,3 +156,20 @@ def _meta_optimizer(config: Config, resolved: Resolved, model: nn.Module, refs: 
             "training.scheduler_kwargs" if resolved.scheduler_kwargs else "training.scheduler_type",
             f"building {describe(resolved.scheduler_type)} raised {type(err).__name__}: {err}",
         ) from err
+
+
+def check_port(config: Config) -> None:
+    """``parallel.master_port``, when given for a local spawn: free now, or an error naming it.
+
+    Under torchrun or srun the launcher owns the rendezvous: this is not called there.
+    """
+    port = config.parallel.master_port
+    if port is None:
+        return
+    host = config.parallel.master_addr
+    if not port_is_free(int(port), host):
+        raise _References.of(config).error(
+            "parallel.master_port",
+            f"{port} is in use on {host} (another job, or a leftover process): leave master_port out "
+            "(a free port is picked) or choose another",
+        )

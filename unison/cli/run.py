@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from unison.cli.changes import check_resume, record
-from unison.cli.preflight import preflight
+from unison.cli.preflight import check_port, preflight
 from unison.cli.resolve import Resolved, make_metrics, resolve
 from unison.cli.steps import RunParts, build_run
 from unison.config import Config, dump_config, load_config
@@ -247,7 +247,8 @@ def finish_run(
     """Test phase: the test set, predictions, the recipe's ``hooks.after_training``, metrics.json.
 
     Adds ``test`` and ``predictions`` to ``results`` when they are made; rank 0 writes
-    ``run_dir/metrics.json`` last, after the hook (which may add results of its own).
+    ``run_dir/metrics.json`` before the hook (so a failing hook loses no results) and again
+    after it (it may add results of its own).
 
     Distributed:
         Collective: call on every rank.
@@ -269,8 +270,14 @@ def finish_run(
         {"train": datasets.train, "val": datasets.val, "test": datasets.test},
         results,
     )
+    _write_metrics(run_dir, results)  # before the hook: a hook that fails loses nothing
     if resolved.after_training is not None:
         resolved.after_training(context)
+        _write_metrics(run_dir, results)  # again, with what the hook added
+
+
+def _write_metrics(run_dir: Path, results: dict[str, Any]) -> None:
+    """Rank 0 writes ``run_dir/metrics.json``."""
     if get_rank() == 0:
         (run_dir / "metrics.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
 
@@ -364,6 +371,7 @@ def run(
         nproc_per_node = None
     else:
         nproc_per_node = nproc if nproc is not None else config.parallel.nproc_per_node
+        check_port(config)  # a busy port fails here, not after the ranks started
     results = launch(
         train_from_config,
         config,
