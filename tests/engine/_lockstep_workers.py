@@ -221,7 +221,13 @@ def rank_local_handler_worker(kind: str, sync_every: int | None) -> None:
 
 
 def debug_env_worker() -> dict:
-    """What a rank sees of the debug switches."""
+    """What a rank sees of the debug switches, after training a DDP model with them on."""
+    from unison.distributed import prepare_model
+    from unison.engine import create_trainer
+
+    model = prepare_model(torch.nn.Linear(3, 1))  # DDP at 2 ranks: torch's DETAIL level crashed here
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    trainer.run([(torch.randn(2, 3), torch.randn(2, 1))] * 4, max_epochs=2)
     return {
         "TORCH_DISTRIBUTED_DEBUG": os.environ.get("TORCH_DISTRIBUTED_DEBUG"),
         "UNISON_DEBUG": os.environ.get("UNISON_DEBUG"),

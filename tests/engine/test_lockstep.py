@@ -477,14 +477,14 @@ def test_debug_reports_a_handler_attached_on_rank_zero_only(kind, sync_every, wo
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_launch_debug_turns_on_torch_detail_checks_in_the_ranks_and_only_there():
+def test_launch_debug_trains_a_ddp_model_with_the_checks_on_in_the_ranks_and_only_there():
     # A fork server is already up, as in any test session: it must not hand out its own environment.
     assert run_distributed(world, nproc=2, timeout=RUN_TIMEOUT) == [(0, 2), (1, 2)]
     saved = dict(os.environ)
     seen = launch(
         debug_env_worker, nproc_per_node=2, debug=True, start_method="forkserver", timeout=RUN_TIMEOUT
     )
-    assert seen == [{"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "UNISON_DEBUG": "1", "engine_debug": True}] * 2
+    assert seen == [{"TORCH_DISTRIBUTED_DEBUG": "INFO", "UNISON_DEBUG": "1", "engine_debug": True}] * 2
     # The next job, launched without debug, runs without it.
     later = run_distributed(debug_env_worker, nproc=2, timeout=RUN_TIMEOUT)
     changed = {
@@ -564,3 +564,11 @@ def _stop_agreed_from_a_handler() -> None:
 def test_stop_agreed_outside_a_sync_point_is_refused_at_the_call() -> None:
     with pytest.raises(RuntimeError, match=r"stop_agreed\('alone'\) was called outside a sync point"):
         _stop_agreed_from_a_handler()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_unison_debug_from_the_environment_trains_a_ddp_model(monkeypatch):
+    monkeypatch.setenv("UNISON_DEBUG", "1")
+    seen = run_distributed(debug_env_worker, nproc=2, timeout=RUN_TIMEOUT)
+    assert [s["engine_debug"] for s in seen] == [True, True]

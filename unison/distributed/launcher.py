@@ -87,11 +87,11 @@ def launch(
             everywhere) or ``"forkserver"`` (faster repeated starts).
         deadline: when spawning, seconds after which a rank that has not finished prints the
             stacks of all its threads and exits, failing the job. Meant for tests.
-        debug: turn on torch's collective consistency checks
-            (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: a collective called with different shapes
-            or in a different order on some rank fails with a description instead of
-            hanging) and unison's lockstep checks at every sync point
-            (``UNISON_DEBUG=1``). Costs time; for diagnosing.
+        debug: turn on unison's lockstep checks at every sync point (``UNISON_DEBUG=1``:
+            ranks at different events or iterations, or with different handlers, fail naming
+            the rank that went its own way) and torch's distributed logging
+            (``TORCH_DISTRIBUTED_DEBUG=INFO``; its ``DETAIL`` level crashes DDP on gloo in
+            torch 2.13). Costs a collective per sync point; for diagnosing.
         **kwargs: keyword arguments for ``fn``.
 
     Returns:
@@ -205,7 +205,7 @@ def _debug_environment(debug: bool) -> Iterator[None]:
         yield
         return
     # Read by torch when the process group is created, and inherited by spawned ranks.
-    wanted = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "UNISON_DEBUG": "1"}
+    wanted = {"TORCH_DISTRIBUTED_DEBUG": "INFO", "UNISON_DEBUG": "1"}
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:
