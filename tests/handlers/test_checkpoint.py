@@ -262,9 +262,10 @@ def _scored_engine(folder: Path, **options) -> tuple[Engine, Checkpoint, list]:
     checkpoint.attach()
     after_each: list = []
 
-    @engine.on(Events.EPOCH_COMPLETED)
     def _record(e: Engine) -> None:
         after_each.append((e.state.epoch, checkpoint.saved[-1].name, on_disk(folder), in_manifest(folder)))
+
+    engine.after_epoch(_record)  # the epoch's save runs after every handler: record after it
 
     return engine, checkpoint, after_each
 
@@ -726,3 +727,53 @@ def test_the_round_trip_comparison_catches_a_faulty_resume(tmp_path, monkeypatch
     resumed = _resume_fresh(tmp_path, first["path"], faults=replacements, monkeypatch=monkeypatch)
     with pytest.raises(AssertionError, match=named):
         _assert_resumed_as_saved(resumed, first["saved"], first["run"])
+
+
+def test_a_checkpoint_attached_before_the_evaluation_records_this_epochs_score(tmp_path):
+    """The epoch's save runs after every EPOCH_COMPLETED handler, whatever the attach order."""
+    engine = Engine(lambda e, b: None, sync_every=None)
+    checkpoint = Checkpoint(
+        tmp_path, {"model": nn.Linear(2, 1)}, engine, metric="score", mode="max", keep_last=1, keep_best=1
+    )
+    checkpoint.attach()  # before the handler that computes the score
+
+    @engine.on(Events.EPOCH_COMPLETED)
+    def _score(e: Engine) -> None:
+        e.state.metrics["score"] = SCORES[e.state.epoch - 1]
+
+    engine.run(range(1), max_epochs=len(SCORES))
+    recorded = {entry.epoch: entry.score for entry in checkpoint.manifest.entries}
+    assert all(recorded[epoch] == SCORES[epoch - 1] for epoch in recorded)
+    best = max(range(len(SCORES)), key=lambda i: SCORES[i]) + 1
+    assert checkpoint.best is not None and checkpoint.best.epoch == best
+
+
+class _Counter:
+    """A per-iteration stateful handler."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, engine: Engine) -> None:
+        self.count += 1
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
+def test_a_stateful_handler_attached_after_the_checkpoint_is_saved_after_it_ran(tmp_path):
+    """A mid-epoch save is taken after every handler of the iteration, whatever the attach order."""
+    engine = Engine(lambda e, b: None, sync_every=None)
+    counter = _Counter()
+    checkpoint = Checkpoint(
+        tmp_path, {"counter": counter}, engine, every_epochs=None, every_iters=3, at_end=False, keep_last=None
+    )
+    checkpoint.attach()
+    engine.add_event_handler(Events.ITERATION_COMPLETED, counter)  # attached after the Checkpoint
+    engine.run(range(10))
+    for path in checkpoint.saved:
+        saved = torch.load(path, weights_only=True)
+        assert saved["objects"]["counter"]["count"] == saved["meta"]["iteration"], path.name

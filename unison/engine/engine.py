@@ -142,6 +142,7 @@ class Engine(AgreedStops):
         """Whether the last ``run`` was given ``epoch_length`` (else the data's length decides)."""
         self._epoch = EpochTracker()
         self._after_iteration: list[Callable[[Engine], None]] = []
+        self._after_epoch: list[Callable[[Engine], None]] = []
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._control, scope="every")
         self._loaded = False
@@ -253,33 +254,38 @@ class Engine(AgreedStops):
                     self._sync_due = True
                 if self._sync_due and not self._epoch_ends_here() and self.at_boundary():
                     self._sync(epoch_end=False)
-            for callback in self._after_iteration:
-                try:
-                    callback(self)
-                except Exception as err:
-                    add_note(err, f"raised by {handler_name(callback)} after {self._where(event_name)}")
-                    raise
+            self._run_after(self._after_iteration, event_name)
         elif event_name is Events.EPOCH_STARTED and self._epoch.pending_partials is not None:
             pending, self._epoch.pending_partials = self._epoch.pending_partials, None
             # After the handlers, which reset the epoch's sums.
             restore_partials(partial_contributors(self.sync_point), pending, get_rank() == 0)
-        elif (
-            event_name is Events.EPOCH_COMPLETED
-            and self._control_contributors
-            and not self._is_last_epoch()
-            and not self.should_terminate
-        ):
-            self._sync(epoch_end=False)
+        elif event_name is Events.EPOCH_COMPLETED:
+            if self._control_contributors and not self._is_last_epoch() and not self.should_terminate:
+                self._sync(epoch_end=False)
+            self._run_after(self._after_epoch, event_name)
+
+    def _run_after(self, callbacks: list[Callable[[Engine], None]], event_name: Any) -> None:
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception as err:
+                add_note(err, f"raised by {handler_name(callback)} after {self._where(event_name)}")
+                raise
 
     def after_iteration(self, callback: Callable[[Engine], None]) -> None:
-        """Calls ``callback(engine)`` at the very end of every ``ITERATION_COMPLETED``: after all
-        of its handlers, whatever their attach order, and after the sync point that follows
-        them, so a stop agreed at this iteration is already applied. For work that must see
-        the iteration whole, such as a checkpoint taken inside an epoch. Adding the same
-        callback twice has no effect.
+        """Calls ``callback(engine)`` at the very end of every ``ITERATION_COMPLETED``: after all its
+        handlers, whatever their attach order, and the sync point that follows them (a stop agreed
+        there is applied). For work that must see the iteration whole, such as a mid-epoch
+        checkpoint. Adding a callback twice has no effect; :meth:`after_epoch` is the same for epochs.
         """
         if callback not in self._after_iteration:
             self._after_iteration.append(callback)
+
+    def after_epoch(self, callback: Callable[[Engine], None]) -> None:
+        """Calls ``callback(engine)`` at the very end of every ``EPOCH_COMPLETED`` (see :meth:`after_iteration`):
+        after every handler of the epoch, an evaluation attached after it included."""
+        if callback not in self._after_epoch:
+            self._after_epoch.append(callback)
 
     def partial_sums(self) -> list[list[float]] | None:
         """This rank's sums so far of the epoch's additive contributors (the epoch's mean loss),
@@ -287,12 +293,8 @@ class Engine(AgreedStops):
         return partial_sums(self.sync_point, self.epoch_position)
 
     def reposition(self, into: int) -> None:
-        """At ``STARTED`` of a resumed run: the first epoch starts ``into`` iterations in.
-
-        For a checkpoint handler that refits the epoch to new data (a resume at another world
-        size): ``state.epoch``, ``state.iteration`` and ``state.epoch_length`` are set through
-        ``state``; this sets where ignite's epoch loop starts counting, to match.
-        """
+        """At ``STARTED`` of a resumed run, the first epoch starts ``into`` iterations in: for a
+        checkpoint that refits the epoch to new data (``state`` holds epoch, iteration, length)."""
         self._init_iter = self._epoch.resume_offset = int(into)
 
     @property
@@ -308,11 +310,8 @@ class Engine(AgreedStops):
 
     @property
     def epoch_iteration(self) -> int:
-        """The current iteration's 1-based position within its epoch.
-
-        Unlike ``state.iteration % epoch_length`` it stays right after an epoch was cut
-        short by ``terminate_epoch()``, and after a mid-epoch resume.
-        """
+        """The current iteration's 1-based position within its epoch (right after a
+        ``terminate_epoch()`` and a mid-epoch resume, unlike ``iteration % epoch_length``)."""
         return self._epoch.iteration
 
     def _epoch_ends_here(self) -> bool:
@@ -326,12 +325,8 @@ class Engine(AgreedStops):
         )
 
     def add_failure_callback(self, callback: Callable[[], None]) -> None:
-        """Calls ``callback()`` when a run fails with an exception, before it propagates.
-
-        For handlers that own a resource (a thread, an open file) and must release it
-        whatever ends the run. Unlike an ``EXCEPTION_RAISED`` handler, it does not change
-        whether the exception is raised.
-        """
+        """Calls ``callback()`` when a run fails, before the exception propagates: for handlers
+        that own a resource (a thread, a file). Unlike ``EXCEPTION_RAISED``, it cannot swallow it."""
         if callback not in self._failure_callbacks:
             self._failure_callbacks.append(callback)
 

@@ -48,10 +48,9 @@ _log = get_logger(__name__)
 class Checkpoint:
     """Saves everything an exact resume needs, durably, from rank 0; resumes every rank.
 
-    **When**: every ``every_epochs`` epochs (after the other ``EPOCH_COMPLETED`` handlers
-    attached before it, such as an evaluation), every ``every_iters`` iterations, and at
-    the end of the run. Inside an epoch, a save waits for the end of the current gradient
-    accumulation window.
+    **When**: every ``every_epochs`` epochs and every ``every_iters`` iterations, after every
+    handler of that event whatever their attach order (an evaluation included), and at the
+    end of the run. Inside an epoch, a save waits for the end of the accumulation window.
 
     **What**: each object of ``to_save`` (a model is saved unwrapped from DDP, without the
     ``module.`` prefix; anything else through its ``state_dict()``: optimizers, LR
@@ -168,7 +167,9 @@ class Checkpoint:
         trainer.add_event_handler(Events.TERMINATE_SINGLE_EPOCH, self._on_epoch_cut)
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._restore_pending_rng)
         if self.every_epochs is not None:
-            trainer.add_event_handler(Events.EPOCH_COMPLETED(every=self.every_epochs), self._save_event)
+            # After every handler of the epoch (an evaluation attached later included): the score
+            # recorded is this epoch's.
+            trainer.after_epoch(self._epoch_trigger)  # type: ignore[attr-defined]  # a unison Engine (checked above)
         if self.every_iters is not None:
             # After every handler of the iteration and its sync point: the saved state is the
             # whole iteration's, and a stop agreed at it is already applied.
@@ -194,8 +195,9 @@ class Checkpoint:
             return  # the epoch's save follows, after the epoch's handlers (evaluation)
         self.save(engine)
 
-    def _save_event(self, engine: Engine) -> None:
-        self.save(engine)
+    def _epoch_trigger(self, engine: Engine) -> None:
+        if self.every_epochs is not None and engine.state.epoch % self.every_epochs == 0:
+            self.save(engine)
 
     def _on_end(self, engine: Engine) -> None:
         unsaved = engine.state.iteration != self._last_saved_iteration
