@@ -101,6 +101,12 @@ def finish(cluster: SlurmCluster, job: int, outputs: Path) -> tuple[dict[str, st
     return info, out.read_text() if out.exists() else "<no output file>"
 
 
+def _refused_as_already_killed(cluster: SlurmCluster, job: int) -> bool:
+    """Whether slurmd refused to start the job because it still held an earlier start as killed."""
+    log = cluster.logs / "slurmd.log"
+    return log.exists() and f"Job {job} already killed, do not launch batch job" in log.read_text(errors="replace")
+
+
 def only_run(root: Path) -> Path:
     runs = sorted((root / "digits").glob("*/")) if (root / "digits").exists() else []
     assert len(runs) == 1, f"expected one run directory under {root}, got {runs}"
@@ -272,10 +278,19 @@ def test_usr1_with_requeue_resumes_in_the_same_job(cluster, reference, tmp_path)
         assert time.monotonic() < deadline, f"job {job} was not requeued in {JOB_TIMEOUT_S} s: {info}"
         time.sleep(0.2)
     info, output = finish(cluster, job, tmp_path)
+    restarts = "1"
+    if info.get("JobState") == "FAILED" and _refused_as_already_killed(cluster, job):
+        # A one-machine cluster's race: slurmd refused the requeued start while it still held the
+        # first start as killed ("Job N already killed, do not launch batch job"); nothing of
+        # unison ran. Requeue it again: the checkpoint is on disk, the second try resumes.
+        cluster.scontrol("requeue", str(job))
+        cluster.scontrol("update", f"JobId={job}", "StartTime=now")
+        info, output = finish(cluster, job, tmp_path)
+        restarts = "2"
     print(
         f"\nrequeued job {job}: {info.get('JobState')} {info.get('ExitCode')} in {time.monotonic() - started:.1f} s"
     )
-    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", "1"), (
+    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", restarts), (
         f"job {job}: {info}\n{output}\n{cluster.diagnostics()}"
     )
     assert "DUE TO JOB REQUEUE" in output, output
@@ -287,5 +302,5 @@ def test_usr1_with_requeue_resumes_in_the_same_job(cluster, reference, tmp_path)
     assert Path(resumed[0][0]).parent == run_dir / "checkpoints", resumed
     for r in range(2):
         placed = json.loads((run_dir / "placement" / f"rank{r}.json").read_text())
-        assert placed["env"]["SLURM_RESTART_COUNT"] == "1", placed
+        assert placed["env"]["SLURM_RESTART_COUNT"] == restarts, placed
     check_exact_resume(run_a, run_dir, total)
