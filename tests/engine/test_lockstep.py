@@ -572,3 +572,23 @@ def test_unison_debug_from_the_environment_trains_a_ddp_model(monkeypatch):
     monkeypatch.setenv("UNISON_DEBUG", "1")
     seen = run_distributed(debug_env_worker, nproc=2, timeout=RUN_TIMEOUT)
     assert [s["engine_debug"] for s in seen] == [True, True]
+
+
+def _plain_handler_on_rank_zero_only() -> None:
+    def write_csv(engine: Engine) -> None:
+        pass
+
+    engine = Engine(ones, sync_every=2, debug=True)
+    if get_rank() == 0:
+        engine.add_event_handler(Events.ITERATION_COMPLETED, write_csv)
+    engine.run(range(6))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_debug_compares_the_handlers_attached_too() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_distributed(_plain_handler_on_rank_zero_only, nproc=2, timeout=50)
+    message = str(info.value)
+    assert "attached different handlers to ITERATION_COMPLETED" in message
+    assert "write_csv" in message and "rank 1 has []" in message

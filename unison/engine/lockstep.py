@@ -12,6 +12,7 @@ from ignite.engine import Events
 
 from unison.distributed.primitives import all_reduce_sum, get_rank, get_world_size, is_distributed
 from unison.distributed.sync import split_rows
+from unison.engine.checks import handler_name
 from unison.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -90,9 +91,18 @@ def _explain_layouts(engine: Engine, names: list[str], sizes: list[int]) -> None
     )
 
 
+def _handlers(engine: Engine) -> dict[str, list[str]]:
+    """The handlers attached to each event, by name, in order."""
+    return {
+        getattr(event, "name", str(event)): [handler_name(h) for h, _, _ in handlers]
+        for event, handlers in engine._event_handlers.items()
+        if handlers
+    }
+
+
 def check_lockstep(engine: Engine, epoch_end: bool) -> None:
-    """Collective (debug mode): all ranks are at the same event and iteration with the same
-    sync contributors; raises naming the rank that went its own way."""
+    """Collective (debug mode): all ranks are at the same event and iteration, with the same
+    sync contributors and the same handlers; raises naming the rank that went its own way."""
     here = (
         engine.name,
         str(engine.last_event_name),
@@ -100,9 +110,9 @@ def check_lockstep(engine: Engine, epoch_end: bool) -> None:
         [type(c).__name__ for c in engine.sync_point.contributors(epoch_end)],
     )
     everyone: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(everyone, here)
-    reference = everyone[0]
-    for rank, other in enumerate(everyone):
+    dist.all_gather_object(everyone, (here, _handlers(engine)))
+    reference, attached = everyone[0]
+    for rank, (other, theirs) in enumerate(everyone):
         if other != reference:
             raise RuntimeError(
                 "Ranks left lockstep: at a sync point rank 0 is at "
@@ -111,6 +121,13 @@ def check_lockstep(engine: Engine, epoch_end: bool) -> None:
                 "unison's Engine, a branch on the rank around a collective). Attach every handler "
                 "on every rank and stop through engine.terminate() / request_stop()."
             )
+        for event in sorted(set(attached) | set(theirs)):
+            if attached.get(event, []) != theirs.get(event, []):
+                raise RuntimeError(
+                    f"{engine.name}: the ranks attached different handlers to {event}: rank 0 has "
+                    f"{attached.get(event, [])}, rank {rank} has {theirs.get(event, [])}. Every rank attaches "
+                    "every handler; filter by rank only inside a handler's side effect (rank_zero_only)."
+                )
 
 
 def describe(where: Any) -> str:
