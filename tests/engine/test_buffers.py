@@ -60,3 +60,27 @@ def test_every_rank_evaluates_the_model_rank_0_saves() -> None:
     with torch.no_grad():
         assert torch.allclose(zero["predicted"], model(val.tensors[0]), atol=1e-6)
     assert ranks[1]["predicted"] is None
+
+
+def _evaluate_with(sampler_kind: str) -> list[str]:
+    import logging
+
+    from _log_capture import LogRecords
+    from torch.utils.data import DistributedSampler
+
+    logging.getLogger("unison").setLevel(logging.INFO)
+    data = _data(5, 3)  # 5 samples on 2 ranks: a DistributedSampler pads one
+    sampler = DistributedSampler(data, shuffle=False) if sampler_kind == "torch" else EvalSampler(data)
+    evaluator = create_evaluator(torch.nn.Linear(3, 1), _metrics())
+    with LogRecords() as logs:
+        evaluator.run(DataLoader(data, batch_size=2, sampler=sampler))
+        evaluator.run(DataLoader(data, batch_size=2, sampler=sampler))
+    return [m for m in logs.messages if "pads" in m]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_an_evaluation_on_a_padding_sampler_is_warned_once_naming_the_fix() -> None:
+    warned = run_distributed(_evaluate_with, "torch", nproc=2, timeout=100)
+    assert all(len(w) == 1 and "pads 1 of 5 samples" in w[0] and "EvalSampler" in w[0] for w in warned)
+    assert run_distributed(_evaluate_with, "unison", nproc=2, timeout=100) == [[], []]

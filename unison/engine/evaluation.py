@@ -10,6 +10,7 @@ from ignite.engine import Engine as IgniteEngine
 from ignite.engine import Events
 from ignite.metrics import EpochMetric, Metric
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from unison.distributed.model import unwrap_model
 from unison.distributed.primitives import broadcast_buffers
@@ -18,6 +19,9 @@ from unison.engine.steps import AmpMode, check_amp, check_device, prepare_batch
 from unison.metrics.base import SumMetric
 from unison.metrics.gathered import exact_epoch_metric
 from unison.metrics.group import MetricGroup
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
 
 
 class EvalStep:
@@ -126,6 +130,7 @@ def create_evaluator(
             step.model.train(modes.pop())
 
     evaluator.add_event_handler(Events.STARTED, _eval_mode)
+    evaluator.add_event_handler(Events.STARTED, _warn_if_padded)
     evaluator.add_event_handler(Events.COMPLETED, _restore_mode)
     evaluator.add_event_handler(Events.TERMINATE, _restore_mode)
     evaluator.add_failure_callback(lambda: _restore_mode(evaluator))
@@ -139,3 +144,25 @@ def create_evaluator(
                 exact_epoch_metric(metric)  # ignite's gather crashes on uneven shards
             metric.attach(evaluator, name)
     return evaluator
+
+
+def _warn_if_padded(engine: Engine) -> None:
+    """Warns (once per evaluator) when the evaluation data's sampler pads the shards."""
+    loader = engine.state.dataloader
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or getattr(engine, "_warned_padding", False):
+        return
+    size = len(sampler.dataset)  # type: ignore[arg-type]  # a map-style dataset: sized
+    padded = sampler.total_size - size
+    if padded > 0:
+        engine._warned_padding = True  # type: ignore[attr-defined]  # a flag on this evaluator
+        _log.warning(
+            "%s: the evaluation data is sharded by a %s that pads %d of %d samples to give %d ranks equal shards: "
+            "those samples are evaluated twice and the metrics are not the dataset's. Shard evaluation data "
+            "with unison.distributed.EvalSampler (prepare_loaders does), which pads nothing.",
+            engine.name,
+            type(sampler).__name__,
+            padded,
+            size,
+            sampler.num_replicas,
+        )
