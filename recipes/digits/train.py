@@ -6,7 +6,7 @@ is evaluated exactly, each sample once across all ranks, and rank 0 logs one lin
 
 The same file runs three ways:
 
-    python recipes/digits/train.py --nproc 2                  # spawns 2 local ranks
+    python recipes/digits/train.py --ranks 2                  # spawns 2 local ranks
     torchrun --nproc_per_node=2 recipes/digits/train.py       # torchrun starts the ranks
     python recipes/digits/train.py                            # one process, no process group
 
@@ -89,7 +89,8 @@ def write_json(summary: dict[str, float | int], path: str) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, help="ranks to spawn here; leave out under torchrun or srun")
+    # Not --nproc: torchrun reads any --nproc* option as its own --nproc-per-node, even after the script.
+    parser.add_argument("--ranks", type=int, help="ranks to spawn here; leave out under torchrun or srun")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -102,4 +103,4 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = parse_args()
-    launch(train, args, nproc_per_node=args.nproc)
+    launch(train, args, nproc_per_node=args.ranks)

@@ -49,7 +49,7 @@ def run_recipe(mode: str, out: Path) -> tuple[dict, list[str]]:
     """Runs the recipe; returns the JSON rank 0 wrote and the lines printed to stdout and stderr."""
     cmd = [*launcher(mode), str(SCRIPT), *SHORT_RUN, "--out", str(out)]
     if mode == "spawn":
-        cmd += ["--nproc", "2"]
+        cmd += ["--ranks", "2"]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

@@ -220,7 +220,7 @@ def _debug_environment(debug: bool) -> Iterator[None]:
 
 def _nested_fix(kind: str) -> str:
     if kind == "torchrun":
-        return "Leave nproc_per_node out (drop --nproc from the command line) when running under torchrun."
+        return "Leave nproc_per_node out (drop the option that asks to spawn, such as --nproc or --ranks) when running under torchrun."
     if kind == "slurm":
         return (
             "Under srun, each task is already one rank: leave nproc_per_node out, and ask SLURM for "
