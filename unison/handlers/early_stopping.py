@@ -115,7 +115,8 @@ class EarlyStopping(SyncedHandler):
         who = [r for r, v in enumerate(votes) if v > 0]
         name = self.metric if isinstance(self.metric, str) else "the score"
         return (
-            f"early stopping: {name} did not improve for {self.checker.patience} evaluations "
+            f"early stopping: {name} did not improve for {self.checker.patience} "
+            f"evaluation{'s' if self.checker.patience != 1 else ''} "
             f"(agreement {self.agreement!r}; ranks voting to stop: {who})"
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import re
@@ -54,6 +55,12 @@ def api_markdown() -> str:
                 kind = "function"
             else:
                 lines += [f"- **`{name}`** = `{obj!r}`", ""]
+                continue
+            if inspect.isclass(obj) and issubclass(obj, enum.Enum):  # its members, not Enum's constructor
+                members = ", ".join(f"`{m.name}`" for m in obj)
+                summary = _summary(obj)
+                lead = summary if summary.endswith(":") else f"{summary} Members:"
+                lines += [f"### `{module_name}.{name}`", "", f"*enum* — {lead} {members}.", ""]
                 continue
             lines += [
                 f"### `{module_name}.{name}{_signature(obj)}`",
