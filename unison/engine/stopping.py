@@ -32,7 +32,11 @@ class AgreedStops(IgniteEngine):
         self._request("stop", "terminate() was called", skip_completed)
 
     def terminate_epoch(self, skip_epoch_completed: bool = False) -> None:
-        """Ends the current epoch; with several ranks, all end it after the same iteration."""
+        """Ends the current epoch; with several ranks, all end it after the same iteration.
+
+        That iteration is the first sync point at or after the call: with ``sync_every=None``
+        (an evaluator's default) the epoch's end, so the epoch then runs to its end anyway.
+        """
         if skip_epoch_completed and get_world_size() > 1:
             raise ValueError(
                 "terminate_epoch(skip_epoch_completed=True) is not supported with several ranks: the "
