@@ -777,3 +777,26 @@ def test_a_stateful_handler_attached_after_the_checkpoint_is_saved_after_it_ran(
     for path in checkpoint.saved:
         saved = torch.load(path, weights_only=True)
         assert saved["objects"]["counter"]["count"] == saved["meta"]["iteration"], path.name
+
+
+def test_stateful_handlers_attached_to_the_trainer_are_saved_and_restored_unasked(tmp_path):
+    from unison.handlers import EarlyStopping
+
+    def build() -> tuple[Engine, Checkpoint, EarlyStopping, _Counter]:
+        engine = Engine(lambda e, b: None, sync_every=None)
+        stopper = EarlyStopping(engine, lambda e: 1.0, patience=10, mode="max")  # never improves after the first
+        stopper.attach(engine)
+        counter = _Counter()
+        engine.add_event_handler(Events.ITERATION_COMPLETED, counter)
+        checkpoint = Checkpoint(tmp_path, {"model": nn.Linear(2, 1)}, engine, keep_last=None)
+        checkpoint.attach()
+        return engine, checkpoint, stopper, counter
+
+    engine, checkpoint, stopper, counter = build()
+    engine.run(range(3), max_epochs=3)
+    saved = torch.load(checkpoint.saved[-1], weights_only=True)["objects"]
+    assert {"handler:EarlyStopping", "handler:_Counter"} <= set(saved)
+    _, again, restored_stopper, restored_counter = build()
+    again.resume("auto")
+    assert restored_counter.count == counter.count == 9
+    assert restored_stopper.checker.state_dict() == stopper.checker.state_dict()

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from ignite.engine import Engine, Events
 
+from unison.checkpoint.attached import attached_states, load_attached
 from unison.checkpoint.io import load_checkpoint
 from unison.checkpoint.manifest import Entry, Manifest, entry_for
 from unison.checkpoint.position import (
@@ -246,7 +247,7 @@ class Checkpoint:
             trainer=trainer,
             sampler=sampler_state(engine.state.dataloader, pass_, iteration, by_rank),
             rng=[rng for rng, _, _ in everyone],
-            objects=object_states(self.to_save),
+            objects=object_states({**attached_states(engine, [self, *self.to_save.values()]), **self.to_save}),
             config=self.config,
         )
 
@@ -332,6 +333,7 @@ class Checkpoint:
             _log.warning("%s", change)
         meta = state["meta"]
         load_object_states(self.to_save, state["objects"])
+        load_attached(attached_states(self.trainer, [self, *self.to_save.values()]), state["objects"])
         self.trainer.load_state_dict(state["trainer"])
         self._pending_rng = rng_of_rank(state["rng"], get_rank())
         self._pending_resume = state
