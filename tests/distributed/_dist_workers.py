@@ -214,3 +214,10 @@ def process_group_timeout() -> float | None:
     except (AttributeError, RuntimeError):
         return None
     return timeout.total_seconds() if isinstance(timeout, timedelta) else None
+
+
+def mismatched_all_reduce() -> None:
+    """Rank 1 all-reduces a longer tensor than rank 0: gloo aborts the process."""
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(2 + 3 * dist.get_rank()))

@@ -195,6 +195,18 @@ def test_failing_rank_ends_the_job_with_its_traceback(warm_ranks):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+def test_a_collective_mismatch_without_debug_is_named_with_the_stack_and_the_debug_switch():
+    from _dist_workers import mismatched_all_reduce
+
+    with pytest.raises(RankFailedError) as err:
+        run_distributed(mismatched_all_reduce, nproc=2, timeout=40)
+    message = str(err.value)
+    assert "died with signal SIGABRT" in message and "mismatched_all_reduce" in message
+    assert "died inside a collective" in message and "UNISON_DEBUG=1" in message
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
 def test_a_rank_past_its_deadline_fails_the_call(warm_ranks):
     started = time.monotonic()
     with pytest.raises(RankFailedError) as err:

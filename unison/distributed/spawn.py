@@ -122,7 +122,7 @@ def _spawn(
             else:
                 how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
                 detail = f"the process died with {how} before returning (see its stderr above)."
-                detail += _own_traceback(results, err.error_index)
+                detail += _own_traceback(results, err.error_index) + _fatal_stack(results, err.error_index)
             raise RankFailedError(err.error_index, nproc, detail) from None
         relay.stop()
         missing = [rank for rank in range(nproc) if not (results / f"rank-{rank}.pkl").exists()]
@@ -158,6 +158,28 @@ def _own_traceback(results: Path, rank: int) -> str:
         return ""
     _, _, text = path.read_text().partition("\n")
     return f"\nIt left its function with:\n{text}"
+
+
+_FAULTS: Any = None
+"""A spawned rank's file for faulthandler (kept open for the life of the process)."""
+
+
+def _fatal_stack(results: Path, rank: int) -> str:
+    """The Python stack rank ``rank`` was in when a signal killed it, with what it likely means."""
+    path = results / f"fault-rank-{rank}.txt"
+    stack = path.read_text(errors="replace").strip() if path.exists() else ""
+    if not stack:
+        return ""
+    text = f"\nIts Python stack when the signal hit:\n{stack}"
+    if "torch/distributed/" in stack:
+        text += (
+            "\nIt died inside a collective: the backend aborts when ranks call a collective with different "
+            "sizes or types, or call different collectives (a branch on the rank around a collective, a "
+            "handler attached on some ranks only). Rerun with UNISON_DEBUG=1 (or launch(..., debug=True)) "
+            "to have the ranks compare where they are at every sync point and name the one that went its "
+            "own way."
+        )
+    return text
 
 
 @contextlib.contextmanager
@@ -232,9 +254,11 @@ def _spawned_rank(
     unblock: tuple[int, ...] = (),
 ) -> None:
     """Entry point of each spawned process; the process group already exists."""
-    # A rank killed by a signal (a backend's abort, a segfault) prints its Python stack
-    # instead of leaving only "died with signal SIGABRT".
-    faulthandler.enable(all_threads=True)
+    # A rank killed by a signal (a backend's abort, a segfault) records its Python stack,
+    # which the launcher reports, instead of leaving only "died with signal SIGABRT".
+    global _FAULTS
+    _FAULTS = open(Path(result_dir) / f"fault-rank-{local_rank}.txt", "w")  # noqa: SIM115  # open until exit
+    faulthandler.enable(file=_FAULTS, all_threads=True)
     if unblock:  # forked by a fork server started with them blocked (see _start_helpers)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
     # A fork server started earlier hands out the environment of its own start: give the
