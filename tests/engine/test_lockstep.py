@@ -592,3 +592,28 @@ def test_debug_compares_the_handlers_attached_too() -> None:
     message = str(info.value)
     assert "attached different handlers to ITERATION_COMPLETED" in message
     assert "write_csv" in message and "rank 1 has []" in message
+
+
+def _collective_on_rank_zero_only_with_debug() -> None:
+    import torch.distributed as dist
+
+    def report_total(engine: Engine) -> None:
+        if get_rank() == 0:  # the mistake: a collective inside a rank-0-only branch
+            dist.all_reduce(torch.ones(5, dtype=torch.float32))
+
+    engine = Engine(ones, sync_every=2, debug=True)
+    engine.add_event_handler(Events.ITERATION_COMPLETED(once=2), report_total)
+    engine.run(range(6))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_debug_makes_a_collective_on_one_rank_fail_fast_naming_the_handler() -> None:
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_distributed(_collective_on_rank_zero_only_with_debug, nproc=2, timeout=60)  # group timeout 60 s
+    assert time.monotonic() - started < 30, "debug mode waited for the collective timeout"
+    message = str(info.value)
+    assert "report_total" in message and "died inside a collective" in message

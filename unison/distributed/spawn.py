@@ -167,7 +167,7 @@ _FAULTS: Any = None
 def _fatal_stack(results: Path, rank: int) -> str:
     """The Python stack rank ``rank`` was in when a signal killed it, with what it likely means."""
     path = results / f"fault-rank-{rank}.txt"
-    stack = path.read_text(errors="replace").strip() if path.exists() else ""
+    stack = path.read_text(errors="replace").split("\nExtension modules:")[0].strip() if path.exists() else ""
     if not stack:
         return ""
     text = f"\nIts Python stack when the signal hit:\n{stack}"
@@ -175,9 +175,9 @@ def _fatal_stack(results: Path, rank: int) -> str:
         text += (
             "\nIt died inside a collective: the backend aborts when ranks call a collective with different "
             "sizes or types, or call different collectives (a branch on the rank around a collective, a "
-            "handler attached on some ranks only). Rerun with UNISON_DEBUG=1 (or launch(..., debug=True)) "
-            "to have the ranks compare where they are at every sync point and name the one that went its "
-            "own way."
+            "handler attached on some ranks only; the stack above shows where this rank was). With "
+            "UNISON_DEBUG=1 (or launch(..., debug=True)) the ranks also compare where they are at every "
+            "sync point and name the one that went its own way."
         )
     return text
 

@@ -109,8 +109,28 @@ def check_lockstep(engine: Engine, epoch_end: bool) -> None:
         engine.state.iteration,
         [type(c).__name__ for c in engine.sync_point.contributors(epoch_end)],
     )
+    mine = (here, _handlers(engine))
+    # First one small all-reduce of a fingerprint, the shape of every sync point: a collective a
+    # rank calls alone (a rank-0-only branch) then meets a mismatched all-reduce and the backend
+    # aborts in seconds, where a gather of objects would pair with it and wait for the timeout.
+    world, rank, fingerprint = get_world_size(), get_rank(), float(zlib.crc32(repr(mine).encode()))
+    rows = torch.zeros(2 * world, dtype=torch.float64)
+    rows[rank], rows[world + rank] = fingerprint, 1.0
+    (summed,) = all_reduce_sum([rows])
+    prints, marks = split_rows(summed, 2)
+    if prints[rank] != fingerprint or any(m != 1.0 for m in marks):
+        # What came back is not the ranks' fingerprints: another rank's collective, called
+        # where this rank called none, was paired with this sync point.
+        raise RuntimeError(
+            f"Ranks left lockstep: at the sync point of {describe(here)} on rank {rank}, the all-reduce was "
+            "paired with a collective another rank called and this one did not (a collective inside a "
+            "rank-conditional branch, in a handler at or before this event). Call collectives on every "
+            "rank, or move the work inside a rank filter that calls none (rank_zero_only)."
+        )
+    if len(set(prints)) == 1:
+        return
     everyone: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(everyone, (here, _handlers(engine)))
+    dist.all_gather_object(everyone, mine)
     reference, attached = everyone[0]
     for rank, (other, theirs) in enumerate(everyone):
         if other != reference:
