@@ -221,3 +221,11 @@ def mismatched_all_reduce() -> None:
     import torch.distributed as dist
 
     dist.all_reduce(torch.zeros(2 + 3 * dist.get_rank()))
+
+
+def rank_one_skips_a_collective() -> None:
+    """Rank 1 returns while rank 0 still calls a collective."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3))

@@ -207,6 +207,16 @@ def test_a_collective_mismatch_without_debug_is_named_with_the_stack_and_the_deb
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+def test_a_rank_that_returned_while_another_still_calls_a_collective_is_named():
+    from _dist_workers import rank_one_skips_a_collective
+
+    with pytest.raises(RankFailedError) as err:
+        run_distributed(rank_one_skips_a_collective, nproc=2, timeout=40)
+    assert "rank(s) [1] had already returned from the function and left" in str(err.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
 def test_a_rank_past_its_deadline_fails_the_call(warm_ranks):
     started = time.monotonic()
     with pytest.raises(RankFailedError) as err:

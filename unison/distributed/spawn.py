@@ -228,7 +228,14 @@ def _root_cause(results: Path, reported: int, message: str) -> tuple[int, str]:
     failures.sort()
     primary = [f for f in failures if not any(m in f[2] for m in _PEER_FAILURE_MARKERS)]
     _, rank, text = (primary or failures)[0]
-    if not primary:
+    returned = sorted(int(p.stem.rsplit("-", 1)[1]) for p in results.glob("rank-*.pkl"))
+    if not primary and returned:
+        text += (
+            f"\n(this rank failed in a collective because rank(s) {returned} had already returned from the "
+            "function and left: those ranks skipped a collective the others called, e.g. a collective "
+            "inside a rank-conditional branch, or a loop that ran more steps on some ranks.)"
+        )
+    elif not primary:
         text += (
             "\n(this rank failed in a collective because a peer went away; the peer left no traceback: it "
             "was killed, ran out of memory, or exited on its own, e.g. a Watchdog abort. Look at its stderr.)"
