@@ -159,3 +159,35 @@ def test_every_handler_runs_at_world_size_1_and_2(nproc: int) -> None:
         results = run_distributed(_all_handlers_on_two_ranks, folder, nproc=nproc, timeout=150)
     assert len(results) == nproc
     assert all(r == (10, 2, sorted(FACTORIES)) for r in results)
+
+
+def _attached_on_rank_zero_only(name: str, folder: str) -> None:
+    """The handler author's classic mistake: every rank builds the handler, rank 0 alone attaches it."""
+    from unison.distributed import get_rank
+
+    trainer, evaluator, data = _trainer()
+    handler, attach = FACTORIES[name](trainer, evaluator, Path(folder))
+    if get_rank() == 0:
+        attach(handler)
+    trainer.run(data, max_epochs=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_a_handler_attached_on_one_rank_only_is_named_within_seconds(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With debug on, or at the start of any trainer run for sync contributors, never a hang
+    until the collective timeout (60 s here)."""
+    import time
+
+    from unison.distributed import RankFailedError
+
+    monkeypatch.setenv("UNISON_DEBUG", "1")
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_distributed(_attached_on_rank_zero_only, name, str(tmp_path), nproc=2, timeout=60)
+    assert time.monotonic() - started < 40, f"{name}: reported only after the collective timeout"
+    assert name in str(info.value), str(info.value)[-2000:]
