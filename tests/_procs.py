@@ -40,3 +40,27 @@ def kill_tree(*procs: subprocess.Popen) -> None:
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+
+
+def run_in_session(
+    cmd: list[str], timeout: float, cwd: Path, *, merge_output: bool = False
+) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` in a session of its own; on a timeout ends its whole process tree and fails
+    the test with the end of its output (stderr folded into stdout with ``merge_output``)."""
+    import pytest
+
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"did not finish in {timeout:g} s: {' '.join(cmd)}\n{out[-4000:]}\n{(err or '')[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")

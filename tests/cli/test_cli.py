@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _procs import kill_tree
+from _procs import run_in_session
 
 from unison.cli import main
 from unison.config import load_config, to_plain
@@ -29,17 +29,8 @@ ITERATIONS = 5
 
 
 def run_command(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Runs cmd in a new session; on a timeout ends its whole process group and fails."""
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"did not finish in {timeout} s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    """Runs cmd in a new session; on a timeout ends its whole process tree and fails."""
+    return run_in_session(cmd, timeout, ROOT)
 
 
 def free_port() -> int:

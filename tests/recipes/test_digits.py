@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _procs import kill_tree
+from _procs import run_in_session
 
 from unison.distributed import find_free_port
 
@@ -40,27 +39,15 @@ def launcher(mode: str) -> list[str]:
     return [sys.executable]
 
 
-def end_job(proc: subprocess.Popen) -> None:
-    """Kills all the recipe started: its process group, and ranks torchrun put in sessions of their own."""
-    kill_tree(proc)
-
 
 def run_recipe(mode: str, out: Path) -> tuple[dict, list[str]]:
     """Runs the recipe; returns the JSON rank 0 wrote and the lines printed to stdout and stderr."""
     cmd = [*launcher(mode), str(SCRIPT), *SHORT_RUN, "--out", str(out)]
     if mode == "spawn":
         cmd += ["--ranks", "2"]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        end_job(proc)
-        output, _ = proc.communicate(timeout=30)
-        pytest.fail(f"{mode} run did not finish in {TIMEOUT_S} s: {' '.join(cmd)}\n{output[-4000:]}")
-    failed = f"{mode} run exited with {proc.returncode}: {' '.join(cmd)}\n{output[-4000:]}"
-    assert proc.returncode == 0, failed
+    result = run_in_session(cmd, TIMEOUT_S, ROOT, merge_output=True)
+    output = result.stdout
+    assert result.returncode == 0, f"{mode} run exited with {result.returncode}: {' '.join(cmd)}\n{output[-4000:]}"
     return json.loads(out.read_text()), output.splitlines()
 
 

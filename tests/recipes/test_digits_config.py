@@ -6,12 +6,11 @@ import json
 import logging
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _procs import kill_tree
+from _procs import run_in_session
 
 import unison.cli.run
 from unison.config import load_config, to_plain
@@ -105,16 +104,9 @@ def test_torchrun_runs_the_config_in_one_run_directory(tmp_path):
     ]  # fmt: skip
     for item in short_run(tmp_path):
         cmd += ["--set", item]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s\n{out[-3000:]}\n{err[-3000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}"
+    result = run_in_session(cmd, TORCHRUN_TIMEOUT_S, ROOT)
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}\n{err[-5000:]}"
 
     runs = list((tmp_path / "digits").iterdir())
     assert len(runs) == 1, runs
