@@ -10,6 +10,7 @@ from ignite.engine import Events, State
 from torch.utils.data import DataLoader, RandomSampler
 
 from unison.distributed.primitives import get_world_size
+from unison.utils.errors import add_note
 
 if TYPE_CHECKING:
     from unison.engine.engine import Engine
@@ -67,3 +68,13 @@ def run_empty(engine: Engine, data: Iterable, max_epochs: int | None) -> State:
     except BaseException as err:
         engine._handle_exception(err)
     return engine.state
+
+
+def run_after(engine: Engine, callbacks: list[Callable[[Engine], None]], event_name: Any) -> None:
+    """Runs the engine's after-event callbacks; an error names the callback and where."""
+    for callback in callbacks:
+        try:
+            callback(engine)
+        except Exception as err:
+            add_note(err, f"raised by {handler_name(callback)} after {engine._where(event_name)}")
+            raise

@@ -5,7 +5,9 @@ these members of ignite 0.5's ``Engine`` (pinned ``>=0.5.5,<0.6`` in pyproject.t
 
 - overrides ``_fire_event`` (no debug f-string per event, the failing handler named in
   errors, ``set_epoch`` before any ``EPOCH_STARTED`` handler, sync points after the last
-  handler of an event) and reads ``_event_handlers`` there, as ignite's own does;
+  handler of an event) and reads ``_event_handlers`` there, holding the lists of the four
+  per-iteration events (ignite appends to them in place; ``remove_event_handler``, which
+  replaces one, is overridden to pick the new list up);
 - overrides ``_handle_exception`` (the rank and iteration of a failure, failure callbacks)
   and clears ``_internal_run_generator`` there, so that a failed engine can run again;
 - calls ``_init_timers`` when it runs the epoch events of a rank with no data;
@@ -34,7 +36,7 @@ from ignite.engine import Events, State
 from unison.distributed.primitives import get_rank, get_world_size, is_distributed
 from unison.distributed.samplers import set_sampler_epoch
 from unison.distributed.sync import SyncPoint
-from unison.engine.checks import check_sharded, handler_name, is_empty, run_empty
+from unison.engine.checks import check_sharded, handler_name, is_empty, run_after, run_empty
 from unison.engine.control import StopControl
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.engine.lockstep import agree_on_layout, check_lockstep, requests_settle_here
@@ -64,24 +66,16 @@ class Engine(AgreedStops):
     attach to it unchanged; at world size 1 it behaves as ignite's Engine, event for event.
     On top of that:
 
-    - **set_epoch**: calls ``set_epoch(epoch - 1)`` on the data's sampler at every
-      ``EPOCH_STARTED``, before any handler of yours.
-    - **Sync points**: at every epoch's end (before the ``EPOCH_COMPLETED`` handlers, with
-      the metrics; and after them, unless the run ends there) and every ``sync_every``
-      iterations, one small all-reduce carries everything ranks must agree on. Nothing
-      else in the loop is a collective or reads from the device.
-    - **Agreed stopping**: :meth:`terminate`, :meth:`terminate_epoch` and
-      :meth:`request_stop` may be called on any subset of ranks; every rank stops after
-      the same iteration, the first sync point at or after the request. Rank 0 logs which
-      ranks asked and why.
-    - **Uneven data**: a rank whose evaluation shard is empty still fires an epoch's
-      events (ignite raises), so it joins the sync; with more than one rank a DataLoader
-      with a ``RandomSampler`` is refused (each rank would shuffle the whole dataset).
-    - **Errors** raised in a handler or the step carry a note naming the handler, the
-      event, the iteration and the rank.
+    - **set_epoch** on the data's sampler at every ``EPOCH_STARTED``, before your handlers.
+    - **Sync points** at every epoch's end and every ``sync_every`` iterations: one small
+      all-reduce carries all ranks must agree on; nothing else in the loop is a collective.
+    - **Agreed stopping**: :meth:`terminate`, :meth:`terminate_epoch`, :meth:`interrupt` and
+      :meth:`request_stop` from any subset of ranks stop every rank after one iteration.
+    - **Uneven data**: a rank with an empty evaluation shard still joins the sync; a
+      ``RandomSampler`` loader is refused with several ranks.
+    - **Errors** in a handler or the step name the handler, event, iteration and rank.
 
-    Where each event fires in the loop, and where unison's sync points and ``set_epoch``
-    come, is drawn as pseudocode in docs/concepts.md ("The loop").
+    The loop, as pseudocode, is in docs/concepts.md ("The loop").
 
     Args:
         process_function: ``fn(engine, batch) -> output``, as in ignite.
@@ -142,6 +136,9 @@ class Engine(AgreedStops):
         """Whether the last ``run`` was given ``epoch_length`` (else the data's length decides)."""
         self._epoch = EpochTracker()
         self._after_iteration: list[Callable[[Engine], None]] = []
+        self._log_debug = False
+        self._hot: tuple[list, ...] = ()
+        self._refresh_hot()
         self._after_epoch: list[Callable[[Engine], None]] = []
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._control, scope="every")
@@ -152,13 +149,23 @@ class Engine(AgreedStops):
 
     @property
     def process_function(self) -> Callable[[IgniteEngine, Any], Any]:
-        """The function run on every batch (for a trainer, the :class:`~unison.engine.TrainStep`
-        holding model, optimizer, scaler and last gradient norm)."""
+        """The function run on every batch (a trainer's :class:`~unison.engine.TrainStep`)."""
         return self._process_function
 
     # -- sync points ------------------------------------------------------------------
 
+    _HOT = (Events.ITERATION_STARTED, Events.ITERATION_COMPLETED, Events.GET_BATCH_STARTED, Events.GET_BATCH_COMPLETED)
+
+    def _refresh_hot(self) -> None:
+        self._hot = tuple(self._event_handlers[event] for event in self._HOT)
+
+    def remove_event_handler(self, handler: Callable, event_name: Any) -> None:
+        super().remove_event_handler(handler, event_name)
+        self._refresh_hot()  # ignite replaces the list it removed from
+
     def _on_started(self, _: IgniteEngine) -> None:
+        self._log_debug = self.logger.isEnabledFor(logging.DEBUG)
+        self._refresh_hot()
         if not self._keep_requests:
             self._control.clear()
         self._keep_requests = False
@@ -207,29 +214,35 @@ class Engine(AgreedStops):
     # -- the event loop -----------------------------------------------------------------
 
     def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
-        # Same contract as ignite's, without formatting a debug message when debug logging
-        # is off, naming the handler in errors, and with the sync points that must follow
-        # the last handler of an event.
-        if self.logger.isEnabledFor(logging.DEBUG):
-            self.logger.debug(
-                f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}"
-            )
+        # ignite's contract; handlers named in errors, sync points after an event's handlers.
+        if self._log_debug:  # read once per run: a call per event is a quarter of ignite's overhead
+            self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}")
         self.last_event_name = event_name
+        hot = self._hot  # per-iteration events: handlers found by identity, not by hashing the enum
         if event_name is Events.ITERATION_STARTED:
             self._epoch.iteration += 1
-        elif event_name is Events.EPOCH_STARTED:
-            fresh = self._epoch.start_epoch()
-            # Engine behaviour, before any handler: without it every epoch repeats one order.
-            set_sampler_epoch(self.state.dataloader, self.state.epoch - 1)
-            if fresh:
-                # ignite remade the data iterator when terminate_epoch() cut the last epoch,
-                # before this set_epoch: loader workers had already drawn the old order.
-                self._setup_dataloader_iter()
-        elif event_name is Events.EPOCH_COMPLETED:
-            self._epoch.done = True
-        elif event_name is Events.TERMINATE_SINGLE_EPOCH:
-            self._epoch.done = self._epoch.fresh_iterator = True
-        for func, args, kwargs in self._event_handlers[event_name]:
+            handlers = hot[0]
+        elif event_name is Events.ITERATION_COMPLETED:
+            handlers = hot[1]
+        elif event_name is Events.GET_BATCH_STARTED:
+            handlers = hot[2]
+        elif event_name is Events.GET_BATCH_COMPLETED:
+            handlers = hot[3]
+        else:
+            handlers = self._event_handlers[event_name]
+            if event_name is Events.EPOCH_STARTED:
+                fresh = self._epoch.start_epoch()
+                # Engine behaviour, before any handler: without it every epoch repeats one order.
+                set_sampler_epoch(self.state.dataloader, self.state.epoch - 1)
+                if fresh:
+                    # ignite remade the data iterator when terminate_epoch() cut the last epoch,
+                    # before this set_epoch: loader workers had already drawn the old order.
+                    self._setup_dataloader_iter()
+            elif event_name is Events.EPOCH_COMPLETED:
+                self._epoch.done = True
+            elif event_name is Events.TERMINATE_SINGLE_EPOCH:
+                self._epoch.done = self._epoch.fresh_iterator = True
+        for func, args, kwargs in handlers:
             kwargs.update(event_kwargs)
             if args and isinstance(args[0], weakref.ref):
                 engine = args[0]()
@@ -254,7 +267,8 @@ class Engine(AgreedStops):
                     self._sync_due = True
                 if self._sync_due and not self._epoch_ends_here() and self.at_boundary():
                     self._sync(epoch_end=False)
-            self._run_after(self._after_iteration, event_name)
+            if self._after_iteration:
+                run_after(self, self._after_iteration, event_name)
         elif event_name is Events.EPOCH_STARTED and self._epoch.pending_partials is not None:
             pending, self._epoch.pending_partials = self._epoch.pending_partials, None
             # After the handlers, which reset the epoch's sums.
@@ -262,15 +276,7 @@ class Engine(AgreedStops):
         elif event_name is Events.EPOCH_COMPLETED:
             if self._control_contributors and not self._is_last_epoch() and not self.should_terminate:
                 self._sync(epoch_end=False)
-            self._run_after(self._after_epoch, event_name)
-
-    def _run_after(self, callbacks: list[Callable[[Engine], None]], event_name: Any) -> None:
-        for callback in callbacks:
-            try:
-                callback(self)
-            except Exception as err:
-                add_note(err, f"raised by {handler_name(callback)} after {self._where(event_name)}")
-                raise
+            run_after(self, self._after_epoch, event_name)
 
     def after_iteration(self, callback: Callable[[Engine], None]) -> None:
         """Calls ``callback(engine)`` at the very end of every ``ITERATION_COMPLETED``: after all its
