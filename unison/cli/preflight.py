@@ -99,9 +99,22 @@ def _check_output_root(config: Config, refs: _References) -> None:
         raise refs.error(key, f"{probe} is not writable here: runs cannot be written under {root}")
 
 
+_META_MESSAGES = ("meta tensor", "meta device")
+"""What torch says when an operation needs data a meta tensor does not have (``.item()``,
+``.cpu()``, ``.numpy()``); an operation with no meta kernel raises NotImplementedError."""
+
+
 def _meta_only(err: BaseException) -> bool:
-    """Whether ``err`` comes from the meta device itself (a real device would not raise it)."""
-    return isinstance(err, NotImplementedError) or "meta" in str(err).lower()
+    """Whether ``err`` comes from the meta device itself (a real device would not raise it).
+
+    Example:
+        >>> _meta_only(RuntimeError("Tensor.item() cannot be called on meta tensors"))
+        True
+        >>> _meta_only(ValueError("metadata of the dataset is missing"))
+        False
+    """
+    text = str(err).lower()
+    return isinstance(err, NotImplementedError) or any(message in text for message in _META_MESSAGES)
 
 
 def _meta_model(resolved: Resolved, refs: _References) -> nn.Module | None:
