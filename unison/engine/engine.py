@@ -128,7 +128,6 @@ class Engine(AgreedStops):
         self._control = StopControl(name)
         self._waiting_boundary = False
         self._in_sync = False
-        self._keep_requests = False
         self._iteration_syncs = False
         self._sync_due = False
         self._control_contributors = True
@@ -166,9 +165,9 @@ class Engine(AgreedStops):
     def _on_started(self, _: IgniteEngine) -> None:
         self._log_debug = self.logger.isEnabledFor(logging.DEBUG)
         self._refresh_hot()
-        if not self._keep_requests:
+        if not self._loaded:  # a state loaded from a checkpoint keeps its pending requests
             self._control.clear()
-        self._keep_requests = False
+        self._loaded = False
         self._control.agreed.clear()
         self._sync_due = False
         self._waiting_boundary = False
@@ -369,8 +368,7 @@ class Engine(AgreedStops):
                 a ``RandomSampler``.
         """
         self.epoch_length_given = epoch_length is not None
-        loaded, self._loaded = self._loaded, False
-        if loaded and self.is_complete(max_epochs, max_iters):
+        if self._loaded and self.is_complete(max_epochs, max_iters):
             _log.info(
                 "%s: the state loaded from the checkpoint is already complete (epoch %s, iteration %s); nothing "
                 "to run. Give a larger max_epochs (or max_iters) to train further.",
@@ -416,5 +414,6 @@ class Engine(AgreedStops):
             self.sync_point.count = int(ours.get("syncs", 0))
             setattr(self.state, UPDATE_ATTR, int(ours.get(UPDATE_ATTR, 0)))
             self._epoch.load(ours, self.state)
-            self._keep_requests = True
+        else:
+            self._control.clear()
         self._loaded = True
