@@ -282,6 +282,12 @@ FILE_CASES = [
         ("must be >= 0",),
     ),
     Bad(
+        "validation-num_workers-negative",
+        "validation:\n  num_workers: -1  # <-- here\n",
+        "validation.num_workers",
+        ("must be >= 0",),
+    ),
+    Bad(
         "prefetch-without-workers",
         "training:\n  prefetch_factor: 2  # <-- here\n",
         "training.prefetch_factor",

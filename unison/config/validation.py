@@ -52,7 +52,8 @@ def _takes_float(tp: Any) -> bool:
     )
 
 
-def _section_error(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
+def _error_at(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
+    """A config error at ``path``, with its file and line."""
     return ConfigError(message, file=raw.file_of(path), line=raw.line_of(path), key=path)
 
 
@@ -60,9 +61,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise _section_error(
-            raw, path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}"
-        )
+        raise _error_at(raw, path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     aliases = {f.metadata["alias"]: f.name for f in fields.values() if f.metadata.get("alias")}
     hints = _hints(cls)
@@ -76,7 +75,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             near = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
             hint = f" Did you mean {near[0]!r}?" if near else ""
             where = ".".join(path) or "the top level"
-            raise _section_error(
+            raise _error_at(
                 raw,
                 path + (key,),
                 f"unknown key {key!r} in {where}. Valid keys: {', '.join(sorted(fields))}.{hint}",
@@ -86,7 +85,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             if path + (earlier,) in raw.overrides:
                 continue  # the command line's --set wins over the file
             if path + (key,) not in raw.overrides:
-                raise _section_error(
+                raise _error_at(
                     raw,
                     path + (key,),
                     f"the key is set twice, as {earlier!r} and as {key!r}; keep one of them",
@@ -97,7 +96,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             values[name] = _build(tp, value, raw, path + (key,))
             continue
         if not _matches(value, tp):
-            raise _section_error(
+            raise _error_at(
                 raw,
                 path + (key,),
                 f"expected {_type_name(tp)}, got {type(value).__name__}: {value!r}",
@@ -122,11 +121,8 @@ def validate(raw: RawConfig) -> Config:
     for path in REQUIRED:
         section = getattr(config, path[0])
         if getattr(section, path[1]) is None:
-            raise ConfigError(
-                f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)",
-                file=raw.file_of(path),
-                line=raw.line_of(path),
-                key=path,
+            raise _error_at(
+                raw, path, f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)"
             )
     _check_values(config, raw)
     _check_name(config, raw)
@@ -140,13 +136,12 @@ def _check_name(config: Config, raw: RawConfig) -> None:
     bad = not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
     if bad:
         path = ("name",)
-        raise ConfigError(
+        raise _error_at(
+            raw,
+            path,
             f"{name!r} is not a folder name: the run directory is <logging.root>/<name>/, so a name with "
             "'/', '\\', '..' or '~' (or an empty one) would write outside logging.root; use a name like "
             "'digits-small'",
-            file=raw.file_of(path),
-            line=raw.line_of(path),
-            key=path,
         )
 
 
@@ -197,12 +192,11 @@ def _check_modes(config: Config, raw: RawConfig) -> None:
         if direction is not None and holder.mode != direction:
             path = (section, "mode")
             better = "lower" if direction == "min" else "higher"
-            raise ConfigError(
+            raise _error_at(
+                raw,
+                path,
                 f"mode {holder.mode!r} contradicts the watched metric {metric!r}, for which {better} is better: "
                 f"'best' would keep the worst model. Set `mode: {direction}` (or leave mode out)",
-                file=raw.file_of(path),
-                line=raw.line_of(path),
-                key=path,
             )
 
 
@@ -230,52 +224,35 @@ def _check_values(config: Config, raw: RawConfig) -> None:
     ]
     for path, value in positive:
         if value is not None and value <= 0:
-            raise ConfigError(
-                f"must be > 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path
+            raise _error_at(
+                raw,
+                path,
+                f"must be > 0, got {value!r}",
             )
     for path, value in (
         (("training", "num_workers"), config.training.num_workers),
+        (("validation", "num_workers"), config.validation.num_workers),
         (("checkpoint", "keep_best"), config.checkpoint.keep_best),
     ):
         if value < 0:
-            raise ConfigError(
-                f"must be >= 0, got {value!r}", file=raw.file_of(path), line=raw.line_of(path), key=path
-            )
+            raise _error_at(raw, path, f"must be >= 0, got {value!r}")
     port = config.parallel.master_port
     if isinstance(port, str):
         if not port.strip().isdigit():
             path = ("parallel", "master_port")
-            raise ConfigError(
-                f"expected a port number, got {port!r}",
-                file=raw.file_of(path),
-                line=raw.line_of(path),
-                key=path,
-            )
+            raise ConfigError(f"expected a port number, got {port!r}")
         config.parallel.master_port = port = int(port)
     if port is not None and not 0 < port < 65536:
         path = ("parallel", "master_port")
-        raise ConfigError(
-            f"expected a port in 1..65535, got {config.parallel.master_port}",
-            file=raw.file_of(path),
-            line=raw.line_of(path),
-            key=path,
-        )
+        raise _error_at(raw, path, f"expected a port in 1..65535, got {config.parallel.master_port}")
     if config.training.prefetch_factor is not None and config.training.num_workers == 0:
         path = ("training", "prefetch_factor")
-        raise ConfigError(
-            "needs training.num_workers > 0 (prefetching is done by worker processes)",
-            file=raw.file_of(path),
-            line=raw.line_of(path),
-            key=path,
-        )
+        raise _error_at(raw, path, "needs training.num_workers > 0 (prefetching is done by worker processes)")
     if config.parallel.backend == "nccl":
         import torch
 
         if not torch.cuda.is_available():
             path = ("parallel", "backend")
-            raise ConfigError(
-                "'nccl' needs CUDA, which is not available here; use 'gloo' or leave it unset",
-                file=raw.file_of(path),
-                line=raw.line_of(path),
-                key=path,
+            raise _error_at(
+                raw, path, "'nccl' needs CUDA, which is not available here; use 'gloo' or leave it unset"
             )
