@@ -129,7 +129,7 @@ def _saved_requests(at: int, sync_every: int) -> list[str]:
     @engine.on(Events.ITERATION_COMPLETED(once=at))
     def ask_then_save(engine: Engine) -> None:
         engine.request_stop("asked")
-        saved.extend(engine.state_dict()["unison"]["stop"]["reasons"])
+        saved.extend(engine.extra_state_dict()["stop"]["reasons"])
 
     engine.run(range(10))
     return saved

@@ -281,36 +281,50 @@ class _Contributor:
 @pytest.mark.parametrize(
     "make_data", [list, lambda: DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=4)]
 )
-@pytest.mark.parametrize("max_epochs", [None, 2])
-def test_empty_data_fires_an_epoch_of_events_and_syncs(make_data, max_epochs):
+def test_empty_data_at_world_size_one_is_refused_as_ignite_refuses_it(make_data):
     data = make_data()
     assert len(data) == 0
-    with pytest.raises(ValueError, match="zero size"):  # what ignite does, and why unison differs
-        IgniteEngine(lambda e, b: b).run(data, max_epochs=max_epochs)
+    for engine_cls in (IgniteEngine, Engine):
+        with pytest.raises(ValueError, match="zero size"):
+            engine_cls(lambda e, b: b).run(data, max_epochs=2)
 
+
+def empty_shard_worker(max_epochs):
+    """Rank 1 holds no samples: it still fires each epoch's events and joins every sync point."""
+    rank = get_rank()
+    data = [] if rank == 1 else [1, 2]
     engine, log, batches = _recorded(Engine)
-    contributor = _Contributor(3.0)
+    contributor = _Contributor(float(rank + 1))
     engine.sync_point.register(contributor)
     state = engine.run(data, max_epochs=max_epochs)
+    first = (state.iteration, state.epoch)
+    then = engine.run([3, 4])  # and runs again afterwards as any engine
+    return {
+        "log": log,
+        "batches": batches,
+        "state": first,
+        "received": contributor.received,
+        "then": (then.iteration, then.epoch),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_epochs", [None, 2])
+def test_a_rank_with_an_empty_shard_fires_an_epoch_of_events_and_syncs(max_epochs):
+    results = run_distributed(empty_shard_worker, max_epochs, nproc=2, timeout=50)
     epochs = max_epochs or 1
+    empty = results[1]
     expected = [("STARTED", 0, 0)]
     for epoch in range(1, epochs + 1):
         expected += [("EPOCH_STARTED", epoch, 0), ("EPOCH_COMPLETED", epoch, 0)]
     expected += [("COMPLETED", epochs, 0)]
-    assert log == expected
-    assert batches == []
-    assert state.iteration == 0 and state.epoch == epochs
-    assert contributor.received == [[3.0, 1.0]] * epochs  # the epoch's sync point ran each epoch
-    assert engine.sync_point.count >= epochs
-
-
-def test_empty_data_then_data_runs_normally():
-    engine, log, batches = _recorded(Engine)
-    engine.run([])
-    log.clear()
-    state = engine.run([1, 2])
-    assert batches == [1, 2] and state.iteration == 2
-    assert [name for name, _, _ in log].count("ITERATION_COMPLETED") == 2
+    assert empty["log"][: len(expected)] == expected
+    assert empty["state"] == (0, epochs) and results[0]["state"] == (2 * epochs, epochs)
+    assert empty["batches"] == [3, 4] and results[0]["batches"] == [1, 2] * epochs + [3, 4]
+    # Both ranks' rows reached every epoch's sync point, on both ranks.
+    assert results[0]["received"][:epochs] == empty["received"][:epochs] == [[3.0, 2.0]] * epochs
+    assert empty["then"] == results[0]["then"] == (2, 1)
 
 
 def test_random_sampler_is_fine_at_world_size_one():

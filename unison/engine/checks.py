@@ -10,7 +10,7 @@ from ignite.engine import Events, State
 from torch.utils.data import DataLoader, RandomSampler
 
 from unison.distributed.primitives import get_world_size
-from unison.utils.errors import add_note
+from unison.utils.errors import add_note, has_note
 
 if TYPE_CHECKING:
     from unison.engine.engine import Engine
@@ -24,6 +24,16 @@ def handler_name(func: Callable[..., Any]) -> str:
     if owner is not None:
         return f"{type(owner).__name__}.{getattr(handler, '__name__', '?')}"
     return getattr(handler, "__qualname__", None) or type(handler).__name__
+
+
+def check_sync_every(sync_every: int | None) -> int | None:
+    """``Engine(sync_every=...)``: a positive int, or None."""
+    if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+        raise ValueError(
+            f"Engine(sync_every={sync_every!r}) must be a positive int (iterations between sync points) "
+            "or None (sync at epoch ends only)."
+        )
+    return sync_every
 
 
 def is_empty(data: Iterable) -> bool:
@@ -78,3 +88,14 @@ def run_after(engine: Engine, callbacks: list[Callable[[Engine], None]], event_n
         except Exception as err:
             add_note(err, f"raised by {handler_name(callback)} after {engine._where(event_name)}")
             raise
+
+
+def note_failure(engine: Engine, err: BaseException) -> None:
+    """Says where in the loop an exception without a note of its own came from: the data or the step."""
+    if not isinstance(err, Exception) or has_note(err):
+        return
+    if engine.last_event_name is Events.GET_BATCH_STARTED:
+        where = engine._where("GET_BATCH_STARTED")
+        add_note(err, f"raised while fetching the batch of iteration {engine.state.iteration + 1} from the data, at {where}")
+    elif engine.last_event_name is Events.ITERATION_STARTED:
+        add_note(err, f"raised by the process function (the step) at {engine._where('ITERATION')}")

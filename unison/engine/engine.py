@@ -3,29 +3,34 @@
 Compatibility note. ignite has no public hook for what the Engine adds, so it touches
 these members of ignite 0.5's ``Engine`` (pinned ``>=0.5.5,<0.6`` in pyproject.toml):
 
+- owns the epoch loop, ``_run_once_on_dataset_as_gen`` (``engine/loop.py``: ignite's events
+  and exceptions, at two Python calls per iteration), which reads ``_init_iter``,
+  ``_dataloader_iter``, ``_setup_dataloader_iter``, ``_maybe_terminate_or_interrupt`` and
+  ``_is_done`` as ignite's own loop does;
 - overrides ``_fire_event`` (no debug f-string per event, the failing handler named in
-  errors, ``set_epoch`` before any ``EPOCH_STARTED`` handler, sync points after the last
-  handler of an event) and reads ``_event_handlers`` there, holding the lists of the four
+  errors, ``set_epoch`` before any ``EPOCH_STARTED`` handler, the engine's own work at
+  ``STARTED`` and ``EPOCH_COMPLETED`` kept out of the handler registry, sync points after the
+  last handler of an event) and reads ``_event_handlers``, holding the lists of the
   per-iteration events (ignite appends to them in place; ``remove_event_handler``, which
   replaces one, is overridden to pick the new list up);
+- overrides ``_handler_wrapper``, so that ignite's ``every``/``once``/``before``/``after``
+  filters cost one call where they do not fire (``engine/filters.py``);
 - overrides ``_handle_exception`` (the rank and iteration of a failure, failure callbacks)
   and clears ``_internal_run_generator`` there, so that a failed engine can run again;
-- calls ``_init_timers`` when it runs the epoch events of a rank with no data;
-- sets ``_init_iter`` (the position ignite's epoch loop starts from) when a state loaded
-  from a checkpoint says where the epoch stood, and calls ``_setup_dataloader_iter`` at the
-  epoch after a ``terminate_epoch()``, so the new iterator is made after ``set_epoch``;
+- calls ``_init_timers`` when it runs the epoch events of a rank with no data, and sets
+  ``_init_iter`` where a loaded state says where the epoch stood;
 - reads ``_process_function`` (exposed as the public :attr:`Engine.process_function`);
 - overrides the public ``terminate``, ``terminate_epoch`` and ``interrupt`` (agreed, in
   ``engine/control.py``), which calls ignite's own versions to apply a decision.
 
-``tests/engine/test_engine.py`` checks the event sequence against ignite's own Engine, so
-an upstream change breaks a test rather than a run.
+ignite's own tests of the Engine and its handlers run against this class
+(``tests/ignite_suite``), so an upstream change breaks a test rather than a run.
 """
+
 from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -36,27 +41,28 @@ from ignite.engine import Events, State
 from unison.distributed.primitives import get_rank, get_world_size, is_distributed
 from unison.distributed.samplers import set_sampler_epoch
 from unison.distributed.sync import SyncPoint
-from unison.engine.checks import check_sharded, handler_name, is_empty, run_after, run_empty
+from unison.engine.checks import check_sharded, check_sync_every, is_empty, note_failure, run_after, run_empty
 from unison.engine.control import StopControl
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
-from unison.engine.lockstep import agree_on_layout, check_lockstep, requests_settle_here
+from unison.engine.filters import filtered_handler
+from unison.engine.lockstep import agree_on_layout, check_lockstep
+from unison.engine.loop import call_handlers, run_epoch_as_gen
 from unison.engine.position import (
     EpochTracker,
+    is_last_epoch,
     partial_contributors,
     partial_sums,
     restore_partials,
     run_complete,
 )
+from unison.engine.saved import STATE_KEY, extra_state, load_extra_state, says_more
 from unison.engine.stopping import AgreedStops
-from unison.utils.errors import add_note, has_note
-from unison.utils.logging import get_logger
+from unison.utils.logging import get_logger, ignite_logger
 
 _log = get_logger(__name__)
 
 DEFAULT_SYNC_EVERY = 100
 """Iterations between two sync points inside an epoch (see ``benchmarks/``: under 1% of a step)."""
-
-_STATE_KEY = "unison"
 
 
 class Engine(AgreedStops):
@@ -108,21 +114,9 @@ class Engine(AgreedStops):
         debug: bool | None = None,
     ) -> None:
         super().__init__(process_function)
-        if sync_every is not None and (
-            isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
-        ):
-            raise ValueError(
-                f"Engine(sync_every={sync_every!r}) must be a positive int (iterations between sync points) "
-                "or None (sync at epoch ends only)."
-            )
         self.name = name
-        # ignite's loop logs each run's start and end at INFO and repeats every exception
-        # at ERROR before it propagates; unison's exceptions carry their context in notes.
-        # ``logging.getLogger("unison.ignite").setLevel(logging.INFO)`` shows them again.
-        self.logger = logging.getLogger(f"unison.ignite.{name}")
-        if logging.getLogger("unison.ignite").level == logging.NOTSET:
-            logging.getLogger("unison.ignite").setLevel(logging.CRITICAL)
-        self.sync_every = sync_every
+        self.logger = ignite_logger(name)
+        self.sync_every = check_sync_every(sync_every)
         self.debug = os.environ.get("UNISON_DEBUG", "0") not in ("", "0") if debug is None else bool(debug)
         self.sync_point = SyncPoint()
         self._control = StopControl(name)
@@ -135,7 +129,7 @@ class Engine(AgreedStops):
         """Whether the last ``run`` was given ``epoch_length`` (else the data's length decides)."""
         self._epoch = EpochTracker()
         self._after_iteration: list[Callable[[Engine], None]] = []
-        self._log_debug = False
+        self._log_debug = self._slow_events = False
         self._hot: tuple[list, ...] = ()
         self._refresh_hot()
         self._after_epoch: list[Callable[[Engine], None]] = []
@@ -143,8 +137,6 @@ class Engine(AgreedStops):
         self.sync_point.register(self._control, scope="every")
         self._loaded = False
         self.register_events(*UpdateEvents, event_to_attr={UpdateEvents.UPDATE_COMPLETED: UPDATE_ATTR})
-        self.add_event_handler(Events.STARTED, self._on_started)
-        self.add_event_handler(Events.EPOCH_COMPLETED, self._sync_epoch)
 
     @property
     def process_function(self) -> Callable[[IgniteEngine, Any], Any]:
@@ -153,7 +145,13 @@ class Engine(AgreedStops):
 
     # -- sync points ------------------------------------------------------------------
 
-    _HOT = (Events.ITERATION_STARTED, Events.ITERATION_COMPLETED, Events.GET_BATCH_STARTED, Events.GET_BATCH_COMPLETED)
+    _HOT = (
+        Events.ITERATION_STARTED,
+        Events.ITERATION_COMPLETED,
+        Events.GET_BATCH_STARTED,
+        Events.GET_BATCH_COMPLETED,
+        UpdateEvents.UPDATE_COMPLETED,
+    )
 
     def _refresh_hot(self) -> None:
         self._hot = tuple(self._event_handlers[event] for event in self._HOT)
@@ -162,8 +160,12 @@ class Engine(AgreedStops):
         super().remove_event_handler(handler, event_name)
         self._refresh_hot()  # ignite replaces the list it removed from
 
-    def _on_started(self, _: IgniteEngine) -> None:
+    def _on_started(self) -> None:
         self._log_debug = self.logger.isEnabledFor(logging.DEBUG)
+        # The epoch loop fires per-iteration events inline unless this must see each (loop.py).
+        self._slow_events = (
+            self._log_debug or type(self)._fire_event is not Engine._fire_event or "_fire_event" in vars(self)
+        )
         self._refresh_hot()
         if not self._loaded:  # a state loaded from a checkpoint keeps its pending requests
             self._control.clear()
@@ -187,9 +189,6 @@ class Engine(AgreedStops):
             self.sync_every is not None and self._control_contributors and agree_on_layout(self)
         )
 
-    def _sync_epoch(self, _: IgniteEngine) -> None:
-        self._sync(epoch_end=True)
-
     def _sync(self, epoch_end: bool) -> None:
         """Collective: every rank runs it at the same event and iteration."""
         self._sync_due = False
@@ -202,18 +201,11 @@ class Engine(AgreedStops):
             self._in_sync = False
         self._control.apply(self)
 
-    def _is_last_epoch(self) -> bool:
-        state = self.state
-        if state.max_epochs is not None and state.epoch >= state.max_epochs:
-            return True
-        if state.max_iters is not None and state.iteration >= state.max_iters:
-            return True
-        return False
-
     # -- the event loop -----------------------------------------------------------------
 
     def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
         # ignite's contract; handlers named in errors, sync points after an event's handlers.
+        # The epoch loop (engine/loop.py) calls it only for events with handlers.
         if self._log_debug:  # read once per run: a call per event is a quarter of ignite's overhead
             self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}")
         self.last_event_name = event_name
@@ -227,9 +219,15 @@ class Engine(AgreedStops):
             handlers = hot[2]
         elif event_name is Events.GET_BATCH_COMPLETED:
             handlers = hot[3]
+        elif event_name is UpdateEvents.UPDATE_COMPLETED:
+            handlers = hot[4]
         else:
             handlers = self._event_handlers[event_name]
-            if event_name is Events.EPOCH_STARTED:
+            # The engine's own work at these events comes before any handler and is not one:
+            # the handler registry holds the user's handlers only, as in ignite.
+            if event_name is Events.STARTED:
+                self._on_started()
+            elif event_name is Events.EPOCH_STARTED:
                 fresh = self._epoch.start_epoch()
                 # Engine behaviour, before any handler: without it every epoch repeats one order.
                 set_sampler_epoch(self.state.dataloader, self.state.epoch - 1)
@@ -239,43 +237,55 @@ class Engine(AgreedStops):
                     self._setup_dataloader_iter()
             elif event_name is Events.EPOCH_COMPLETED:
                 self._epoch.done = True
+                self._sync(epoch_end=True)  # handlers see the epoch's values agreed by all ranks
             elif event_name is Events.TERMINATE_SINGLE_EPOCH:
                 self._epoch.done = self._epoch.fresh_iterator = True
-        for func, args, kwargs in handlers:
-            kwargs.update(event_kwargs)
-            if args and isinstance(args[0], weakref.ref):
-                engine = args[0]()
-                if engine is None:
-                    raise RuntimeError("Engine reference not resolved. Cannot execute event handler.")
-                first: tuple[Any, ...] = (engine,)
-                others = args[1:]
-            else:
-                first, others = (), args
-            try:
-                func(*first, *(event_args + others), **kwargs)
-            except Exception as err:
-                if event_name is not Events.EXCEPTION_RAISED:  # a re-raise is not a new failure
-                    add_note(err, f"raised by handler {handler_name(func)} at {self._where(event_name)}")
-                raise
+        if handlers:
+            call_handlers(self, handlers, event_name, event_args, event_kwargs)
         if event_name is Events.ITERATION_COMPLETED:
-            if self._waiting_boundary and self.at_boundary():
-                self._waiting_boundary = False
-                self._control.apply(self)
-            if self._iteration_syncs:
-                if self.state.iteration % self.sync_every == 0:  # type: ignore[operator]  # _iteration_syncs implies an int
-                    self._sync_due = True
-                if self._sync_due and not self._epoch_ends_here() and self.at_boundary():
-                    self._sync(epoch_end=False)
-            if self._after_iteration:
-                run_after(self, self._after_iteration, event_name)
+            if self._waiting_boundary or self._iteration_syncs or self._after_iteration:
+                self._iteration_tail()
         elif event_name is Events.EPOCH_STARTED and self._epoch.pending_partials is not None:
             pending, self._epoch.pending_partials = self._epoch.pending_partials, None
             # After the handlers, which reset the epoch's sums.
             restore_partials(partial_contributors(self.sync_point), pending, get_rank() == 0)
         elif event_name is Events.EPOCH_COMPLETED:
-            if self._control_contributors and not self._is_last_epoch() and not self.should_terminate:
+            if self._control_contributors and not is_last_epoch(self.state) and not self.should_terminate:
                 self._sync(epoch_end=False)
             run_after(self, self._after_epoch, event_name)
+
+    def _iteration_tail(self) -> None:
+        """After ``ITERATION_COMPLETED``'s handlers: a stop waiting for the end of an accumulation
+        window, the sync point inside the epoch, the after-iteration callbacks."""
+        if self._waiting_boundary and self.at_boundary():
+            self._waiting_boundary = False
+            self._control.apply(self)
+        if self._iteration_syncs:
+            if self.state.iteration % self.sync_every == 0:  # type: ignore[operator]  # _iteration_syncs implies an int
+                self._sync_due = True
+            if self._sync_due and not self._epoch_ends_here() and self.at_boundary():
+                self._sync(epoch_end=False)
+        if self._after_iteration:
+            run_after(self, self._after_iteration, Events.ITERATION_COMPLETED)
+
+    _run_once_on_dataset_as_gen = run_epoch_as_gen  # ignite's epoch loop, owned: see engine/loop.py
+
+    def _handler_wrapper(self, handler: Callable, event_name: Any, event_filter: Callable) -> Callable:
+        # ignite's filters (every, once, before, after) cost one call where they do not fire.
+        return filtered_handler(self, handler, event_name, event_filter) or super()._handler_wrapper(
+            handler, event_name, event_filter
+        )
+
+    def update_completed(self) -> None:
+        """Counts an optimizer update in ``state.update`` and fires ``UPDATE_COMPLETED``: what a
+        trainer's step (:class:`~unison.engine.TrainStep`) calls after ``optimizer.step()``."""
+        self.state.update += 1  # type: ignore[attr-defined]  # UPDATE_ATTR, set at STARTED
+        if self._slow_events:
+            self._fire_event(UpdateEvents.UPDATE_COMPLETED)
+        else:  # what _fire_event does for it, inline (a call per update saved, see loop.py)
+            self.last_event_name = UpdateEvents.UPDATE_COMPLETED  # type: ignore[assignment]  # as ignite sets it
+            if self._hot[4]:
+                call_handlers(self, self._hot[4], UpdateEvents.UPDATE_COMPLETED, (), {})
 
     def after_iteration(self, callback: Callable[[Engine], None]) -> None:
         """Calls ``callback(engine)`` at the very end of every ``ITERATION_COMPLETED``: after all its
@@ -341,15 +351,7 @@ class Engine(AgreedStops):
         # ignite keeps the dead run generator, and the next run() would return None
         # without running; a failed run must leave the engine ready to run again.
         self._internal_run_generator = None
-        if isinstance(e, Exception) and not has_note(e):
-            if self.last_event_name is Events.GET_BATCH_STARTED:
-                add_note(
-                    e,
-                    f"raised while fetching the batch of iteration {self.state.iteration + 1} from the data, at "
-                    f"{self._where('GET_BATCH_STARTED')}",
-                )
-            elif self.last_event_name is Events.ITERATION_STARTED:
-                add_note(e, f"raised by the process function (the step) at {self._where('ITERATION')}")
+        note_failure(self, e)
         super()._handle_exception(e)
 
     # -- running ----------------------------------------------------------------------
@@ -379,8 +381,8 @@ class Engine(AgreedStops):
             return self.state
         if data is not None:
             check_sharded(data)
-            if epoch_length is None and is_empty(data) and max_iters is None:
-                return run_empty(self, data, max_epochs)
+            if epoch_length is None and is_empty(data) and max_iters is None and is_distributed():
+                return run_empty(self, data, max_epochs)  # a rank with an empty shard still joins the syncs
         return super().run(data, max_epochs=max_epochs, max_iters=max_iters, epoch_length=epoch_length)
 
     def is_complete(self, max_epochs: int | None = None, max_iters: int | None = None) -> bool:
@@ -390,30 +392,25 @@ class Engine(AgreedStops):
     # -- state --------------------------------------------------------------------------
 
     def state_dict(self) -> OrderedDict:
-        """ignite's engine state, plus the update count, the sync count and this rank's stop
-        requests that no sync point will have settled before the next iteration."""
+        """ignite's engine state, key for key; plus a ``"unison"`` entry when there is something
+        ignite's keys cannot say (stop requests, the update count, an epoch cut short): see
+        :mod:`unison.engine.saved`."""
         state = super().state_dict()
-        stop = StopControl(self.name) if requests_settle_here(self) else self._control
-        state[_STATE_KEY] = {
-            "stop": stop.state_dict(),
-            "syncs": self.sync_point.count,
-            UPDATE_ATTR: int(getattr(self.state, UPDATE_ATTR, 0)),
-            "position": list(self.epoch_position),
-        }
+        extra = extra_state(self)
+        if says_more(extra, state):
+            state[STATE_KEY] = extra
         return state
 
+    def extra_state_dict(self) -> dict[str, Any]:
+        """The ``"unison"`` entry of :meth:`state_dict`, even where ignite's keys imply it."""
+        return extra_state(self)
+
     def load_state_dict(self, state_dict: Mapping) -> None:
-        ours = state_dict.get(_STATE_KEY)
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != _STATE_KEY})
-        if ours is not None:
-            by_rank = ours.get("stop_by_rank")  # a checkpoint holds every rank's own requests
-            if by_rank is not None:
-                self._control.load_state_dict(by_rank[get_rank()] if get_rank() < len(by_rank) else {})
-            else:
-                self._control.load_state_dict(ours.get("stop", {}))
-            self.sync_point.count = int(ours.get("syncs", 0))
-            setattr(self.state, UPDATE_ATTR, int(ours.get(UPDATE_ATTR, 0)))
-            self._epoch.load(ours, self.state)
-        else:
-            self._control.clear()
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"Engine.load_state_dict(state_dict=...) needs a mapping (what state_dict() returns), "
+                f"got {type(state_dict).__name__}."
+            )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
+        load_extra_state(self, state_dict.get(STATE_KEY))
         self._loaded = True

@@ -8,6 +8,7 @@ epoch's mean loss) travel with a mid-epoch checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ignite.engine import State
@@ -64,7 +65,7 @@ class EpochTracker:
         """Whether the current iteration is the epoch's last."""
         return state.epoch_length is not None and self.iteration >= state.epoch_length
 
-    def load(self, saved: dict[str, Any], state: State) -> None:
+    def load(self, saved: Mapping[str, Any], state: State) -> None:
         """Restores a saved ``position`` and ``partials`` (the engine's ``unison`` state)."""
         partials = saved.get("partials")
         self.pending_partials = [[float(v) for v in row] for row in partials] if partials else None
@@ -118,3 +119,10 @@ def run_complete(
     target = max_epochs if max_epochs is not None else state.max_epochs
     completed, into = position
     return completed >= target and into == 0
+
+
+def is_last_epoch(state: State) -> bool:
+    """Whether the epoch that just ended is the run's last (by ``max_epochs`` or ``max_iters``)."""
+    if state.max_epochs is not None and state.epoch >= state.max_epochs:
+        return True
+    return state.max_iters is not None and state.iteration >= state.max_iters

@@ -16,7 +16,6 @@ from torch.optim import Optimizer
 from unison.distributed.model import model_device
 from unison.distributed.primitives import get_rank
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
-from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.metrics.epoch_average import EpochAverage
 from unison.utils.seed import fork_rank_streams
 
@@ -32,7 +31,16 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
     dicts of tensors are copied as well. Copies are ``non_blocking``: with pinned memory a
     host-to-GPU copy overlaps with compute.
     """
-    if isinstance(batch, Mapping):
+    cls = batch.__class__
+    if cls is tuple or cls is list:  # the common case first: no ABC check
+        try:
+            x, y = batch
+        except ValueError:
+            raise ValueError(
+                f"prepare_batch got a {cls.__name__} of {len(batch)} items; expected an (inputs, targets) pair. "
+                "Pass prepare_batch=your_function(batch, device, non_blocking) -> (x, y) for other layouts."
+            ) from None
+    elif isinstance(batch, Mapping):
         for xk, yk in (("x", "y"), ("input", "target"), ("inputs", "targets")):
             if xk in batch and yk in batch:
                 x, y = batch[xk], batch[yk]
@@ -49,10 +57,19 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
             f"prepare_batch got a {type(batch).__name__} batch; expected an (inputs, targets) pair. Pass "
             "prepare_batch=your_function(batch, device, non_blocking) -> (x, y) for other layouts."
         )
-    return (
-        convert_tensor(x, device=device, non_blocking=non_blocking),
-        convert_tensor(y, device=device, non_blocking=non_blocking),
-    )
+    # Plain tensors directly (one copy, or none when already there); anything else through
+    # ignite's convert_tensor, which walks lists, tuples and dicts.
+    if x.__class__ is torch.Tensor:
+        if x.device != device:
+            x = x.to(device, non_blocking=non_blocking)
+    else:
+        x = convert_tensor(x, device=device, non_blocking=non_blocking)
+    if y.__class__ is torch.Tensor:
+        if y.device != device:
+            y = y.to(device, non_blocking=non_blocking)
+    else:
+        y = convert_tensor(y, device=device, non_blocking=non_blocking)
+    return x, y
 
 
 def check_device(model: nn.Module, device: torch.device | str | None, fn: str) -> torch.device:
@@ -127,6 +144,11 @@ class TrainStep:
         self.non_blocking = non_blocking
         self.grad_norm: torch.Tensor | None = None
         """Total gradient norm before clipping at the last update (a device tensor)."""
+        self.loss_average: EpochAverage | None = None
+        """Where each iteration's loss is added (``create_trainer(track_loss=True)``): in the step,
+        not in a handler, which would cost a dozen Python calls per iteration."""
+        self._engine: IgniteEngine | None = None
+        self._on_update: Callable[[], None] | None = None
 
     def at_boundary(self, engine: IgniteEngine) -> bool:
         """Whether the last iteration closed an accumulation window (gradients are applied).
@@ -170,16 +192,16 @@ class TrainStep:
         length = min(k, epoch_length - window_start)
         return length, position - window_start == length - 1
 
-    @staticmethod
-    def _updated(engine: IgniteEngine) -> None:
+    def _updated(self, engine: IgniteEngine) -> None:
         """Counts the update and fires ``UPDATE_COMPLETED`` (on engines that know the event)."""
-        state = engine.state
-        if hasattr(state, UPDATE_ATTR):
-            setattr(state, UPDATE_ATTR, getattr(state, UPDATE_ATTR) + 1)
-            engine.fire_event(UpdateEvents.UPDATE_COMPLETED)
+        if engine is not self._engine:  # looked up once per engine, not per update
+            self._engine = engine
+            self._on_update = getattr(engine, "update_completed", None)
+        if self._on_update is not None:
+            self._on_update()
 
     def __call__(self, engine: IgniteEngine, batch: Any) -> torch.Tensor:
-        window, is_last = self._window(engine)
+        window, is_last = (1, True) if self.accumulation_steps == 1 else self._window(engine)
         x, y = self.prepare_batch(batch, self.device, self.non_blocking)
         if not is_last and isinstance(self.model, DistributedDataParallel):
             with self.model.no_sync():
@@ -200,7 +222,10 @@ class TrainStep:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._updated(engine)
-        return loss.detach()
+        loss = loss.detach()
+        if self.loss_average is not None:
+            self.loss_average.add(loss)
+        return loss
 
 
 def create_trainer(
@@ -333,5 +358,6 @@ def create_trainer(
     trainer.add_event_handler(Events.EPOCH_STARTED, _train_mode)
     trainer.add_event_handler(Events.STARTED, _start_clean)
     if track_loss:
-        EpochAverage(name="loss").attach(trainer)
+        step.loss_average = EpochAverage(name="loss")
+        step.loss_average.attach(trainer, per_iteration=False)  # the step adds each loss
     return trainer

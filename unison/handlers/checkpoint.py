@@ -222,6 +222,8 @@ class Checkpoint:
         pass_, iteration = self.data.current, engine.state.iteration
         partial = getattr(engine, "partial_sums", lambda: None)()  # the epoch's loss sums so far
         trainer = engine.state_dict()
+        if hasattr(engine, "extra_state_dict"):  # all of it, even where ignite's keys imply it
+            trainer["unison"] = engine.extra_state_dict()
         stop = trainer.get("unison", {}).get("stop")  # this rank's requests no sync point has settled
         everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None), (partial, stop)))
         if everyone is None:

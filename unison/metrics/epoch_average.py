@@ -40,6 +40,7 @@ class EpochAverage:
         self.name = name
         self.output_transform = output_transform
         self._sum: torch.Tensor | None = None
+        self._scalar = False
         self._plain = 0.0
         self._count = 0
         self._mean = float("nan")
@@ -50,15 +51,22 @@ class EpochAverage:
         self._count = 0
 
     def update(self, engine: Engine) -> None:
-        value = self.output_transform(engine.state.output)
-        if isinstance(value, torch.Tensor):
+        self.add(self.output_transform(engine.state.output))
+
+    def add(self, value: torch.Tensor | float) -> None:
+        """Adds one iteration's value: what :meth:`update` does with the engine's output, for a
+        step that adds its own (``attach(engine, per_iteration=False)``)."""
+        if value.__class__ is torch.Tensor and self._sum is not None and self._scalar:
+            self._sum.add_(value.detach())  # the common case: one in-place add
+        elif isinstance(value, torch.Tensor):
             # One in-place add on the value's device: nothing is read back, no graph or
             # buffer is kept alive, and a step that reuses its output tensor is counted right.
-            value = value.detach().reshape(())
+            value = value.detach()
             if self._sum is None:
-                self._sum = value.to(torch.float64, copy=True)
+                self._scalar = value.dim() == 0
+                self._sum = value.reshape(()).to(torch.float64, copy=True)
             else:
-                self._sum.add_(value)
+                self._sum.add_(value.reshape(()))
         else:
             self._plain += float(value)
         self._count += 1
@@ -81,12 +89,17 @@ class EpochAverage:
     def _write(self, engine: Engine) -> None:
         engine.state.metrics[self.name] = self._mean
 
-    def attach(self, engine: Engine) -> None:
-        """Registers on ``engine`` (a unison Engine); attaching twice has no effect."""
+    def attach(self, engine: Engine, per_iteration: bool = True) -> None:
+        """Registers on ``engine`` (a unison Engine); attaching twice has no effect.
+
+        ``per_iteration=False`` leaves out the ``ITERATION_COMPLETED`` handler: the process
+        function then calls :meth:`add` with each iteration's value.
+        """
         sync_point = require_sync_point(engine, "EpochAverage").sync_point
         if engine.has_event_handler(self._write, Events.EPOCH_COMPLETED):
             return
         engine.add_event_handler(Events.EPOCH_STARTED, self.reset)
-        engine.add_event_handler(Events.ITERATION_COMPLETED, self.update)
+        if per_iteration:
+            engine.add_event_handler(Events.ITERATION_COMPLETED, self.update)
         sync_point.register(self)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._write)

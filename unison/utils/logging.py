@@ -40,6 +40,20 @@ class _ConsoleHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+def ignite_logger(name: str) -> logging.Logger:
+    """The logger an Engine named ``name`` gives ignite's loop: ``unison.ignite.<name>``.
+
+    ignite's loop logs each run's start and end at INFO and repeats every exception at ERROR
+    before it propagates; unison's exceptions carry their context in notes, so the parent
+    ``unison.ignite`` is quiet unless set: ``logging.getLogger("unison.ignite").setLevel(logging.INFO)``
+    shows them again.
+    """
+    parent = logging.getLogger("unison.ignite")
+    if parent.level == logging.NOTSET:
+        parent.setLevel(logging.CRITICAL)
+    return logging.getLogger(f"unison.ignite.{name}")
+
+
 def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) -> logging.Logger:
     """Sends unison's log records to stderr, each prefixed with the rank that wrote it.
 

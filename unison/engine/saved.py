@@ -1,0 +1,67 @@
+"""What an Engine's ``state_dict()`` holds beyond ignite's counters, under the ``"unison"`` key.
+
+ignite's keys (``iteration``, ``epoch_length``, ``max_epochs`` or ``max_iters``, and the
+user's ``state_dict_user_keys``) resume a run at ``divmod(iteration, epoch_length)``. unison
+adds, when there is any:
+
+- ``stop``: this rank's stop requests that no sync point will have settled before the next
+  iteration (a decision already taken is applied before anything saves);
+- ``update``: the optimizer updates done (``state.update``, a trainer's);
+- ``position``: ``[epochs completed, iterations into the next]``, which differs from ignite's
+  ``divmod`` after an epoch cut short by ``terminate_epoch()``.
+
+The entry is left out when it says nothing ignite's keys do not: a plain Engine's state dict is
+then ignite's, key for key. A checkpoint of unison's Checkpoint handler always holds it (with
+every rank's requests and the epoch's partial sums, see ``handlers/checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from unison.distributed.primitives import get_rank
+from unison.engine.control import StopControl
+from unison.engine.events import UPDATE_ATTR
+from unison.engine.lockstep import requests_settle_here
+
+if TYPE_CHECKING:
+    from unison.engine.engine import Engine
+
+STATE_KEY = "unison"
+
+
+def extra_state(engine: Engine) -> dict[str, Any]:
+    """The engine's own entry, whether or not ignite's keys imply it."""
+    stop = StopControl(engine.name) if requests_settle_here(engine) else engine._control
+    return {
+        "stop": stop.state_dict(),
+        UPDATE_ATTR: int(getattr(engine.state, UPDATE_ATTR, 0)),
+        "position": list(engine.epoch_position),
+    }
+
+
+def says_more(extra: Mapping[str, Any], ignite_state: Mapping[str, Any]) -> bool:
+    """Whether ``extra`` holds anything a resume from ignite's keys alone would lose."""
+    if any(extra["stop"].values()) or extra[UPDATE_ATTR]:
+        return True
+    length, iteration = ignite_state.get("epoch_length"), ignite_state.get("iteration", 0)
+    if not length:
+        return bool(iteration)
+    return list(extra["position"]) != [iteration // length, iteration % length]
+
+
+def load_extra_state(engine: Engine, saved: Mapping[str, Any] | None) -> None:
+    """Restores the entry after ignite's keys were loaded; without one, no request is pending."""
+    if saved is None:
+        engine._control.clear()
+        state = engine.state  # ignite's keys alone: its position, as its loop will take it up
+        engine._epoch.load({"position": divmod(state.iteration, state.epoch_length or 1)}, state)
+        return
+    by_rank = saved.get("stop_by_rank")  # a checkpoint holds every rank's own requests
+    if by_rank is not None:
+        engine._control.load_state_dict(by_rank[get_rank()] if get_rank() < len(by_rank) else {})
+    else:
+        engine._control.load_state_dict(saved.get("stop", {}))
+    setattr(engine.state, UPDATE_ATTR, int(saved.get(UPDATE_ATTR, 0)))
+    engine._epoch.load(saved, engine.state)
