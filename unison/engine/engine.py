@@ -370,7 +370,10 @@ class Engine(AgreedStops):
                 a ``RandomSampler``.
         """
         self.epoch_length_given = epoch_length is not None
-        if self._loaded and self.is_complete(max_epochs, max_iters):
+        # A loaded state that is complete returns at once (ignite would start again from
+        # scratch); a max_epochs below the loaded epoch goes on to ignite's own error.
+        below = max_epochs is not None and max_epochs < self.state.epoch
+        if self._loaded and not below and self.is_complete(max_epochs, max_iters):
             _log.info(
                 "%s: the state loaded from the checkpoint is already complete (epoch %s, iteration %s); nothing "
                 "to run. Give a larger max_epochs (or max_iters) to train further.",
@@ -407,9 +410,9 @@ class Engine(AgreedStops):
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"Engine.load_state_dict(state_dict=...) needs a mapping (what state_dict() returns), "
-                f"got {type(state_dict).__name__}."
+            raise TypeError(  # ignite's words first: code matching them keeps working
+                f"Argument state_dict should be a dictionary, but given {type(state_dict)}: "
+                "Engine.load_state_dict needs what Engine.state_dict() returns."
             )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
         load_extra_state(self, state_dict.get(STATE_KEY))

@@ -32,6 +32,7 @@ class EpochTracker:
         self.done = True
         self.fresh_iterator = False
         self.loaded: int | None = None
+        self.tracked: State | None = None  # the state this tracker follows
         self.pending_partials: list[list[float]] | None = None
 
     def position(self, state: State, cut: bool) -> tuple[int, int]:
@@ -39,6 +40,8 @@ class EpochTracker:
         if self.loaded is not None:  # loaded, not yet run
             return state.epoch, self.loaded
         length = state.epoch_length
+        if state is not self.tracked:  # a state no run of this engine made (assigned by hand): ignite's view
+            return divmod(state.iteration, length) if length else (state.epoch, 0)
         if self.done or cut or state.epoch == 0 or (length is not None and self.iteration >= length):
             return state.epoch, 0
         return state.epoch - 1, self.iteration
@@ -47,6 +50,7 @@ class EpochTracker:
         """At ``STARTED``: where the first epoch resumes; returns the loaded position, if any,
         for ignite's loop to start from (else ignite's ``iteration % epoch_length`` holds)."""
         loaded, self.loaded = self.loaded, None
+        self.tracked = state
         if loaded is not None:
             self.resume_offset = loaded
             return loaded
