@@ -1,4 +1,5 @@
-"""Every ```python block in the docs and the README runs.
+"""Every ```python block in the docs (docs/**/*.md, the migration guides in docs/migrating/ too)
+and the README runs.
 
 A block that starts with ``# continues the example above`` runs after the block before
 it. A block is executed in a fresh namespace in this process; a block with an
@@ -21,7 +22,7 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 def _blocks() -> list[tuple[str, str]]:
     found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]:
         if not path.exists():
             continue
         previous = ""

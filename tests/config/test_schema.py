@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 import unison.cli.resolve
 from unison.config import Config, ConfigError, PyObjectRef, load_config, load_yaml, schema_reference, validate
-from unison.config.schema import REQUIRED
+from unison.config.schema import REQUIRED, _hints, section_in
 
 DATA = Path(__file__).parent / "data"
 MINIMAL = (
@@ -192,6 +193,9 @@ def test_schema_reference_documents_every_key():
                 yield from leaves(type(value), prefix + f.name + ".")
             else:
                 yield prefix + f.name
+                sub = section_in(_hints(cls)[f.name])
+                if sub is not None:  # a key that also takes a mapping: training.ema, training.lr_scaling
+                    yield from leaves(sub, prefix + f.name + ".")
 
     assert sorted(keys) == sorted(leaves(Config))
 
@@ -200,7 +204,17 @@ def test_schema_reference_documents_every_key():
 
 QG_DATA = """\
 import torch
+from torch import nn
 from torch.utils.data import TensorDataset
+
+
+class GNNModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(x)
 
 
 def build(seed, n=16):
@@ -209,16 +223,35 @@ def build(seed, n=16):
     return ds, ds, ds
 """
 
+USER_SCRIPT = """\
+import torch
+
+
+def compute_loss(y_pred, y):
+    return torch.nn.functional.cross_entropy(y_pred, y)
+"""
+
+FILLED_IN = "imports: [qg_data]\ndata:\n  build: !pyobject qg_data.build\n  kwargs: {n: 16}\n"
+"""What a QuantumGrav user adds to the guide's block: their own data, in a module of theirs."""
+
 
 @pytest.fixture
 def quantumgrav(tmp_path, monkeypatch):
-    """tests/config/data/quantumgrav.yaml, with its `qg_data` module on sys.path (not next to it)."""
+    """tests/config/data/quantumgrav_ddp.yaml (QuantumGrav's DDP guide, verbatim) with the user's data
+    section appended; their `qg_data` module on sys.path (not next to it), and `__main__` their script,
+    defining `compute_loss`, as when they run the config through `unison.cli.run.run`."""
     code = tmp_path / "code"
     code.mkdir()
     (code / "qg_data.py").write_text(QG_DATA)
     monkeypatch.syspath_prepend(str(code))
+    script = types.ModuleType("__main__")
+    script.__file__ = str(code / "train_qg.py")
+    exec(compile(USER_SCRIPT, script.__file__, "exec"), script.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", script)
     sys.modules.pop("qg_data", None)
-    yield DATA / "quantumgrav.yaml"
+    path = tmp_path / "config.yaml"
+    path.write_text((DATA / "quantumgrav_ddp.yaml").read_text() + FILLED_IN)
+    yield path
     sys.modules.pop("qg_data", None)
 
 
@@ -227,27 +260,41 @@ def _check_quantumgrav(config: Config) -> None:
     assert config.parallel.nproc_per_node == 3  # world_size
     assert config.parallel.master_addr == "localhost"
     assert config.parallel.master_port == 12355
+    assert (config.parallel.rank, config.parallel.output_device) == (None, None)
+    assert config.training.path == "/path/to/output/directory"  # the root of the run folders
+    assert (config.parallel.find_unused_parameters, config.training.seed, config.training.device) == (
+        False,
+        42,
+        "cuda",
+    )
     assert config.training.optimizer_kwargs == {"lr": 0.001, "weight_decay": 0.00005}
+    assert config.training.optimizer_args == []
     assert (config.training.batch_size, config.training.num_workers, config.training.prefetch_factor) == (
         64,
         4,
         2,
     )
-    assert config.training.checkpoint_at == 10
-    assert (config.validation.batch_size, config.validation.num_workers, config.testing.batch_size) == (
-        64,
-        2,
-        64,
-    )
-    assert config.early_stopping.patience == 5
+    training = config.training
+    assert (training.pin_memory, training.drop_last, training.checkpoint_at) == (True, True, 10)
+    v, t = config.validation, config.testing
+    cuda = {"device": "cuda"}
+    assert (v.batch_size, v.num_workers, v.pin_memory, v.drop_last, v.validator) == (64, 2, True, False, cuda)
+    assert (t.batch_size, t.num_workers, t.pin_memory, t.drop_last, t.tester) == (64, 2, True, False, cuda)
+    es = config.early_stopping
+    assert (es.type, es.args, es.kwargs, es.patience) == ("DefaultEarlyStopping", [], {}, 5)  # kwargs -> keys
+    assert config.criterion == config.training.loss == PyObjectRef("__main__.compute_loss")
+    assert config.model.type == "GNNModel"
     resolved = unison.cli.resolve.resolve(config)
     assert resolved.optimizer_type is torch.optim.AdamW
-    assert resolved.model_type is torch.nn.Linear
+    assert resolved.model_type is sys.modules["qg_data"].GNNModel  # the name, found under imports:
+    assert resolved.loss is sys.modules["__main__"].compute_loss  # the user's script
     train, val, test = resolved.data_build(seed=config.training.seed, **resolved.data_kwargs)
     assert len(train) == len(val) == len(test) == 16
 
 
 def test_quantumgrav_config_loads_verbatim(quantumgrav):
+    block = (DATA / "quantumgrav_ddp.yaml").read_text()
+    assert quantumgrav.read_text().startswith(block)  # every line of the guide's block, unmodified
     _check_quantumgrav(load_config(quantumgrav))
 
 
@@ -262,7 +309,7 @@ def test_quantumgrav_config_loads_with_an_unquoted_port(quantumgrav, tmp_path):
 def test_quantumgrav_config_needs_its_import(quantumgrav, tmp_path):
     """Without `imports: [qg_data]` the data module (on sys.path, not in the config's folder)
     is outside the allow-list."""
-    text = quantumgrav.read_text().replace('master_port: "12355"', "master_port: 12355")
+    text = quantumgrav.read_text().replace('type: "GNNModel"', "type: !pyobject torch.nn.Identity")
     path = tmp_path / "qg.yaml"
     path.write_text(text.replace("imports: [qg_data]\n", ""))
     config = load_config(path)

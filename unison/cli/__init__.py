@@ -1,9 +1,11 @@
-"""The ``unison`` command: ``run`` a config, check a machine with ``doctor``, ``plot`` a run.
+"""The ``unison`` command: ``run`` a config, ``tune`` it, check a machine with ``doctor``, ``plot`` a run.
 
 The parser and :func:`main` live here; each command's code is in modules of this package,
 imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.cli.run`
-(with :mod:`unison.cli.resolve` and :mod:`unison.cli.steps`), :mod:`unison.cli.doctor` (with
-:mod:`unison.cli.checks` and :mod:`unison.cli.launch_checks`) and :mod:`unison.cli.plot`.
+(with :mod:`unison.cli.resolve` and :mod:`unison.cli.steps`), :mod:`unison.cli.tune` (with
+:mod:`unison.cli.tune_space`, :mod:`unison.cli.tune_server` and :mod:`unison.cli.tune_best`),
+:mod:`unison.cli.doctor` (with :mod:`unison.cli.checks` and :mod:`unison.cli.launch_checks`)
+and :mod:`unison.cli.plot`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,27 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from unison.cli.tune import SweepStopped, tune
+    from unison.cli.tune_best import summary_lines
+    from unison.cli.tune_space import MissingOptunaError
+    from unison.distributed import RankFailedError
+    from unison.utils.logging import setup_logging
+
+    setup_logging()  # the sweep's progress lines, at INFO
+    try:
+        summary = tune(args.config, trials=args.trials, nproc=args.nproc, overrides=args.set)
+    except (ValueError, MissingOptunaError, RankFailedError, SweepStopped, KeyboardInterrupt) as err:
+        if args.debug:
+            raise
+        print(f"unison tune: {str(err) or 'interrupted'}", file=sys.stderr)
+        if isinstance(err, SweepStopped):
+            return 128 + err.signum
+        return 130 if isinstance(err, KeyboardInterrupt) else 1 if isinstance(err, RankFailedError) else 2
+    print("\n".join(summary_lines(summary)))
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from unison.cli.doctor import run_doctor
 
@@ -53,7 +76,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``unison`` argument parser: one sub-command each for ``run``, ``doctor`` and ``plot``."""
+    """The ``unison`` argument parser: one sub-command each for ``run``, ``tune``, ``doctor`` and ``plot``."""
     parser = argparse.ArgumentParser(
         prog="unison", description="Distributed training in which every rank moves in unison."
     )
@@ -84,6 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the full Python traceback of an expected error (a bad config, a failed rank)",
     )
     run.set_defaults(handler=_run)
+
+    tune = commands.add_parser(
+        "tune",
+        help="sweep hyperparameters with Optuna: each trial a full run, pruned by all ranks together",
+        description="Runs the trials of the config's tuning: section (pip install 'unison[tune]').",
+    )
+    tune.add_argument("config", help="the YAML config file, with a tuning: section")
+    tune.add_argument(
+        "--trials", type=int, required=True, help="finished (complete or pruned) trials the study should hold"
+    )
+    tune.add_argument(
+        "--nproc", type=int, default=None, help="ranks per trial (default parallel.nproc_per_node)"
+    )
+    tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    tune.add_argument(
+        "--debug", action="store_true", help="show the full Python traceback of an expected error"
+    )
+    tune.set_defaults(handler=_tune)
 
     doctor = commands.add_parser("doctor", help="check this machine for what blocks a distributed run")
     doctor.add_argument(

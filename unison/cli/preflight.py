@@ -20,6 +20,7 @@ from unison.cli.resolve import Resolved
 from unison.config import Config, ConfigError
 from unison.config.usercode import describe
 from unison.distributed.env import port_is_free
+from unison.distributed.model import find_unused_from_env
 from unison.metrics import Loss
 from unison.utils import get_logger
 
@@ -41,6 +42,7 @@ def preflight(config: Config, resolved: Resolved) -> None:
     refs = _References.of(config)
     _check_device(config, refs)
     _check_output_root(config, refs)
+    _check_find_unused(config, refs)
     model = _meta_model(resolved, refs)
     if model is not None:
         _meta_optimizer(config, resolved, model, refs)
@@ -53,6 +55,19 @@ def preflight(config: Config, resolved: Resolved) -> None:
             raise refs.error(
                 f"validation.metrics.{name}", f"building {describe(cls)} raised {type(err).__name__}: {err}"
             ) from err
+
+
+def _check_find_unused(config: Config, refs: _References) -> None:
+    """``parallel.find_unused_parameters`` left out: ``DDP_FIND_UNUSED_PARAMETERS`` decides, and must
+    read as a bool in this process (the ranks inherit it)."""
+    if config.parallel.find_unused_parameters is not None:
+        return
+    try:
+        find_unused_from_env()
+    except ValueError as err:
+        raise refs.error(
+            "parallel.find_unused_parameters", f"left out, so the environment decides: {err}"
+        ) from None
 
 
 def _check_device(config: Config, refs: _References) -> None:
@@ -74,8 +89,9 @@ def _check_device(config: Config, refs: _References) -> None:
     if not available:
         raise refs.error(
             key,
-            f"{text!r} asks for {device.type}, which this machine does not have; leave training.device out "
-            "(each rank takes its own device) or set it to 'cpu'",
+            f"{text!r} asks for {device.type}, which this machine does not have (torch.{device.type}."
+            "is_available() is False); run on the CPU with `--set training.device=cpu` (or set "
+            "`device: cpu` in the file), or leave training.device out: each rank takes its own device",
         )
     count = int(getattr(backend, "device_count", lambda: 0)())
     if device.index is not None and device.index >= count:
@@ -148,7 +164,7 @@ def _meta_optimizer(config: Config, resolved: Resolved, model: nn.Module, refs: 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            optimizer = resolved.optimizer_type(params, **kwargs)
+            optimizer = resolved.optimizer_type(params, *resolved.optimizer_args, **kwargs)
     except Exception as err:
         if _meta_only(err) or {"fused", "foreach", "capturable"} & set(kwargs):
             return

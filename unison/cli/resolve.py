@@ -16,14 +16,16 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from unison.cli.early_stop import early_stopping_slot
 from unison.cli.references import _References
-from unison.config import Config, PyObjectRef
+from unison.config import Config, ConfigError, PyObjectRef, resolve_tree
+from unison.config.names import resolve_name
 from unison.config.usercode import describe
 from unison.metrics import Loss
 
@@ -43,6 +45,8 @@ class Resolved:
     data_kwargs: dict[str, Any]
     metrics: dict[str, tuple[type, dict[str, Any]]]
     after_training: Callable[[Any], Any] | None
+    optimizer_args: list[Any] = field(default_factory=list)
+    """Positional arguments of the optimizer after the parameters (``training.optimizer_args``)."""
 
 
 def resolve(config: Config) -> Resolved:
@@ -61,14 +65,16 @@ def resolve(config: Config) -> Resolved:
     refs = _References.of(config)
     metrics = _metric_slots(config, refs)
     _check_watched_metrics(config, list(metrics) or ["loss"], refs)
-    optimizer_type, optimizer_kwargs = _optimizer_slots(config, refs)
+    optimizer_type, optimizer_kwargs, optimizer_args = _optimizer_slots(config, refs)
     scheduler_type, scheduler_kwargs = _scheduler_slots(config, refs)
     loss = _loss_slot(config, refs)
     model_type, model_kwargs = _model_slots(config, refs)
     data_build, data_kwargs = _data_slots(config, refs)
+    early_stopping_slot(config, refs, config.checkpoint.metric or next(iter(metrics), "loss"))
     return Resolved(
         optimizer_type=optimizer_type,
         optimizer_kwargs=optimizer_kwargs,
+        optimizer_args=optimizer_args,
         scheduler_type=scheduler_type,
         scheduler_kwargs=scheduler_kwargs,
         loss=loss,
@@ -154,20 +160,24 @@ def _check_watched_metrics(config: Config, names: list[str], refs: _References) 
             )
 
 
-def _optimizer_slots(config: Config, refs: _References) -> tuple[type, dict[str, Any]]:
-    """``training.optimizer_type`` (an optimizer class) and ``training.optimizer_kwargs``."""
+def _optimizer_slots(config: Config, refs: _References) -> tuple[type, dict[str, Any], list[Any]]:
+    """``training.optimizer_type`` (an optimizer class), ``optimizer_kwargs`` and ``optimizer_args``."""
     t = config.training
     cls = refs.ref(t.optimizer_type, "optimizer", "training.optimizer_type")
     kwargs = refs.tree(t.optimizer_kwargs, "training.optimizer_kwargs")
+    scope = refs.scope
+    args = list(
+        resolve_tree(t.optimizer_args, key="training.optimizer_args", imports=scope.imports, config_dir=scope.config_dir)
+    )
     refs.bind(
         cls,
         type_key="training.optimizer_type",
         kwargs_key="training.optimizer_kwargs",
         kwargs={**kwargs, **({"lr": t.lr} if t.lr is not None else {})},
-        args=([],),
-        how="(params, ...)",
+        args=([], *args),
+        how=f"(params, *{args!r}, ...)" if args else "(params, ...)",
     )
-    return cls, kwargs
+    return cls, kwargs, args
 
 
 def _scheduler_slots(config: Config, refs: _References) -> tuple[type | None, dict[str, Any]]:
@@ -194,8 +204,8 @@ def _loss_slot(config: Config, refs: _References) -> Callable[..., torch.Tensor]
     A ``torch.nn.Module`` class (``torch.nn.CrossEntropyLoss``) is built here with no
     arguments; one that needs arguments is refused (name an instance of your own module).
     """
-    key = "training.loss"
-    loss = refs.ref(config.training.loss, "loss", key)
+    key = "criterion" if config.criterion is not None else "training.loss"
+    loss = refs.ref(config.criterion or config.training.loss, "loss", key)
     if isinstance(loss, type):
         try:
             inspect.signature(loss).bind()
@@ -209,13 +219,27 @@ def _loss_slot(config: Config, refs: _References) -> Callable[..., torch.Tensor]
             pass
         return loss()
     if not isinstance(loss, nn.Module):
-        refs.bind(loss, type_key=key, kwargs_key=key, kwargs={}, args=(None, None), how="(output, target)")
+        try:
+            refs.bind(loss, type_key=key, kwargs_key=key, kwargs={}, args=(None, None), how="(output, target)")
+        except ConfigError as err:
+            raise refs.error(
+                key,
+                f"{describe(loss)} cannot be called as {key.split('.')[-1]}(y_pred, y), with the model's output "
+                f"and the batch's target ({err.problem}). QuantumGrav's compute_loss(outputs, data, trainer) "
+                "becomes compute_loss(y_pred, y): give any other parameter a default",
+            ) from None
     return loss
 
 
 def _model_slots(config: Config, refs: _References) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
     """``model.type`` (a model class, or a function of the user's returning one) and ``model.kwargs``."""
-    model_type = refs.ref(config.model.type, "model", "model.type")
+    named = config.model.type
+    if isinstance(named, str):
+        model_type = resolve_name(
+            named, slot="model", key="model.type", scope=refs.scope, fail=lambda m: refs.error("model.type", m)
+        )
+    else:
+        model_type = refs.ref(named, "model", "model.type")
     kwargs = refs.tree(config.model.kwargs, "model.kwargs")
     refs.bind(model_type, type_key="model.type", kwargs_key="model.kwargs", kwargs=kwargs)
     if isinstance(model_type, type):

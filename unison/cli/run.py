@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.cli.accepted import report_accepted
 from unison.cli.changes import check_resume, record
+from unison.cli.ema import evaluated_model, load_best_weights
+from unison.cli.eval_loaders import eval_loader
 from unison.cli.preflight import check_port, preflight
 from unison.cli.resolve import Resolved, make_metrics, resolve
 from unison.cli.steps import RunParts, build_run
@@ -40,7 +44,6 @@ from unison.distributed import (
     get_rank,
     get_world_size,
     launch,
-    prepare_loaders,
 )
 from unison.engine import create_evaluator
 from unison.engine.predict import predict
@@ -158,8 +161,13 @@ def _file_logging(run_dir: Path) -> logging.Handler:
     return handler
 
 
-def train_from_config(config: Config, resume: str | None = None) -> dict[str, Any]:
+def train_from_config(
+    config: Config, resume: str | None = None, attach: Callable[[RunParts], None] | None = None
+) -> dict[str, Any]:
     """Runs on every rank: builds the run a config describes, trains, tests, and returns results.
+
+    ``attach(parts)``, when given, runs on every rank once the run is built, before it resumes
+    and trains: it attaches handlers of the caller's own (``unison tune`` attaches pruning).
 
     Distributed:
         Call it on every rank (``launch`` does): it is full of collectives.
@@ -175,7 +183,7 @@ def train_from_config(config: Config, resume: str | None = None) -> dict[str, An
     barrier()  # the folder exists before any rank writes into it
     log_file = _file_logging(run_dir)
     try:
-        return _train(config, resolved, run_dir, resume_from)
+        return _train(config, resolved, run_dir, resume_from, attach)
     finally:
         logging.getLogger("unison").removeHandler(log_file)
         log_file.close()
@@ -190,11 +198,20 @@ def _record_changes(config: Config, run_dir: Path) -> None:
         record(run_dir, changes)
 
 
-def _train(config: Config, resolved: Resolved, run_dir: Path, resume_from: str | None) -> dict[str, Any]:
+def _train(
+    config: Config,
+    resolved: Resolved,
+    run_dir: Path,
+    resume_from: str | None,
+    attach: Callable[[RunParts], None] | None = None,
+) -> dict[str, Any]:
     """Builds the run in its steps, resumes it when asked, trains, then tests and writes results."""
     world = get_world_size()
     _log.info("run directory: %s (world size %d)", run_dir, world)
+    report_accepted(config)  # keys of other trainers' configs that are not needed here, once
     parts = build_run(config, resolved, run_dir, world)
+    if attach is not None:
+        attach(parts)
     t = config.training
     if resume_run(parts, resume_from) is not None and parts.trainer.is_complete(t.max_epochs):
         _log.info(
@@ -283,7 +300,8 @@ def _write_metrics(run_dir: Path, results: dict[str, Any]) -> None:
 
 
 def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> dict[str, float]:
-    """Test phase: evaluates the test set, with the best checkpoint's weights if ``testing.use_best``.
+    """Test phase: evaluates the test set, with the best checkpoint's weights if ``testing.use_best``
+    (with ``training.ema.evaluate``, the best checkpoint's average of them).
 
     Returns:
         The test metrics, by name.
@@ -291,20 +309,21 @@ def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> di
     Distributed:
         Collective: call on every rank.
     """
-    from unison.checkpoint import load_checkpoint, load_model_state
+    from unison.checkpoint import load_checkpoint
 
     checkpoint, model = parts.checkpoint, parts.model
     if config.testing.use_best and checkpoint is not None:
         best = checkpoint.best if get_rank() == 0 else None
         path = broadcast_object(None if best is None else str(checkpoint.folder / best.file))
         if path is not None:
-            load_model_state(model, load_checkpoint(path)["objects"]["model"])
+            load_best_weights(config, model, parts.ema, parts.trainer, load_checkpoint(path)["objects"])
             _log.info("testing the best checkpoint %s", path)
     metrics = make_metrics(resolved)
     amp = config.training.amp
-    batch = config.testing.batch_size or config.validation.batch_size or config.training.batch_size
-    _, test_loader = prepare_loaders(None, parts.datasets.test, batch_size=batch)
-    tester = create_evaluator(model, metrics, amp=None if amp == "none" else amp)
+    test_loader = eval_loader(config, "testing", parts.datasets.test)  # the testing section's loader keys
+    tester = create_evaluator(
+        evaluated_model(config, model, parts.ema), metrics, amp=None if amp == "none" else amp
+    )
     values = {k: v for k, v in tester.run(test_loader).metrics.items() if isinstance(v, float)}
     _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
     return values
@@ -322,7 +341,7 @@ def write_predictions(config: Config, parts: RunParts, run_dir: Path) -> Path | 
     datasets = parts.datasets
     target = datasets.test if datasets.test is not None else datasets.val
     batch = config.predict.batch_size or config.validation.batch_size or config.training.batch_size
-    out = predict(parts.model, target, batch_size=batch)
+    out = predict(evaluated_model(config, parts.model, parts.ema), target, batch_size=batch)
     if get_rank() != 0 or out is None:
         return None
     path = run_dir / "predictions.pt"

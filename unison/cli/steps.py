@@ -5,7 +5,7 @@
 1. data: :func:`build_datasets`, :func:`build_loaders`;
 2. model: :func:`build_model`;
 3. optimizer and scheduler: :func:`build_optimizer`;
-4. trainer: :func:`build_trainer`;
+4. trainer: :func:`build_trainer`, its LR warmup and EMA (:mod:`unison.cli.lr_scaling`, :mod:`unison.cli.ema`);
 5. evaluator: :func:`build_evaluator`, :func:`attach_validation`, :func:`attach_scheduler`;
 6. handlers: :func:`attach_handlers` (:func:`checkpoint_objects`, then early stopping and
    guards in :func:`attach_control`, checkpoint and preemption in
@@ -25,13 +25,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from unison.cli.resolve import Resolved, make_metrics, scaled_lr
+from unison.cli.accepted import ddp_options
+from unison.cli.early_stop import make_early_stopping
+from unison.cli.ema import EMA, attach_ema, evaluated_model
+from unison.cli.eval_loaders import eval_loader
+from unison.cli.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs
+from unison.cli.resolve import Resolved, make_metrics
 from unison.config import Config, ConfigError, to_plain
 from unison.distributed import prepare_loaders, prepare_model
 from unison.engine import Engine, Events, TrainStep, UpdateEvents, create_evaluator, create_trainer
 from unison.handlers import (
     Checkpoint,
-    EarlyStopping,
     NonFiniteGuard,
     Preemption,
     ProgressBar,
@@ -69,6 +73,7 @@ class RunParts:
             ``ReduceLROnPlateau`` scheduler watch.
         history: one row per validation, appended by the handler of :func:`attach_validation`.
         checkpoint: the checkpoint handler, None when ``checkpoint.enabled`` is false.
+        ema: the average of the weights (``training.ema``), or None (:mod:`unison.cli.ema`).
     """
 
     datasets: Datasets
@@ -82,6 +87,7 @@ class RunParts:
     watched: str
     history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: Checkpoint | None = None
+    ema: EMA | None = None
 
 
 def build_run(config: Config, resolved: Resolved, run_dir: Path, world_size: int) -> RunParts:
@@ -101,9 +107,11 @@ def build_run(config: Config, resolved: Resolved, run_dir: Path, world_size: int
     model = build_model(config, resolved)
     optimizer, scheduler = build_optimizer(config, resolved, model, world_size)
     trainer = build_trainer(config, resolved, model, optimizer)
-    evaluator, watched = build_evaluator(config, resolved, model)
+    attach_lr_warmup(config, optimizer, trainer)  # training.lr_scaling.warmup_steps
+    ema = attach_ema(config, model, trainer)  # training.ema; validation runs on evaluated_model
+    evaluator, watched = build_evaluator(config, resolved, evaluated_model(config, model, ema))
     parts = RunParts(
-        datasets, train_loader, val_loader, model, optimizer, scheduler, trainer, evaluator, watched
+        datasets, train_loader, val_loader, model, optimizer, scheduler, trainer, evaluator, watched, ema=ema
     )
     attach_validation(config, parts)
     attach_scheduler(parts, config.training.scheduler_every)
@@ -132,9 +140,8 @@ def build_loaders(config: Config, datasets: Datasets) -> tuple[DataLoader | None
 
     The training loader takes the ``training`` section's loader keys (``batch_size``,
     ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``drop_last``); the validation
-    loader takes the ``validation`` section's (``batch_size``, default the training one;
-    ``num_workers``), with ``training.pin_memory``, and ``training.prefetch_factor`` when
-    it has worker processes of its own.
+    loader takes the ``validation`` section's, each defaulting to the training one
+    (:func:`unison.cli.eval_loaders.eval_loader`).
 
     Returns:
         ``(train_loader, val_loader)``, each None when its dataset is None.
@@ -142,20 +149,14 @@ def build_loaders(config: Config, datasets: Datasets) -> tuple[DataLoader | None
     Distributed:
         Call it on every rank with the same config: the samplers shard by rank.
     """
-    t, v = config.training, config.validation
+    t = config.training
     train_kwargs: dict[str, Any] = {"num_workers": t.num_workers, "pin_memory": t.pin_memory}
-    val_kwargs: dict[str, Any] = {"num_workers": v.num_workers, "pin_memory": t.pin_memory}
     if t.prefetch_factor is not None:
         train_kwargs["prefetch_factor"] = t.prefetch_factor
-        if v.num_workers > 0:  # a DataLoader without workers refuses prefetch_factor
-            val_kwargs["prefetch_factor"] = t.prefetch_factor
     train_loader, _ = prepare_loaders(
         datasets.train, None, batch_size=t.batch_size, seed=t.seed, drop_last=t.drop_last, **train_kwargs
     )
-    _, val_loader = prepare_loaders(
-        None, datasets.val, batch_size=v.batch_size or t.batch_size, seed=t.seed, **val_kwargs
-    )
-    return train_loader, val_loader
+    return train_loader, eval_loader(config, "validation", datasets.val)  # its own loader keys
 
 
 def build_model(config: Config, resolved: Resolved) -> nn.Module:
@@ -168,6 +169,7 @@ def build_model(config: Config, resolved: Resolved) -> nn.Module:
         resolved.model_type(**resolved.model_kwargs),
         sync_batchnorm=config.parallel.sync_batchnorm,
         find_unused_parameters=config.parallel.find_unused_parameters,
+        **ddp_options(config),  # parallel.output_device, on GPUs
     )
 
 
@@ -176,8 +178,8 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, Any]:
     """Optimizer and scheduler: ``training.lr`` overrides the optimizer's ``lr``, then scaled.
 
-    The learning rate is scaled by ``training.lr_scaling`` in ``world_size`` (see
-    :func:`~unison.cli.resolve.scaled_lr`).
+    The learning rate is scaled by ``training.lr_scaling`` in the global batch of
+    ``world_size`` ranks (see :mod:`unison.cli.lr_scaling`).
 
     Returns:
         ``(optimizer, scheduler)``; the scheduler is None without ``training.scheduler_type``.
@@ -186,11 +188,10 @@ def build_optimizer(
     opt_kwargs = dict(resolved.optimizer_kwargs)
     if t.lr is not None:
         opt_kwargs["lr"] = t.lr
-    if "lr" in opt_kwargs and t.lr_scaling != "none":
-        base = float(opt_kwargs["lr"])
-        opt_kwargs["lr"] = scaled_lr(base, t.lr_scaling, world_size)
-        _log.info("lr scaling %r: %g x %d ranks -> lr %g", t.lr_scaling, base, world_size, opt_kwargs["lr"])
-    optimizer = resolved.optimizer_type(model.parameters(), **opt_kwargs)
+    opt_kwargs = scaled_optimizer_kwargs(
+        config, resolved.optimizer_type, opt_kwargs, world_size, resolved.optimizer_args
+    )
+    optimizer = resolved.optimizer_type(model.parameters(), *resolved.optimizer_args, **opt_kwargs)
     scheduler = (
         resolved.scheduler_type(optimizer, **resolved.scheduler_kwargs) if resolved.scheduler_type else None
     )
@@ -311,19 +312,10 @@ def attach_control(config: Config, parts: RunParts, run_dir: Path, to_save: dict
 
     Early stopping, when ``early_stopping.patience`` is set, joins ``to_save``.
     """
-    t, es = config.training, config.early_stopping
+    t = config.training
     trainer, evaluator = parts.trainer, parts.evaluator
-    if es.patience is not None:
-        stopper = EarlyStopping(
-            trainer,
-            es.metric or parts.watched,
-            patience=es.patience,
-            mode=es.mode or config.checkpoint.mode,
-            min_delta=es.min_delta,
-            threshold_mode=es.threshold_mode,
-            cumulative_delta=es.cumulative_delta,
-            agreement=es.agreement,
-        )
+    stopper = make_early_stopping(config, trainer, parts.watched)  # early_stopping.type, default EarlyStopping
+    if stopper is not None:
         stopper.attach(evaluator)
         to_save["early_stopping"] = stopper
     if t.nonfinite_guard:

@@ -7,7 +7,7 @@ from typing import Any
 
 from unison.config.loader import PyObjectRef
 from unison.config.resolve import SLOTS
-from unison.config.schema import Config, _hints, _is_section, _type_name
+from unison.config.schema import Config, _hints, _is_section, _type_name, section_in
 
 
 def schema_reference() -> list[tuple[str, str, str, str]]:
@@ -35,6 +35,9 @@ def schema_reference() -> list[tuple[str, str, str, str]]:
                     doc,
                 )
             )
+            sub = section_in(tp)
+            if sub is not None:  # a key that also takes a mapping: its keys follow it
+                walk(sub, key + ".")
 
     walk(Config, "")
     return rows
@@ -75,7 +78,13 @@ def reference_markdown() -> str:
         "- **Which modules a `!pyobject` may come from.** torch, ignite and unison (always the",
         "  installed ones); modules beside the config file; and your own modules named under",
         "  `imports:`. Nothing else, and never private names (`_x`), `os`, `subprocess`,",
-        "  `builtins`, `torch.hub`, `torch.load` and the like.",
+        "  `builtins`, `torch.hub`, `torch.load` and the like. `__main__` is your own script when",
+        "  that script runs the config (`unison.cli.run.run(path)`); under `unison run` it is",
+        "  unison itself, and naming it is an error that says what to write instead.",
+        "- **A plain name** (`model.type: \"GNNModel\"`, `early_stopping.type: DefaultEarlyStopping`,",
+        "  as QuantumGrav's configs write them) is looked for in the modules under `imports:` (and",
+        "  in your script, as above), and must fit the key as a `!pyobject` must; one found nowhere",
+        "  is an error listing what the key could name there.",
         "- **What `imports:` trusts.** Your own code: a module beside the config, or one installed",
         "  or on `sys.path` that is not in Python's standard library, not torch, ignite or unison,",
         "  not a library unison depends on, and not a data loader (`numpy`, `joblib`, `pandas`,",

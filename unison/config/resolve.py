@@ -25,11 +25,14 @@ from typing import Any
 from unison.config.errors import ConfigError
 from unison.config.loader import PyObjectRef
 from unison.config.usercode import (
+    MAIN_FIX,
+    MAIN_MODULES,
     RESERVED,
     describe,
     folder_package,
     in_stdlib,
     local_module,
+    main_problem,
     public_module,
     refused_import,
 )
@@ -69,6 +72,8 @@ class Scope:
     def is_users(self, obj: Any) -> bool:
         """Whether ``obj`` (a function or class) is defined in one of the user's own modules."""
         module = getattr(obj, "__module__", None)
+        if module in MAIN_MODULES:  # the user's script, run through unison's Python API
+            return main_problem() is None
         return isinstance(module, str) and any(_under(module, p) for p in self.user_packages())
 
 
@@ -178,6 +183,11 @@ def _user_function(obj: Any, via_user: bool, scope: Scope) -> bool:
     return _function(obj) and scope.is_users(obj)
 
 
+def _early_stopping(obj: Any, via_user: bool, scope: Scope) -> bool:
+    names = {f"{c.__module__}.{c.__qualname__}" for c in getattr(obj, "__mro__", ())}  # config imports no handlers
+    return isinstance(obj, type) and "unison.handlers.early_stopping.EarlyStopping" in names
+
+
 def _value(obj: Any, via_user: bool, scope: Scope) -> bool:
     if isinstance(obj, types.ModuleType):
         return False
@@ -216,6 +226,11 @@ SLOTS: dict[str, Slot] = {
         "write `def build(seed, ...)` returning (train, val[, test]) datasets in a module beside the config",
     ),
     "hook": Slot(_USER + ": fn(context)", _user_function, "write the hook in a module beside the config"),
+    "early_stopping": Slot(
+        "unison.handlers.EarlyStopping (also named EarlyStopping or DefaultEarlyStopping), or a subclass of it",
+        _early_stopping,
+        "leave type out for unison's EarlyStopping",
+    ),
     "value": Slot(
         "inside kwargs, a constant (a number, a string, a torch dtype), a torch.nn.Module class, "
         "a function of torch.nn.functional or torch.nn.init, or an object of your own modules",
@@ -269,9 +284,10 @@ def lookup(ref: PyObjectRef, *, slot: str | None, key: str, scope: Scope) -> tup
         return ConfigError(message, file=ref.file, line=ref.line or None, key=key.split("."))
 
     path = ref.path
-    if not _DOTTED.match(path):
+    named = path.removeprefix("__main__.")  # the user's script: see usercode.main_problem
+    if not _DOTTED.match(named):
         raise fail(f"!pyobject {path!r} is not a dotted path like torch.optim.AdamW")
-    if any(part.startswith("_") for part in path.split(".")):
+    if any(part.startswith("_") for part in named.split(".")):
         raise fail(f"!pyobject {path}: private names (starting with '_') cannot be named in a config")
     for prefix in DENIED_PREFIXES:
         if _under(path, prefix):
@@ -304,6 +320,11 @@ def _import(path: str, scope: Scope, fail: Callable[[str], ConfigError]) -> tupl
     local = local_module(top, scope.config_dir)
     if top in RESERVED:
         base, via_user = top, False
+    elif top == "__main__":
+        why = main_problem()
+        if why is not None:
+            raise fail(f"!pyobject {path}: {why}. {MAIN_FIX.format(name=parts[-1])}")
+        base, via_user = top, True
     elif local is not None:
         base, via_user = local, True
     else:

@@ -42,11 +42,51 @@ class ParallelConfig:
     nproc_per_node: int | None = option(
         None, "processes to spawn when no launcher is present (`--nproc`)", alias="world_size"
     )
+    rank: int | None = option(
+        None, "accepted for QuantumGrav configs: each process takes its rank from the launcher (a number "
+        "is not used; a log line says so)",
+    )
     master_addr: str = option("127.0.0.1", "rendezvous address when spawning")
     master_port: int | str | None = option(None, "rendezvous port when spawning; default, a free port")
     timeout: float = option(600.0, "seconds a collective waits for the other ranks before failing")
-    find_unused_parameters: bool = option(False, "DDP option for models with parameters unused in some steps")
+    find_unused_parameters: bool | None = option(
+        None,
+        "DDP option for models with parameters unused in some steps; null: the DDP_FIND_UNUSED_PARAMETERS "
+        "environment variable (true/false, 1/0, yes/no) when set, else false. A value given here wins",
+    )
     sync_batchnorm: bool = option(False, "convert BatchNorm layers to SyncBatchNorm")
+    output_device: int | str | None = option(
+        None, "DDP's output_device on GPUs (a cuda index or device); null: the rank's own device; not used "
+        "on the CPU (a log line says so)",
+    )
+
+
+@dataclass
+class LRScalingConfig:
+    rule: Literal["none", "linear", "sqrt"] = option(
+        "linear",
+        "lr x global/reference batch (linear) or its square root (sqrt); none keeps lr (warmup alone)",
+    )
+    reference_batch_size: int | None = option(
+        None, "the global batch lr was tuned for; default one rank's batch, batch_size x accumulation_steps"
+    )
+    warmup_steps: int = option(
+        0,
+        "optimizer updates of linear warmup: update k steps with lr x min(1, k/warmup_steps), on top of "
+        "the scheduler's value; 0: none",
+    )
+
+
+@dataclass
+class EMAConfig:
+    decay: float = option(0.999, "at each average: ema = decay x ema + (1 - decay) x weights; in (0, 1)")
+    every: int = option(1, "average every this many optimizer updates (never per micro-batch)")
+    warmup: int = option(0, "optimizer updates during which the average is a copy of the weights")
+    evaluate: bool = option(
+        True,
+        "validate (so rank the best checkpoint and stop early), test and predict with the averaged weights; "
+        "false: with the trained ones (the average is saved in checkpoints either way, as handler:EMA)",
+    )
 
 
 @dataclass
@@ -58,10 +98,14 @@ class TrainingConfig:
     optimizer_type: PyObjectRef = option(
         PyObjectRef("torch.optim.AdamW"), "optimizer class", slot="optimizer"
     )
+    optimizer_args: list[Any] = option([], "positional arguments of the optimizer, after the parameters")
     optimizer_kwargs: dict[str, Any] = option({}, "keyword arguments of the optimizer (lr, weight_decay ...)")
     lr: float | None = option(None, "learning rate; overrides optimizer_kwargs.lr")
-    lr_scaling: Literal["none", "linear", "sqrt"] = option(
-        "none", "scale lr by the world size (linear) or its square root (sqrt)"
+    lr_scaling: Literal["none", "linear", "sqrt"] | LRScalingConfig = option(
+        "none",
+        "scale lr by the global batch (ranks x batch_size x accumulation_steps) over a reference batch; as a "
+        "string the reference is one rank's batch, so lr x world size (linear) or its square root (sqrt); "
+        "a mapping sets the rule, the reference and a warmup (keys below)",
     )
     scheduler_type: PyObjectRef | None = option(
         None, "LR scheduler class, stepped as training.scheduler_every says", slot="scheduler"
@@ -81,6 +125,11 @@ class TrainingConfig:
     amp: Literal["none", "bf16", "fp16"] = option("none", "autocast precision")
     accumulation_steps: int = option(1, "micro-batches per optimizer update")
     clip_grad_norm: float | None = option(None, "clip the total gradient norm to this value")
+    ema: EMAConfig | None = option(
+        None,
+        "keep an exponential moving average of the weights, updated once per optimizer update (keys "
+        "below; `ema: {}` takes their defaults); null: off",
+    )
     num_workers: int = option(0, "DataLoader worker processes per rank")
     pin_memory: bool = option(False, "pin host memory for faster copies to the GPU")
     drop_last: bool = option(False, "drop the last incomplete training batch")
@@ -100,7 +149,12 @@ class TrainingConfig:
 
 @dataclass
 class ModelConfig:
-    type: PyObjectRef | None = option(None, "the model class (or a function returning a model)", slot="model")
+    type: PyObjectRef | str | None = option(
+        None,
+        "the model class (or a function returning a model): !pyobject, or a name (\"GNNModel\") found in "
+        "the modules under imports:",
+        slot="model",
+    )
     kwargs: dict[str, Any] = option({}, "keyword arguments of the model")
 
 
@@ -117,6 +171,16 @@ class ValidationConfig:
     every: int = option(1, "evaluate every this many epochs")
     batch_size: int | None = option(None, "per-rank batch size; default training.batch_size")
     num_workers: int = option(0, "DataLoader worker processes")
+    pin_memory: bool | None = option(None, "pin host memory; default training.pin_memory")
+    drop_last: bool = option(
+        False, "drop each rank's last incomplete batch: metrics then skip samples (a warning says so)"
+    )
+    prefetch_factor: int | None = option(
+        None, "batches each worker loads ahead; default training.prefetch_factor when there are workers"
+    )
+    validator: dict[str, Any] = option(
+        {}, "QuantumGrav's validator ({device: ...}): not needed, every rank evaluates on its own device (logged)"
+    )
     metrics: dict[str, Any] = option(
         {}, "name -> !pyobject metric class, or {type: !pyobject ..., kwargs: {...}}"
     )
@@ -127,6 +191,17 @@ class TestingConfig:
     enabled: bool = option(True, "evaluate the test set after training, when data.build returns one")
     batch_size: int | None = option(None, "per-rank batch size; default validation.batch_size")
     use_best: bool = option(True, "load the best checkpoint by checkpoint.metric before testing")
+    num_workers: int | None = option(None, "DataLoader worker processes; default validation.num_workers")
+    pin_memory: bool | None = option(None, "pin host memory; default validation.pin_memory")
+    drop_last: bool = option(
+        False, "drop each rank's last incomplete batch: metrics then skip samples (a warning says so)"
+    )
+    prefetch_factor: int | None = option(
+        None, "batches each worker loads ahead; default validation.prefetch_factor"
+    )
+    tester: dict[str, Any] = option(
+        {}, "QuantumGrav's tester ({device: ...}): not needed, every rank tests on its own device (logged)"
+    )
 
 
 @dataclass
@@ -166,6 +241,17 @@ class EarlyStoppingConfig:
     threshold_mode: Literal["abs", "rel"] = option("abs", "min_delta absolute or relative")
     cumulative_delta: bool = option(False, "compare with the score at the last improvement")
     agreement: Literal["rank_zero", "any", "all"] = option("rank_zero", "how ranks agree on stopping")
+    type: PyObjectRef | str | None = option(
+        None,
+        "the handler: null, EarlyStopping or QuantumGrav's DefaultEarlyStopping is unison.handlers.EarlyStopping; "
+        "or a subclass of it, by name in the modules under imports: or by !pyobject",
+        slot="early_stopping",
+    )
+    args: list[Any] = option([], "positional arguments after the trainer (for EarlyStopping: the metric)")
+    kwargs: dict[str, Any] = option(
+        {}, "keyword arguments: this section's keys (patience, mode, min_delta or delta ...) set them; the "
+        "others go to a handler class of your own",
+    )
 
 
 @dataclass
@@ -184,10 +270,42 @@ class HooksConfig:
 
 
 @dataclass
+class TuningConfig:
+    direction: Literal["maximize", "minimize"] | None = option(
+        None,
+        "whether the sweep maximizes or minimizes tuning.metric; default from checkpoint.mode, or the metric's name",
+    )
+    metric: str | None = option(
+        None, "the validation metric a trial is judged by (its best value); default checkpoint.metric"
+    )
+    search_space: dict[str, Any] = option(
+        {},
+        "dotted config key -> {type: float | int, low, high, log, step} or {type: categorical, choices: [...]}; "
+        "each trial sets the drawn values as --set does",
+    )
+    sampler: str = option("TPESampler", "a class of optuna.samplers, by name")
+    sampler_kwargs: dict[str, Any] = option({}, "keyword arguments of the sampler (plain values, e.g. seed)")
+    pruner: str | None = option(
+        "MedianPruner", "a class of optuna.pruners, by name; asked after each validation; null: never prune"
+    )
+    pruner_kwargs: dict[str, Any] = option({}, "keyword arguments of the pruner (plain values)")
+    storage: str | None = option(
+        None, "an Optuna storage URL (sqlite:///..., postgresql://...); default <sweep folder>/study.db"
+    )
+    study_name: str | None = option(None, "the study's name in the storage; default the config's name")
+    load_if_exists: bool = option(True, "continue a study of this name in the storage; false: refuse to")
+
+
+@dataclass
 class Config:
     """A whole run. Sections are optional; keys left out take their defaults."""
 
     name: str = option("run", "the run's name: its directory is <logging.root>/<name>/<timestamp>/")
+    criterion: PyObjectRef | None = option(
+        None,
+        "QuantumGrav's name for training.loss, called criterion(y_pred, y); both given and different is an error",
+        slot="loss",
+    )
     imports: list[str] = option(
         [], "your own modules (installed or on sys.path) that !pyobject may name; not stdlib or libraries"
     )
@@ -202,6 +320,7 @@ class Config:
     early_stopping: EarlyStoppingConfig = section(EarlyStoppingConfig, "stopping when a metric stalls")
     logging: LoggingConfig = section(LoggingConfig, "run directory, TensorBoard, progress")
     hooks: HooksConfig = section(HooksConfig, "recipe code run at fixed points")
+    tuning: TuningConfig = section(TuningConfig, "hyperparameter sweeps with `unison tune`")
 
 
 REQUIRED: tuple[KeyPath, ...] = (("model", "type"), ("data", "build"))
@@ -216,8 +335,20 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, globalns=globals(), localns={"PyObjectRef": PyObjectRef})
 
 
+def section_in(tp: Any) -> type | None:
+    """The section class a key takes as a mapping: ``tp`` itself, or the section in its union
+    (``EMAConfig | None``, ``Literal[...] | LRScalingConfig``); None for a plain key."""
+    if _is_section(tp):
+        return typing.cast(type, tp)
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return next((a for a in typing.get_args(tp) if _is_section(a)), None)
+    return None
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if _is_section(tp):
+        return "a mapping {" + ", ".join(f.name for f in dataclasses.fields(tp)) + "}"
     if origin is Literal:
         return " | ".join(repr(v) for v in typing.get_args(tp))
     if origin in (Union, types.UnionType):

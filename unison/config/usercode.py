@@ -233,3 +233,41 @@ def public_module(name: str | None) -> str:
         parts = name.split(".")
         return ".".join(parts[len(PREFIX.split(".")) + 1 :]) or name
     return name
+
+
+MAIN_MODULES = ("__main__", "__mp_main__")
+"""The script that started Python, as a spawned rank names it too (``__mp_main__``)."""
+
+MAIN_FIX = (
+    "Put {name} in a module of your own and name it there: `!pyobject mymodule.{name}` with "
+    "`imports: [mymodule]` (or mymodule.py beside the config); or run the config from your own script "
+    "with `unison.cli.run.run(path, nproc=...)`, where `__main__` is that script"
+)
+"""What to do instead of naming ``__main__`` where it is not the user's script."""
+
+
+def main_problem() -> str | None:
+    """Why ``!pyobject __main__.x`` cannot name the user's code in this process, or None when it can.
+
+    ``__main__`` is the user's own script when that script runs the config through unison's
+    Python API (``unison.cli.run.run(path)``); its spawned ranks import it again as
+    ``__mp_main__``. Under ``unison run`` (``python -m unison``, the ``unison`` console
+    script, torchrun or srun running either) ``__main__`` is unison itself.
+    """
+    main = sys.modules.get("__main__")
+    file = getattr(main, "__file__", None)
+    spec = getattr(main, "__spec__", None)
+    entry = getattr(getattr(main, "main", None), "__module__", None)
+    package = Path(__file__).resolve().parents[1]
+    if (
+        str(getattr(spec, "name", "") or "").split(".")[0] == "unison"
+        or entry == "unison.cli"
+        or (file is not None and package in Path(file).resolve().parents)
+    ):
+        return "under `unison run`, `__main__` is the unison command itself, not your code"
+    if not file:
+        return (
+            "`__main__` is not a script file here (an interactive session or `python -c`), so the ranks "
+            "could not import it"
+        )
+    return None

@@ -15,9 +15,10 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+from unison.config.compat import apply_compat
 from unison.config.errors import ConfigError
 from unison.config.loader import KeyPath, RawConfig
-from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name
+from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
 
 
 def _matches(value: Any, tp: Any) -> bool:
@@ -92,8 +93,8 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
                 )
         given_as[name] = key
         tp = hints[name]
-        if _is_section(tp):
-            values[name] = _build(tp, value, raw, path + (key,))
+        if _is_section(tp) or (isinstance(value, dict) and section_in(tp) is not None):
+            values[name] = _build(section_in(tp), value, raw, path + (key,))  # type: ignore[arg-type]  # a section
             continue
         if not _matches(value, tp):
             raise _error_at(
@@ -124,9 +125,14 @@ def validate(raw: RawConfig) -> Config:
             raise _error_at(
                 raw, path, f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)"
             )
+    apply_compat(config, raw)  # criterion, early_stopping's type/args/kwargs, evaluator specs
     _check_values(config, raw)
+    _check_training_extras(config, raw)
     _check_name(config, raw)
     _check_modes(config, raw)
+    from unison.config.tuning import check_tuning  # here: it imports this module's rules
+
+    check_tuning(config, raw)  # after _check_modes: its default direction is checkpoint.mode
     return config
 
 
@@ -198,6 +204,52 @@ def _check_modes(config: Config, raw: RawConfig) -> None:
                 f"mode {holder.mode!r} contradicts the watched metric {metric!r}, for which {better} is better: "
                 f"'best' would keep the worst model. Set `mode: {direction}` (or leave mode out)",
             )
+
+
+def _check_training_extras(config: Config, raw: RawConfig) -> None:
+    """``training.ema`` and the mapping form of ``training.lr_scaling``: their ranges."""
+    t = config.training
+    checks: list[tuple[KeyPath, bool, str]] = []
+    if t.ema is not None:
+        e = t.ema
+        checks += [
+            (
+                ("training", "ema", "decay"),
+                not 0.0 < e.decay < 1.0,
+                f"expected a number in (0, 1), got {e.decay!r}: each average keeps `decay` of the previous one "
+                "(0.999 averages over about the last 1000 updates); set e.g. `decay: 0.999`",
+            ),
+            (
+                ("training", "ema", "every"),
+                e.every < 1,
+                f"must be >= 1 (optimizer updates between averages), got {e.every!r}; `every: 1` averages at "
+                "every update",
+            ),
+            (
+                ("training", "ema", "warmup"),
+                e.warmup < 0,
+                f"must be >= 0 (updates that copy the weights before averaging), got {e.warmup!r}",
+            ),
+        ]
+    if not isinstance(t.lr_scaling, str):
+        ls = t.lr_scaling
+        ref = ls.reference_batch_size
+        checks += [
+            (
+                ("training", "lr_scaling", "reference_batch_size"),
+                ref is not None and ref < 1,
+                f"must be >= 1 (the global batch the learning rate was tuned for), got {ref!r}; leave it out "
+                "for one rank's batch (batch_size x accumulation_steps)",
+            ),
+            (
+                ("training", "lr_scaling", "warmup_steps"),
+                ls.warmup_steps < 0,
+                f"must be >= 0 (optimizer updates of warmup; 0 for none), got {ls.warmup_steps!r}",
+            ),
+        ]
+    for path, bad, message in checks:
+        if bad:
+            raise _error_at(raw, path, message)
 
 
 def _check_values(config: Config, raw: RawConfig) -> None:

@@ -3,7 +3,7 @@
 from unison.distributed.env import default_backend, detect_launcher, find_free_port
 from unison.distributed.launcher import DEFAULT_TIMEOUT, RankFailedError, launch
 from unison.distributed.loaders import prepare_loaders, split_dataset
-from unison.distributed.model import model_device, prepare_model, unwrap_model
+from unison.distributed.model import find_unused_from_env, model_device, prepare_model, unwrap_model
 from unison.distributed.primitives import (
     all_reduce_sum,
     barrier,
@@ -41,6 +41,7 @@ __all__ = [
     "detect_launcher",
     "device",
     "find_free_port",
+    "find_unused_from_env",
     "get_local_rank",
     "get_rank",
     "get_world_size",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -23,12 +24,40 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+FIND_UNUSED_ENV = "DDP_FIND_UNUSED_PARAMETERS"
+"""The environment variable NNHandler users set to switch DDP's ``find_unused_parameters``."""
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def find_unused_from_env() -> bool | None:
+    """``DDP_FIND_UNUSED_PARAMETERS`` as a bool (``true``/``1``/``yes``/``on`` or
+    ``false``/``0``/``no``/``off``, any case), or None when it is not set.
+
+    Raises:
+        ValueError: it holds anything else, naming the variable, the value and what it takes.
+    """
+    raw = os.environ.get(FIND_UNUSED_ENV)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{FIND_UNUSED_ENV}={raw!r}: expected true or false (also 1/0, yes/no, on/off). Set it to true for a "
+        "model with parameters unused in some steps, or unset it (parallel.find_unused_parameters in a config "
+        "wins over it)."
+    )
+
+
 def prepare_model(
     model: nn.Module,
     *,
     device: torch.device | str | None = None,
     sync_batchnorm: bool = False,
-    find_unused_parameters: bool = False,
+    find_unused_parameters: bool | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Moves a model to this rank's device and, with more than one rank, wraps it in DDP.
@@ -49,10 +78,13 @@ def prepare_model(
         model: the model, on any device.
         device: where to put it; default, this rank's device.
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm (batch statistics over
-            all ranks); only with more than one rank.
+            all ranks); only with more than one rank, and on CUDA devices (torch's
+            SyncBatchNorm refuses others: a clear ValueError here).
         find_unused_parameters: let DDP handle parameters that get no gradient in some
             steps, at a cost per step; needed when ``Expected to have finished reduction``
-            errors appear.
+            errors appear. None (the default): the ``DDP_FIND_UNUSED_PARAMETERS``
+            environment variable when it is set (NNHandler's switch), else False; a bool
+            given here wins over the variable.
         **ddp_kwargs: other ``DistributedDataParallel`` arguments.
 
     Returns:
@@ -67,6 +99,8 @@ def prepare_model(
         raise ValueError(
             "prepare_model(model=...) got a model already wrapped in DDP; pass the plain module."
         )
+    if find_unused_parameters is None:
+        find_unused_parameters = bool(find_unused_from_env())
     target = torch.device(device) if device is not None else rank_device()
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
@@ -74,6 +108,15 @@ def prepare_model(
     if not is_distributed():
         return model
     if sync_batchnorm:
+        if target.type != "cuda" and any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()
+        ):
+            raise ValueError(
+                f"prepare_model(sync_batchnorm=True): torch's SyncBatchNorm runs on CUDA devices only, and this "
+                f"rank's device is {target}. Leave sync_batchnorm off here (parallel.sync_batchnorm in a config): "
+                "each rank's BatchNorm then normalises with its own batch, and unison evaluates, saves and "
+                "predicts with rank 0's running statistics."
+            )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     device_ids = [target.index] if target.type == "cuda" else None
     fixable = layout_is_fixable(

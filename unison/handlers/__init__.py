@@ -3,6 +3,8 @@
 from unison.handlers.checkpoint import Checkpoint
 from unison.handlers.early_stop_checker import EarlyStopChecker
 from unison.handlers.early_stopping import EarlyStopping
+from unison.handlers.ema import EMA
+from unison.handlers.lr_scaling import LRWarmup, scale_lr
 from unison.handlers.non_finite import NonFiniteGuard
 from unison.handlers.preemption import EXIT_PREEMPTED, Preemption
 from unison.handlers.progress import ProgressBar
@@ -13,10 +15,12 @@ from unison.handlers.watchdog import EXIT_HANG, Watchdog
 
 __all__ = [
     "EXIT_HANG",
+    "EMA",
     "EXIT_PREEMPTED",
     "Checkpoint",
     "EarlyStopChecker",
     "EarlyStopping",
+    "LRWarmup",
     "NonFiniteGuard",
     "Preemption",
     "ProgressBar",
@@ -24,4 +28,5 @@ __all__ = [
     "TensorBoardLogger",
     "TimeLimit",
     "Watchdog",
+    "scale_lr",
 ]

@@ -1,0 +1,107 @@
+"""Keys other trainers' configs carry that unison accepts: what each becomes, in one log line.
+
+QuantumGrav's ``TrainerDDP`` configs name a rank, a DDP output device and evaluator specs
+with their own device. unison reads them with their meaning where they have one here
+(:func:`ddp_options`: ``parallel.output_device`` on GPUs) and otherwise says, once, that
+they are not needed (:func:`accepted_lines`, logged by :func:`report_accepted` on rank 0
+when a run starts). Evaluation loaders that drop samples get a warning there too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from unison.cli.eval_loaders import eval_batch_size
+from unison.config import Config
+from unison.distributed import device as rank_device
+from unison.distributed import get_rank
+from unison.utils import get_logger
+
+_log = get_logger("unison.cli.run")  # the run's logger
+
+
+def ddp_options(config: Config, device: torch.device | None = None) -> dict[str, Any]:
+    """The ``DistributedDataParallel`` options the config adds: ``output_device`` on a GPU rank.
+
+    On the CPU DDP takes no output device (the output stays on the model's); the run says
+    so once (:func:`accepted_lines`).
+
+    Example:
+        >>> from unison.config import Config
+        >>> c = Config()
+        >>> c.parallel.output_device = 1
+        >>> ddp_options(c, torch.device("cuda", 1)), ddp_options(c, torch.device("cpu"))
+        ({'output_device': 1}, {})
+    """
+    out = config.parallel.output_device
+    if out is None:
+        return {}
+    if (device if device is not None else rank_device()).type != "cuda":
+        return {}
+    return {"output_device": out}
+
+
+def _evaluator_line(config: Config, section: str, key: str, device: torch.device) -> str | None:
+    spec: dict[str, Any] = getattr(getattr(config, section), key)
+    if not spec:
+        return None
+    given = ", ".join(f"{k}={v}" for k, v in spec.items())
+    what = "validation set" if section == "validation" else "test set"
+    return (
+        f"{section}.{key} ({given}) is not needed: every rank evaluates its shard of the {what} on its own "
+        f"device ({device.type} here) and the metrics are exact over all ranks"
+    )
+
+
+def accepted_lines(config: Config, device: torch.device | None = None) -> list[tuple[int, str]]:
+    """(level, message) for each accepted key that is not used here, and each loader that drops samples."""
+    device = device if device is not None else rank_device()
+    lines: list[tuple[int, str]] = []
+    p = config.parallel
+    if p.rank is not None:
+        lines.append(
+            (
+                logging.INFO,
+                f"parallel.rank {p.rank} is not used: each process takes its rank from the launcher "
+                "(unison run --nproc, torchrun, srun)",
+            )
+        )
+    if p.output_device is not None and device.type != "cuda":
+        lines.append(
+            (
+                logging.INFO,
+                f"parallel.output_device {p.output_device!r} is not used: the ranks run on the {device.type}, "
+                "where DDP returns the output on the model's device",
+            )
+        )
+    for section, key in (("validation", "validator"), ("testing", "tester")):
+        line = _evaluator_line(config, section, key, device)
+        if line is not None:
+            lines.append((logging.INFO, line))
+    for section in ("validation", "testing"):
+        if getattr(config, section).drop_last:
+            batch = eval_batch_size(config, section)  # type: ignore[arg-type]  # a Section
+            lines.append(
+                (
+                    logging.WARNING,
+                    f"{section}.drop_last is true: each rank drops its last incomplete batch, so the {section} "
+                    f"metrics skip up to {batch - 1} samples per rank and change with the world size; set it "
+                    "false for exact metrics",
+                )
+            )
+    return lines
+
+
+def report_accepted(config: Config) -> None:
+    """Rank 0 logs :func:`accepted_lines`, once per run.
+
+    Distributed:
+        Call it on every rank; only rank 0 writes.
+    """
+    if get_rank() != 0:
+        return
+    for level, message in accepted_lines(config):
+        _log.log(level, message)

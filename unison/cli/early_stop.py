@@ -1,0 +1,119 @@
+"""Early stopping as a config's ``early_stopping`` section asks for it.
+
+The section's ``type`` names the handler class: left out (or ``EarlyStopping``, or
+QuantumGrav's ``DefaultEarlyStopping``) it is :class:`unison.handlers.EarlyStopping`; a
+name found in the modules under ``imports:`` or a ``!pyobject`` names a subclass of it
+(:func:`unison.config.names.resolve_name`, slot ``early_stopping``). The handler is built
+as ``type(trainer, *args, metric=..., patience=..., mode=..., ..., **kwargs)``: the
+section's keys (which :func:`unison.config.compat.apply_compat` filled from QuantumGrav's
+``kwargs``), then what ``kwargs`` holds besides them. :func:`early_stopping_slot` checks
+that call against the class's signature before any rank starts; :func:`make_early_stopping`
+makes it on every rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ignite.engine import Engine
+
+from unison.cli.references import _References
+from unison.config import Config, PyObjectRef, resolve_tree
+from unison.config.compat import EARLY_STOPPING_NAMES
+from unison.config.names import resolve_name
+from unison.handlers import EarlyStopping
+
+KEY = "early_stopping.type"
+
+
+def _handler_class(config: Config, refs: _References) -> type[EarlyStopping]:
+    value = config.early_stopping.type
+    if value is None:
+        return EarlyStopping
+    if isinstance(value, PyObjectRef):
+        return refs.ref(value, "early_stopping", KEY)
+    return resolve_name(
+        value,
+        slot="early_stopping",
+        key=KEY,
+        scope=refs.scope,
+        known=EARLY_STOPPING_NAMES,
+        fail=lambda message: refs.error(KEY, message),
+    )
+
+
+def section_kwargs(config: Config, watched: str) -> dict[str, Any]:
+    """The handler's keyword arguments from the section's keys; the metric defaults to ``watched``."""
+    es = config.early_stopping
+    return {
+        "metric": es.metric or watched,
+        "patience": es.patience,
+        "mode": es.mode or config.checkpoint.mode,
+        "min_delta": es.min_delta,
+        "threshold_mode": es.threshold_mode,
+        "cumulative_delta": es.cumulative_delta,
+        "agreement": es.agreement,
+    }
+
+
+def _positional_names(cls: type, args: list[Any]) -> set[str]:
+    """The parameters that ``args`` (after the trainer) fill, by name."""
+    try:
+        bound = inspect.signature(cls).bind_partial(None, *args)
+    except (TypeError, ValueError):
+        return set()
+    return set(list(bound.arguments)[1:])
+
+
+def early_stopping_slot(
+    config: Config, refs: _References, watched: str = "loss"
+) -> tuple[type[EarlyStopping], list[Any], dict[str, Any]] | None:
+    """The handler class, its positional ``args`` and its other ``kwargs``; None without ``patience``.
+
+    Checks, before any rank starts, that the class is unison's ``EarlyStopping`` or a subclass
+    of it and that ``type(trainer, *args, <section keys>, **kwargs)`` binds to its signature.
+
+    Raises:
+        ConfigError: at ``early_stopping.type``, ``.args`` or ``.kwargs``, with what the class takes.
+    """
+    es = config.early_stopping
+    if es.patience is None:
+        return None
+    cls = _handler_class(config, refs)
+    scope = refs.scope
+    args = list(
+        resolve_tree(es.args, key="early_stopping.args", imports=scope.imports, config_dir=scope.config_dir)
+    )
+    extra = refs.tree(es.kwargs, "early_stopping.kwargs")
+    given = section_kwargs(config, watched)
+    for name in _positional_names(cls, args):
+        given.pop(name, None)
+    refs.bind(
+        cls,
+        type_key=KEY,
+        kwargs_key="early_stopping.kwargs",
+        kwargs=extra,
+        args=(None, *args),
+        supplied=given,
+        how=" (trainer, metric, patience=..., and the section's other keys)",
+    )
+    return cls, args, extra
+
+
+def make_early_stopping(config: Config, trainer: Engine, watched: str) -> EarlyStopping | None:
+    """The early stopping handler the section describes, for ``trainer``; None without ``patience``.
+
+    Distributed:
+        Build it on every rank (and attach it to the evaluator on every rank).
+    """
+    slot = early_stopping_slot(config, _References.of(config), watched)
+    if slot is None:
+        return None
+    cls, args, extra = slot
+    kwargs = section_kwargs(config, watched)
+    for name in _positional_names(cls, args):
+        kwargs.pop(name, None)
+    build: Any = cls  # a subclass may take positional arguments of its own (args)
+    stopper: EarlyStopping = build(trainer, *args, **kwargs, **extra)
+    return stopper

@@ -1,0 +1,353 @@
+"""``unison tune``: an Optuna study whose trials are whole distributed runs, pruned in agreement.
+
+How a sweep goes:
+
+- :func:`~unison.cli.tune_space.plan_sweep` reads the config and checks the ``tuning:``
+  section, Optuna's sampler and pruner, and every value the search space can draw, before
+  any process is spawned.
+- This process (the *sweep process*) opens the study (default: a SQLite file in the sweep
+  folder, ``<logging.root>/<name>/tune-<study_name>/study.db``) and is the only process
+  that ever touches the storage. It asks the study for a trial, applies the drawn values
+  as ``--set`` overrides, and launches the trial's ranks as ``unison run`` does, into
+  ``<sweep folder>/trial-<number>/<timestamp>/`` (checkpoints, TensorBoard, metrics.json,
+  and a ``trial.json`` written here).
+- Pruning is decided once and agreed: after each validation, rank 0 sends the metric to
+  the sweep process (:mod:`unison.cli.tune_server`), which calls
+  ``trial.report(value, step=epoch)`` and ``trial.should_prune()`` once and answers;
+  rank 0 votes in the trainer's sync point
+  (:class:`~unison.handlers.pruning.AgreedPruning`), and all ranks stop after the same
+  iteration, or all go on. No rank asks the pruner or decides on its own.
+
+  Why the sweep process and not rank 0: with one owner of the study, nothing depends on
+  several processes writing one SQLite file (its locks, Optuna's per-process cache of
+  trials), an RDB (``postgresql://...``) sees one client per sweep, and the trial is
+  marked PRUNED, COMPLETE or FAIL by the process that asked for it, whatever happened
+  to the ranks.
+- A pruned trial is told PRUNED; a finished one is told the best value of the metric over
+  its validations (the value of its best checkpoint). Ctrl-C, SIGTERM or SIGUSR1 (a
+  scheduler), a failed rank, or a config error mark the running trial FAIL, never leave it
+  RUNNING, and end the sweep with the signal's exit code (75 when the ranks saved a
+  preemption checkpoint).
+- ``--trials N`` is the number of finished trials (COMPLETE + PRUNED) the study should
+  hold: a second ``unison tune`` with the same storage and study name runs only the
+  missing ones (FAIL trials do not count). At the end the best trial is printed and its
+  config written to ``<sweep folder>/best.yaml``, which ``unison run`` accepts
+  (:mod:`unison.cli.tune_best`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from unison.cli.preflight import check_port, preflight
+from unison.cli.resolve import resolve
+from unison.cli.run import train_from_config
+from unison.cli.tune_best import run_command, write_best
+from unison.cli.tune_server import AttachPruning, DecisionServer
+from unison.cli.tune_space import (
+    SweepPlan,
+    as_overrides,
+    error_at,
+    import_optuna,
+    optuna_object,
+    plan_sweep,
+    suggest,
+)
+from unison.config import load_config
+from unison.distributed import detect_launcher, launch
+from unison.utils import get_logger
+
+_log = get_logger(__name__)
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class SweepStopped(Exception):
+    """A signal reached the sweep process between trials' launches; the running trial is FAIL."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} reached the sweep")
+
+
+@contextlib.contextmanager
+def _signals_stop_the_sweep() -> Iterator[None]:
+    """Turns the first SIGINT, SIGTERM or SIGUSR1 into :class:`SweepStopped` (later ones are
+    ignored while the trial is marked FAIL). During a launch, the launcher's own relay holds
+    them instead: it forwards them to the ranks and exits with the code that says what happened."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise SweepStopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, SweepStopped):
+        return f"{signal.Signals(err.signum).name} reached the sweep"
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    if isinstance(err, SystemExit):
+        code = err.code if isinstance(err.code, int) else 1
+        if code == 75:
+            return "preempted: the ranks saved a checkpoint and exited with 75"
+        if code > 128:
+            return f"the ranks were stopped by {signal.Signals(code - 128).name}"
+        return f"the ranks exited with code {code}"
+    first = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {first[0] if first else ''}"
+
+
+def open_study(plan: SweepPlan) -> Any:
+    """Creates or loads the study of ``plan``; its direction must be the config's."""
+    optuna = import_optuna()
+    t = plan.config.tuning
+    sampler, pruner = optuna_object(plan.config, "sampler"), optuna_object(plan.config, "pruner")
+    try:
+        study = optuna.create_study(
+            storage=plan.storage,
+            study_name=plan.study_name,
+            direction=plan.direction,
+            sampler=sampler,
+            pruner=pruner,
+            load_if_exists=t.load_if_exists,
+        )
+    except optuna.exceptions.DuplicatedStudyError:
+        raise error_at(
+            plan.config,
+            ("tuning", "load_if_exists"),
+            f"the storage {plan.storage} holds a study named {plan.study_name!r} already; set load_if_exists: "
+            "true to continue it, or give another tuning.study_name",
+        ) from None
+    except Exception as err:  # a missing driver, an unreachable server, a file that is no database
+        raise error_at(
+            plan.config,
+            ("tuning", "storage"),
+            f"cannot open the storage {plan.storage}: {type(err).__name__}: {err}",
+        ) from None
+    found = study.direction.name.lower()
+    if found != plan.direction:
+        raise error_at(
+            plan.config,
+            ("tuning", "direction"),
+            f"the study {plan.study_name!r} in {plan.storage} was made to {found}; this config says "
+            f"{plan.direction}. Give another tuning.study_name for a new study",
+        )
+    started = len(study.get_trials(deepcopy=False))
+    if started and isinstance(t.sampler_kwargs.get("seed"), int):
+        # A resumed study re-seeded alike would draw its first trials' values again.
+        study.sampler = optuna_object(plan.config, "sampler", seed_offset=started)
+    return study
+
+
+def counts(study: Any) -> dict[str, int]:
+    """The study's trials by state: ``{"COMPLETE": 3, "PRUNED": 1, ...}``."""
+    out: dict[str, int] = {}
+    for trial in study.get_trials(deepcopy=False):
+        out[trial.state.name] = out.get(trial.state.name, 0) + 1
+    return out
+
+
+def _trial_value(results: dict[str, Any], plan: SweepPlan) -> float | None:
+    """The trial's value: the best of the metric over its validations (its best checkpoint's)."""
+    values = [row[f"val_{plan.metric}"] for row in results.get("history", []) if f"val_{plan.metric}" in row]
+    if not values and plan.metric in results.get("validation", {}):
+        values = [results["validation"][plan.metric]]
+    values = [float(v) for v in values if v is not None]
+    if not values or not all(math.isfinite(v) for v in values):
+        return None
+    return max(values) if plan.direction == "maximize" else min(values)
+
+
+def _write_record(run_dir: Path | None, record: dict[str, Any]) -> None:
+    if run_dir is not None and run_dir.is_dir():
+        (run_dir / "trial.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def run_trial(study: Any, plan: SweepPlan, nproc: int | None) -> dict[str, Any]:
+    """Asks the study for a trial, runs it on its ranks, and tells the study how it ended.
+
+    Returns:
+        The trial's record (also written to ``<its run folder>/trial.json``).
+
+    Raises:
+        BaseException: whatever ended the trial other than a finished or pruned run (a
+            signal, a failed rank, a config error), after the trial is marked FAIL.
+    """
+    from optuna.trial import TrialState
+
+    trial = study.ask()
+    record: dict[str, Any] = {"number": trial.number, "study": plan.study_name}
+    try:
+        params = {key: suggest(trial, key, spec) for key, spec in plan.space.items()}
+        sets = as_overrides(params)
+        record.update(params=params, overrides=sets)
+        trial.set_user_attr("overrides", sets)
+        layout = [
+            f"name=trial-{trial.number:04d}",
+            f"logging.root={json.dumps(str(plan.folder))}",
+            "training.path=null",
+        ]
+        config = load_config(plan.path, [*plan.overrides, *sets, *layout])
+        preflight(config, resolve(config))
+        _log.info("trial %d: %s", trial.number, "  ".join(sets))
+        with DecisionServer(trial, plan.metric) as server:
+            if detect_launcher().kind == "none" and nproc is not None:
+                check_port(config)
+            attach = AttachPruning(plan.metric, server.judge(config.parallel.timeout))
+            results = launch(
+                train_from_config,
+                config,
+                None,
+                attach,
+                nproc_per_node=nproc,
+                backend=config.parallel.backend,
+                timeout=config.parallel.timeout,
+                master_addr=config.parallel.master_addr,
+                master_port=None if config.parallel.master_port is None else int(config.parallel.master_port),
+                start_method="forkserver",  # the fork server imports torch once for all trials
+            )
+        record["reported"] = dict(server.reported)
+        _tell(study, trial, plan, server.pruned_at, results, record)
+    except BaseException as err:
+        if record.get("state") in ("COMPLETE", "PRUNED", "FAIL"):  # told already: only the signal is left
+            raise
+        record.update(state="FAIL", reason=_why(err))
+        with contextlib.suppress(Exception):
+            trial.set_user_attr("fail_reason", record["reason"])
+        try:
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+        except Exception as tell_err:  # the storage is gone too: say so, and raise the cause
+            _log.error("could not mark trial %d FAIL in %s: %s", trial.number, plan.storage, tell_err)
+        found = sorted(plan.folder.glob(f"trial-{trial.number:04d}/*/"))
+        _write_record(found[-1] if found else None, record)
+        _log.error("trial %d marked FAIL: %s", trial.number, record["reason"])
+        raise
+    return record
+
+
+def _tell(
+    study: Any, trial: Any, plan: SweepPlan, pruned_at: int | None, results: list[Any], record: dict[str, Any]
+) -> None:
+    """Tells the study how a trial whose ranks returned ended: PRUNED, COMPLETE (its best value),
+    or FAIL without a finite value; writes ``trial.json`` into its run folder."""
+    from optuna.trial import TrialState
+
+    run_dir = Path(results[0]["run_dir"])
+    ranks = [
+        {"rank": r, "epochs": res["epochs"], "iterations": res["iterations"]} for r, res in enumerate(results)
+    ]
+    record.update(run_dir=str(run_dir), ranks=ranks)
+    trial.set_user_attr("run_dir", str(run_dir))
+    value = _trial_value(results[0], plan)
+    if pruned_at is not None:
+        study.tell(trial, state=TrialState.PRUNED)
+        record.update(state="PRUNED", pruned_at_epoch=pruned_at)
+        _log.info("trial %d PRUNED after epoch %d (%s)", trial.number, pruned_at, run_dir)
+    elif value is None:
+        study.tell(trial, state=TrialState.FAIL)
+        record.update(state="FAIL", reason=f"no finite value of {plan.metric} (a diverged run?)")
+        _log.warning("trial %d marked FAIL: %s", trial.number, record["reason"])
+    else:
+        study.tell(trial, value)
+        record.update(state="COMPLETE", value=value)
+        _log.info("trial %d COMPLETE: %s %.6g (%s)", trial.number, plan.metric, value, run_dir)
+    _write_record(run_dir, record)
+
+
+def tune(
+    config: str | os.PathLike[str],
+    *,
+    trials: int,
+    nproc: int | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """Runs a sweep: trials of the config's ``tuning:`` search space until the study holds ``trials``
+    finished (COMPLETE or PRUNED) trials, then writes the best config.
+
+    Args:
+        config: the config file; its ``tuning:`` section says what to search.
+        trials: the finished trials the study should hold; a resumed study runs the rest.
+        nproc: ranks per trial; default ``parallel.nproc_per_node`` (none: one process).
+        overrides: ``KEY.PATH=VALUE`` settings, as ``--set``, for every trial.
+
+    Returns:
+        The study's name, storage and folder, its trials by state, this call's trial records,
+        and the best trial (``None`` without a complete one) with its ``best.yaml``.
+
+    Raises:
+        ConfigError: before anything is spawned, for any problem of the config.
+        MissingOptunaError: when Optuna is not installed (``pip install 'unison[tune]'``).
+        RankFailedError, SweepStopped, SystemExit, KeyboardInterrupt: what ended the sweep,
+            after the running trial is marked FAIL.
+    """
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"--trials must be a positive number of trials, got {trials!r}")
+    import_optuna()
+    launcher = detect_launcher()
+    if launcher.kind != "none":
+        raise ValueError(
+            f"unison tune runs as one process and spawns each trial's ranks itself, but this process is one rank "
+            f"started by {launcher.describe()}. Run unison tune directly, with --nproc."
+        )
+    plan = plan_sweep(config, list(overrides or []))
+    nproc = nproc if nproc is not None else plan.config.parallel.nproc_per_node
+    plan.folder.mkdir(parents=True, exist_ok=True)
+    study = open_study(plan)
+    before = counts(study)
+    finished = before.get("COMPLETE", 0) + before.get("PRUNED", 0)
+    todo = max(0, trials - finished)
+    _log.info(
+        "study %r in %s: %d finished trials (%s); running %d more to reach --trials %d "
+        "(COMPLETE and PRUNED trials count; FAIL ones do not)",
+        plan.study_name,
+        plan.storage,
+        finished,
+        ", ".join(f"{v} {k}" for k, v in sorted(before.items())) or "none yet",
+        todo,
+        trials,
+    )
+    records = []
+    with _signals_stop_the_sweep():
+        for _ in range(todo):
+            records.append(run_trial(study, plan, nproc))
+    best_yaml = write_best(study, plan, nproc)
+    best = None
+    if best_yaml is not None:
+        b = study.best_trial
+        command = run_command(best_yaml, nproc)
+        best = {
+            "number": b.number,
+            "value": b.value,
+            "params": dict(b.params),
+            "config": str(best_yaml),
+            "command": command,
+        }
+    return {
+        "study": plan.study_name,
+        "storage": plan.storage,
+        "folder": str(plan.folder),
+        "metric": plan.metric,
+        "direction": plan.direction,
+        "counts": counts(study),
+        "trials": records,
+        "best": best,
+    }

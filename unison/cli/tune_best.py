@@ -1,0 +1,82 @@
+"""The end of a sweep: the best trial's config as ``best.yaml``, and the summary ``unison tune`` prints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from unison.cli.tune_space import SweepPlan, as_overrides
+from unison.config import dump_config, load_config
+from unison.utils import get_logger
+
+_log = get_logger("unison.cli.tune")
+
+
+def run_command(config: Path, nproc: int | None) -> str:
+    """The ``unison run`` command that trains ``config`` as the sweep trained its trials."""
+    return f"unison run {config}" + (f" --nproc {nproc}" if nproc is not None else "")
+
+
+def write_best(study: Any, plan: SweepPlan, nproc: int | None = None) -> Path | None:
+    """Writes the best trial's config to ``<sweep folder>/best.yaml``; None without a complete trial.
+
+    The file is the tuned config (with the sweep's ``--set`` overrides) plus the best values.
+    Modules beside the tuned config are linked into the sweep folder, so that the references
+    to them resolve from there as they did from the config's own folder.
+    """
+    try:
+        best = study.best_trial
+    except ValueError:
+        return None
+    sets = as_overrides({k: v for k, v in best.params.items()})
+    config = load_config(plan.path, [*plan.overrides, *sets])
+    header = [
+        f"# The best trial of study {plan.study_name!r} (trial {best.number}: {plan.metric} {best.value:.6g}, "
+        f"{plan.direction}), written by unison tune from {plan.path}",
+        *(f"#   --set {item}" for item in sets),
+        f"# Run it: {run_command(plan.folder / 'best.yaml', nproc)}",
+    ]
+    path = plan.folder / "best.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text("\n".join(header) + "\n" + dump_config(config))
+    os.replace(tmp, path)
+    _link_modules(Path(plan.path).resolve().parent, plan.folder)
+    return path
+
+
+def _link_modules(config_dir: Path, folder: Path) -> None:
+    """Links the modules (``*.py``, packages) beside the tuned config into ``folder``."""
+    if config_dir == folder.resolve():
+        return
+    for entry in sorted(config_dir.iterdir()):
+        module = (entry.suffix == ".py" and entry.is_file()) or (entry / "__init__.py").is_file()
+        target = folder / entry.name
+        if not module or target.exists() or target.is_symlink():
+            continue
+        try:
+            target.symlink_to(entry)
+        except OSError as err:
+            _log.warning(
+                "could not link %s into %s (%s): run best.yaml from a copy beside %s instead",
+                entry,
+                folder,
+                err,
+                config_dir,
+            )
+            return
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """What ``unison tune`` prints at the end: the study, its trials, the best trial and its config."""
+    states = ", ".join(f"{v} {k}" for k, v in sorted(summary["counts"].items()))
+    lines = [f"study {summary['study']!r} ({summary['storage']}): {states}"]
+    best = summary["best"]
+    if best is None:
+        return [*lines, "no trial has completed yet: no best config"]
+    lines.append(
+        f"best trial: {best['number']} ({summary['metric']} {best['value']:.6g}, {summary['direction']})"
+    )
+    lines += [f"  {key}: {value!r}" for key, value in best["params"].items()]
+    lines.append(f"best config: {best['config']}  ({best['command']})")
+    return lines

@@ -1,0 +1,332 @@
+"""The ``tuning:`` section (``unison tune``), checked as data: no optuna needed, nothing imported.
+
+:func:`check_tuning` runs inside :func:`~unison.config.validate` when a config has a
+``tuning:`` section. It checks every search-space entry (its key names a config key that
+takes the values it draws; its bounds, ``log``, ``step`` and ``choices``), the watched
+metric and the direction (filled in when left out, refused when they contradict), the
+storage URL, the study name, and that the sampler's and pruner's names and keyword
+arguments are plain data. Which Optuna class a name means is looked up by ``unison tune``
+(:mod:`unison.cli.tune_space`), among Optuna's samplers and pruners only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from typing import Any, Union
+
+from unison.config.errors import ConfigError
+from unison.config.loader import KeyPath, PyObjectRef, RawConfig
+from unison.config.schema import Config, _hints, _is_section, _type_name
+
+SPACE_FIELDS = {
+    "float": ("type", "low", "high", "log", "step"),
+    "int": ("type", "low", "high", "log", "step"),
+    "categorical": ("type", "choices"),
+}
+"""What a search-space entry may hold, by its ``type``."""
+
+NOT_TUNABLE = {
+    "name": "it names the run folder; each trial gets its own (trial-<number>)",
+    "imports": "it says which modules configs may name, not a hyperparameter",
+    "parallel": "the ranks of every trial are the same (--nproc)",
+    "logging.root": "each trial's folder is inside the sweep folder",
+    "training.path": "each trial's folder is inside the sweep folder",
+    "tuning": "the sweep cannot tune itself",
+}
+"""Keys (and sections) a search space may not draw, and why."""
+
+_NAME = re.compile(r"^[A-Z][A-Za-z0-9]*$")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _error(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
+    return ConfigError(message, file=raw.file_of(path), line=raw.line_of(path), key=path)
+
+
+def _section_of(tp: Any) -> type | None:
+    """The section a key holds: ``tp`` itself, or the section inside a union (``X | None``)."""
+    if _is_section(tp):
+        return typing.cast(type, tp)
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return next((a for a in typing.get_args(tp) if _is_section(a)), None)
+    return None
+
+
+def _takes_mapping(tp: Any) -> bool:
+    if typing.get_origin(tp) is dict:
+        return True
+    return typing.get_origin(tp) in (Union, types.UnionType) and any(
+        _takes_mapping(a) for a in typing.get_args(tp)
+    )
+
+
+def tunable_key(dotted: str) -> tuple[Any, str | None]:
+    """The schema type of the config key ``dotted`` (``Any`` inside a mapping such as
+    ``model.kwargs``), and None; or None and why the key cannot be drawn by a search space."""
+    parts = dotted.split(".")
+    if any(not p for p in parts):
+        return None, f"{dotted!r} is not a dotted config key like training.lr or model.kwargs.channels"
+    for i in range(1, len(parts) + 1):
+        why = NOT_TUNABLE.get(".".join(parts[:i]))
+        if why is not None:
+            return None, f"{'.'.join(parts[:i])} cannot be tuned: {why}"
+    cls: type = Config
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        where = ".".join(parts[:i]) or "the top level"
+        if part not in fields:
+            aliases = {f.metadata.get("alias"): f.name for f in fields.values() if f.metadata.get("alias")}
+            if part in aliases:
+                return None, f"{part!r} is the old name of {aliases[part]!r}: use {aliases[part]!r}"
+            near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.6)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            return None, f"no key {part!r} in {where}; its keys: {', '.join(sorted(fields))}.{hint}"
+        field, tp, rest = fields[part], _hints(cls)[part], parts[i + 1 :]
+        section = _section_of(tp)
+        if section is not None and (rest or _is_section(tp)):
+            if not rest:
+                keys = ", ".join(f.name for f in dataclasses.fields(section))
+                return None, f"{dotted} is a section; name one of its keys ({keys})"
+            cls = section
+            continue
+        if field.metadata.get("slot"):
+            return None, (
+                f"{dotted} takes a !pyobject ({field.metadata['slot']} slot); a search space draws numbers "
+                "and strings. Tune the keyword arguments instead (e.g. training.optimizer_kwargs.weight_decay)"
+            )
+        if rest:
+            if _takes_mapping(tp):
+                return Any, None  # inside kwargs: the signature it is called with checks it (unison tune)
+            return None, f"{'.'.join(parts[: i + 1])} is {_type_name(tp)}: it has no keys inside"
+        return tp, None
+    return None, f"{dotted} names no key"  # pragma: no cover - the loop always returns
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
+    """One search-space entry: its fields by type, bounds, log and step, choices, and the key's type."""
+    from unison.config.validation import _matches  # the same rule validation applies to the value
+
+    here: KeyPath = ("tuning", "search_space", key)
+    tp, why = tunable_key(key)
+    if why is not None:
+        raise _error(raw, here, why)
+    if not isinstance(spec, dict) or spec.get("type") not in SPACE_FIELDS:
+        got = spec.get("type") if isinstance(spec, dict) else spec
+        raise _error(
+            raw,
+            here,
+            f"expected a mapping with type: float | int | categorical, got {got!r}; e.g. "
+            "`{type: float, low: 1.0e-4, high: 1.0e-1, log: true}` or `{type: categorical, choices: [16, 32]}`",
+        )
+    kind = spec["type"]
+    for name in spec:
+        if name not in SPACE_FIELDS[kind]:
+            near = difflib.get_close_matches(str(name), SPACE_FIELDS[kind], n=1, cutoff=0.6)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise _error(
+                raw,
+                here + (str(name),),
+                f"a {kind} search space takes {', '.join(SPACE_FIELDS[kind])}.{hint}",
+            )
+    if kind == "categorical":
+        drawn = _check_choices(raw, here, spec.get("choices"))
+    else:
+        drawn = _check_range(raw, here, kind, spec)
+    if tp is Any:
+        return
+    for value in drawn:
+        if not _matches(value, tp):
+            fix = (
+                "use type: int"
+                if kind == "float" and _matches(1, tp) and not _matches(0.5, tp)
+                else (f"draw values the key takes ({_type_name(tp)})")
+            )
+            raise _error(
+                raw, here, f"{key} takes {_type_name(tp)}; this {kind} search space draws {value!r}: {fix}"
+            )
+
+
+def _check_choices(raw: RawConfig, here: KeyPath, choices: Any) -> list[Any]:
+    path = here + ("choices",)
+    if not isinstance(choices, list) or not choices:
+        raise _error(
+            raw, path, f"expected a non-empty list of values, got {choices!r}; e.g. `choices: [16, 32, 64]`"
+        )
+    for value in choices:
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise _error(
+                raw,
+                path,
+                f"a choice is a number, a string, true/false or null (what Optuna stores), got "
+                f"{type(value).__name__}: {value!r}",
+            )
+    seen = [repr(v) for v in choices]
+    twice = sorted({v for v in seen if seen.count(v) > 1})
+    if twice:
+        raise _error(raw, path, f"{', '.join(twice)} given more than once; list each choice once")
+    return list(choices)
+
+
+def _check_range(raw: RawConfig, here: KeyPath, kind: str, spec: dict[str, Any]) -> list[Any]:
+    expect = int if kind == "int" else float
+    for name in ("low", "high"):
+        value = spec.get(name)
+        if value is None:
+            raise _error(
+                raw, here, f"a {kind} search space needs `{name}`; e.g. `{{type: {kind}, low: 1, high: 8}}`"
+            )
+        if not _number(value) or (expect is int and not isinstance(value, int)):
+            raise _error(
+                raw, here + (name,), f"expected {'an int' if expect is int else 'a number'}, got {value!r}"
+            )
+    low, high = spec["low"], spec["high"]
+    if low > high:
+        raise _error(raw, here + ("low",), f"low {low!r} is above high {high!r}; swap them")
+    log, step = spec.get("log", False), spec.get("step")
+    if not isinstance(log, bool):
+        raise _error(raw, here + ("log",), f"expected true or false, got {log!r}")
+    if log and low <= 0:
+        raise _error(
+            raw,
+            here + ("low",),
+            f"a log search space needs low > 0, got {low!r}; e.g. low: 1.0e-5 for a learning rate",
+        )
+    if step is not None:
+        if not _number(step) or step <= 0 or (expect is int and not isinstance(step, int)):
+            raise _error(
+                raw,
+                here + ("step",),
+                f"expected a {'positive int' if expect is int else 'number > 0'}, got {step!r}",
+            )
+        if log and not (kind == "int" and step == 1):
+            raise _error(
+                raw, here + ("step",), "Optuna draws either on a log scale or in steps, not both: drop one"
+            )
+    return [expect(low), expect(high)]
+
+
+def _check_metric(config: Config, raw: RawConfig) -> None:
+    """Fills ``tuning.metric`` and ``tuning.direction`` when left out; refuses a contradiction."""
+    from unison.config.validation import metric_direction  # validation imports this module lazily
+
+    t = config.tuning
+    names = [str(k) for k in config.validation.metrics] or ["loss"]
+    watched = config.checkpoint.metric or names[0]
+    metric = t.metric or watched
+    if metric not in names:
+        raise _error(
+            raw, ("tuning", "metric"), f"no validation metric named {metric!r}; the metrics: {names}"
+        )
+    named = metric_direction(metric)
+    by_name = {"max": "maximize", "min": "minimize", None: None}[named]
+    if t.direction is None:
+        if metric == watched:
+            t.direction = "maximize" if config.checkpoint.mode == "max" else "minimize"
+        elif by_name is None:
+            raise _error(
+                raw,
+                ("tuning", "metric"),
+                f"whether a higher or lower {metric!r} is better is not clear from its name: set "
+                "tuning.direction (maximize or minimize)",
+            )
+        else:
+            t.direction = by_name  # type: ignore[assignment]  # one of the two
+    elif by_name is not None and t.direction != by_name:
+        raise _error(
+            raw,
+            ("tuning", "direction"),
+            f"{t.direction!r} contradicts the metric {metric!r}, for which {'lower' if named == 'min' else 'higher'} "
+            f"is better: the sweep would look for the worst trial. Set `direction: {by_name}` (or leave it out)",
+        )
+    t.metric = metric
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, PyObjectRef):
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return True
+
+
+def _check_optuna_names(config: Config, raw: RawConfig) -> None:
+    t = config.tuning
+    for key, name, kwargs, package in (
+        ("sampler", t.sampler, t.sampler_kwargs, "optuna.samplers"),
+        ("pruner", t.pruner, t.pruner_kwargs, "optuna.pruners"),
+    ):
+        if name is not None and not _NAME.match(name):
+            raise _error(
+                raw,
+                ("tuning", key),
+                f"expected the name of a class of {package} (like TPESampler or MedianPruner), got {name!r}; "
+                "a config names Optuna's own classes only, never a dotted path",
+            )
+        for arg, value in kwargs.items():
+            if not isinstance(arg, str) or not arg.isidentifier() or not _plain(value):
+                raise _error(
+                    raw,
+                    ("tuning", f"{key}_kwargs", str(arg)),
+                    "keyword arguments of Optuna's classes are plain values (numbers, strings, lists, "
+                    f"mappings), got {arg!r}: {value!r}",
+                )
+
+
+def _check_storage(config: Config, raw: RawConfig) -> None:
+    t = config.tuning
+    if t.storage is not None:
+        url = t.storage.strip()
+        if not _URL.match(url):
+            raise _error(
+                raw,
+                ("tuning", "storage"),
+                f"expected an Optuna storage URL like sqlite:///sweep.db or postgresql://user@host/db, got "
+                f"{t.storage!r}; leave it out for a SQLite file in the sweep folder",
+            )
+        if url in ("sqlite://", "sqlite:///:memory:"):
+            raise _error(
+                raw,
+                ("tuning", "storage"),
+                "an in-memory SQLite database keeps nothing to resume, and only one thread can read it; "
+                "give a file (sqlite:///sweep.db) or leave storage out",
+            )
+    name = t.study_name
+    if name is not None and (
+        not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
+    ):
+        raise _error(
+            raw,
+            ("tuning", "study_name"),
+            f"{name!r} is not a folder name: the sweep folder is <logging.root>/<name>/tune-<study_name>/; "
+            "use a name like 'lr-sweep'",
+        )
+
+
+def check_tuning(config: Config, raw: RawConfig) -> None:
+    """Checks the ``tuning:`` section of a validated config, when it has one; with a search
+    space, fills ``tuning.metric`` and ``tuning.direction`` (without one, as in the section
+    every run's saved config.yaml holds, they stay unset: a config reads back the same).
+
+    Raises:
+        ConfigError: naming the file, the line and the ``tuning.`` key, the value, what was
+            expected, and the fix.
+    """
+    if "tuning" not in raw.data:
+        return
+    space = config.tuning.search_space
+    for key, spec in space.items():
+        _check_entry(raw, str(key), spec)
+    if space or config.tuning.metric is not None or config.tuning.direction is not None:
+        _check_metric(config, raw)
+    _check_optuna_names(config, raw)
+    _check_storage(config, raw)

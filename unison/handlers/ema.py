@@ -1,0 +1,177 @@
+"""An exponential moving average (EMA) of a model's weights, updated once per optimizer update.
+
+Why not ``ignite.handlers.EMAHandler`` (ignite 0.5.5, ``ignite/handlers/ema_handler.py``),
+read before writing this:
+
+- it has no ``state_dict()``/``load_state_dict()``: a checkpoint does not carry it unless
+  the user lists ``ema_handler.ema_model`` in ``to_save``, and nothing of its own position
+  (its warmup runs off the engine's event counter) is saved with it;
+- its default buffer mode ``"copy"`` assigns ``ema_b.data = model_b.data``: the EMA model's
+  buffers become the online model's tensors (shared storage), not a copy or an average;
+  ``"update"`` averages integer buffers with ``mul_``/``add_`` and falls back to sharing
+  the tensor on the error;
+- its "warmup" ramps the momentum, where ``warmup`` here holds the average equal to the
+  weights for the first updates (the common recipe: do not average the random start);
+- it attaches to ``ITERATION_COMPLETED`` by default: once per micro-batch under gradient
+  accumulation (attaching it to ``UPDATE_COMPLETED`` fixes only that).
+
+So the average here is ``torch.optim.swa_utils.AveragedModel`` with ``use_buffers=True``
+and the EMA update of ``get_ema_multi_avg_fn`` (one fused ``lerp`` per dtype group) for
+floating-point tensors, while integer buffers (BatchNorm's ``num_batches_tracked``) are
+copied, not averaged. Its state (the averaged weights, ``n_averaged`` and the update
+counter) is saved by a :class:`~unison.handlers.Checkpoint` as ``handler:EMA``, so a
+resumed run's average equals the uninterrupted run's bit for bit.
+
+Under DDP the average is of the module inside the wrapper. After each optimizer update
+every rank holds the same parameters (DDP averaged the gradients, every rank stepped the
+same optimizer), so every rank's average of the parameters is the same with no
+collective. Buffers are the exception DDP makes: BatchNorm's running statistics follow
+each rank's own batch between DDP's broadcasts, so each rank's average of them may differ,
+as the model's own do. The evaluator and ``predict`` broadcast rank 0's buffers first and
+checkpoints hold rank 0's, so what is evaluated, saved and resumed is rank 0's average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from ignite.engine import Engine
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from unison.distributed.model import unwrap_model
+from unison.engine.events import UpdateEvents
+
+_Tensors = tuple[torch.Tensor, ...] | list[torch.Tensor]
+
+
+def _ema_update(decay: float) -> Callable[[_Tensors, _Tensors, torch.Tensor | int], None]:
+    """``AveragedModel``'s ``multi_avg_fn``: the EMA for float tensors, a copy for the rest."""
+    lerp = get_ema_multi_avg_fn(decay)
+
+    @torch.no_grad()
+    def update(averaged: _Tensors, current: _Tensors, n_averaged: torch.Tensor | int) -> None:
+        if averaged and (averaged[0].is_floating_point() or averaged[0].is_complex()):
+            lerp(averaged, current, n_averaged)
+        else:  # a group of one dtype: integer buffers (counters) follow the model
+            for a, c in zip(averaged, current, strict=True):
+                a.copy_(c)
+
+    return update
+
+
+class EMA:
+    """Keeps an exponential moving average of a model's parameters and buffers.
+
+    At every ``every``-th optimizer update (``UpdateEvents.UPDATE_COMPLETED``: once per
+    gradient-accumulation window, never per micro-batch) the average moves towards the
+    weights: ``avg = decay * avg + (1 - decay) * weights``. The first of these steps, and
+    every one during the first ``warmup`` updates, sets the average to the weights instead
+    (``AveragedModel``'s start). Before the first update it is a copy of the weights given.
+
+    Evaluate, checkpoint and predict with :attr:`module`, the averaged model (a copy of the
+    model's class, in eval mode): ``create_evaluator(ema.module, metrics)``,
+    ``predict(ema.module, dataset)``. Attached to the trainer, its state is saved and
+    resumed by a :class:`~unison.handlers.Checkpoint` without being listed in ``to_save``
+    (as ``handler:EMA``); ``state_dict()["weights"]`` is a plain ``state_dict`` of the
+    model's class, loadable with ``model.load_state_dict``.
+
+    Args:
+        model: the model being trained (plain or DDP: the module inside is averaged).
+        decay: the weight of the old average at each step, in (0, 1): 0.999 averages over
+            roughly the last 1000 steps.
+        every: average every this many optimizer updates.
+        warmup: updates during which the average is a copy of the weights.
+
+    Example:
+        >>> import torch
+        >>> from unison.engine import create_trainer
+        >>> from unison.handlers import EMA
+        >>> model = torch.nn.Linear(2, 1)
+        >>> trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                          torch.nn.functional.mse_loss, accumulation_steps=2)
+        >>> ema = EMA(model, decay=0.9)
+        >>> ema.attach(trainer)
+        >>> _ = trainer.run([(torch.ones(4, 2), torch.zeros(4, 1))] * 4)
+        >>> ema.updates  # 4 micro-batches, 2 updates
+        2
+
+    Distributed:
+        Build and attach it on every rank; it issues no collective.
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.999, *, every: int = 1, warmup: int = 0) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"EMA(model=...) needs an nn.Module, got {type(model).__name__}.")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+            raise ValueError(f"EMA(decay={decay!r}): expected a number in (0, 1), such as 0.999.")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"EMA(every={every!r}): expected an int >= 1 (optimizer updates between averages)."
+            )
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"EMA(warmup={warmup!r}): expected an int >= 0 (updates that copy the weights).")
+        self.model = unwrap_model(model)
+        self.decay = float(decay)
+        self.every = every
+        self.warmup = warmup
+        self.averaged = AveragedModel(self.model, multi_avg_fn=_ema_update(self.decay), use_buffers=True)
+        for p in self.averaged.parameters():
+            p.requires_grad_(False)
+        self.averaged.eval()
+        self.updates = 0
+        """Optimizer updates seen (saved and resumed)."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The averaged model: the model's class, with the averaged weights, in eval mode."""
+        return self.averaged.module
+
+    def __call__(self, engine: Engine | None = None) -> None:
+        """Counts one optimizer update; averages (or copies, during warmup) on every ``every``-th."""
+        self.updates += 1
+        if self.updates % self.every:
+            return
+        if self.updates <= self.warmup:
+            self.averaged.n_averaged.zero_()  # AveragedModel copies when it has averaged nothing yet
+        self.averaged.update_parameters(self.model)
+
+    def attach(self, engine: Engine, event: Any = UpdateEvents.UPDATE_COMPLETED) -> None:
+        """Updates at ``event``: by default every optimizer update of a trainer from
+        :func:`~unison.engine.create_trainer`. Attaching twice registers once.
+
+        Raises:
+            ValueError: ``engine`` does not fire ``UPDATE_COMPLETED`` (not a unison Engine).
+        """
+        if event == UpdateEvents.UPDATE_COMPLETED and UpdateEvents.UPDATE_COMPLETED not in getattr(
+            engine, "_allowed_events", []
+        ):
+            raise ValueError(
+                "EMA.attach(engine): this engine never fires UpdateEvents.UPDATE_COMPLETED; attach it to a "
+                "trainer from unison.engine.create_trainer (or pass event=... explicitly)."
+            )
+        if not engine.has_event_handler(self, event):
+            engine.add_event_handler(event, self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averaged weights (the model's own keys), how many updates they average, the counter."""
+        return {
+            "weights": self.module.state_dict(),
+            "n_averaged": int(self.averaged.n_averaged),
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what :meth:`state_dict` saved (onto the average's device).
+
+        Raises:
+            KeyError: ``state`` is not an EMA's state.
+        """
+        missing = {"weights", "n_averaged", "updates"} - set(state)
+        if missing:
+            raise KeyError(f"EMA.load_state_dict: the state has no {sorted(missing)}; is it an EMA's state?")
+        self.module.load_state_dict(state["weights"])
+        self.averaged.n_averaged.fill_(int(state["n_averaged"]))
+        self.updates = int(state["updates"])
