@@ -16,6 +16,7 @@ import unison.handlers as handlers
 from unison.engine import Engine, Events, create_evaluator, create_trainer
 from unison.handlers import (
     EMA,
+    AgreedPruning,
     Checkpoint,
     EarlyStopping,
     LRWarmup,
@@ -50,6 +51,7 @@ FACTORIES: dict[str, Callable[[Engine, Engine, Path], tuple[Any, Callable[[Any],
         lambda h: h.attach(e),
     ),
     "NonFiniteGuard": lambda t, e, d: (NonFiniteGuard(), lambda h: h.attach(t)),
+    "AgreedPruning": lambda t, e, d: (AgreedPruning(t, "loss", lambda value, step: None), lambda h: h.attach(e)),
     "EMA": lambda t, e, d: (EMA(t.process_function.model, decay=0.9), lambda h: h.attach(t)),
     "LRWarmup": lambda t, e, d: (LRWarmup(t.process_function.optimizer, 3), lambda h: h.attach(t)),
     "TimeLimit": lambda t, e, d: (TimeLimit(3600), lambda h: h.attach(t)),

@@ -8,12 +8,14 @@ from unison.handlers.lr_scaling import LRWarmup, scale_lr
 from unison.handlers.non_finite import NonFiniteGuard
 from unison.handlers.preemption import EXIT_PREEMPTED, Preemption
 from unison.handlers.progress import ProgressBar
+from unison.handlers.pruning import AgreedPruning
 from unison.handlers.synced import SyncedHandler
 from unison.handlers.tensorboard import TensorBoardLogger
 from unison.handlers.time_limit import TimeLimit
 from unison.handlers.watchdog import EXIT_HANG, Watchdog
 
 __all__ = [
+    "AgreedPruning",
     "EXIT_HANG",
     "EMA",
     "EXIT_PREEMPTED",
