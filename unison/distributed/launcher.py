@@ -24,6 +24,7 @@ from unison.distributed.rank_setup import (
     _configure_rank,
     _hide_slurm_from_ignite,
     _is_peer_failure,
+    _leave_group,
     _note_rank,
 )
 from unison.distributed.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPT_GRACE_S, PREEMPTION_GRACE_S
@@ -286,7 +287,7 @@ def _run_in_process(
     # Destroying the group only after success: on failure a peer may be gone, and the
     # process ends anyway.
     if created_group:
-        idist.finalize()
+        _leave_group()  # the group's threads end here, not in the interpreter's teardown
         os.environ.clear()
         os.environ.update(environ)
     return result[0]

@@ -1,22 +1,27 @@
 """What every rank does for itself, however it was started (spawned, torchrun, srun).
 
 Its set-up before user code (logging with its rank, its device), the note that names it
-on an error it raises, telling a peer's failure (a lost connection) from its own, and
-SLURM's variables hidden from ignite while its group is created.
+on an error it raises, telling a peer's failure (a lost connection) from its own, SLURM's
+variables hidden from ignite while its group is created, and how it leaves its group
+(:func:`_leave_group`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import ignite.distributed as idist
 import torch
 
 from unison.distributed.env import device_for_local_rank
 from unison.utils.errors import add_note, has_note
-from unison.utils.logging import setup_logging
+from unison.utils.logging import get_logger, setup_logging
+
+_log = get_logger(__name__)
 
 # Messages of errors a rank gets because another rank died while they shared a collective:
 # only a lost connection says that. A backend's own errors (a gloo size mismatch, an NCCL
@@ -69,3 +74,53 @@ def _configure_rank() -> None:
     device = device_for_local_rank(idist.get_local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+# The C++ threads of a process group, by the names torch and gloo give them: gloo's worker
+# threads (2 per group) and its socket loop, and the TCPStore server of rank 0.
+_GROUP_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv", "pt_tcpstore")
+
+
+def _group_threads() -> list[str]:
+    """The names of this process's threads that belong to a process group (Linux; else [])."""
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(OSError):
+            name = comm.read_text().strip()
+            if name in _GROUP_THREADS:
+                names.append(name)
+    return sorted(names)
+
+
+def _leave_group() -> None:
+    """Destroys this rank's process group for good, while Python is still whole.
+
+    Called by every rank whose function returned, before its process exits (spawned ranks,
+    and ranks of torchrun or srun whose group :func:`~unison.distributed.launch` created).
+    ``destroy_process_group`` only drops the group from torch's registry; the C++ group and
+    its threads (gloo's two workers and its socket loop; on rank 0 the TCPStore server)
+    live on while anything references it, and a ``DistributedDataParallel`` does (its
+    Reducer), kept alive by the reference cycles of an engine and its handlers. Such a
+    group was destroyed by the garbage collection of interpreter teardown
+    (``Py_FinalizeEx``), with the GIL held and the interpreter finalizing, which kills any
+    thread that still needs Python; a C++ thread killed that way aborts the process with
+    "terminate called without an active exception", after training succeeded, now and then,
+    as scheduling allows (torch issue #190489). Collecting the garbage first frees those
+    models, so the destroy below frees the group and joins its threads here.
+
+    No barrier before it: ranks return at different times (rank 0 writes files), and a rank
+    that ran fewer collectives than its peers must leave, so that their next collective fails
+    with a lost connection that names the cause, instead of waiting on it in a barrier.
+    """
+    gc.collect()
+    idist.finalize()  # dist.destroy_process_group(), and ignite back to a single process
+    left = _group_threads()
+    if left:
+        _log.warning(
+            "The process group was destroyed but its threads (%s) still run: an object still "
+            "references the group, for instance a DistributedDataParallel model kept in a global "
+            "variable or a cache. They stop only as Python exits, which can abort the process "
+            "('terminate called without an active exception'). Drop such references before the "
+            "function returns.",
+            ", ".join(left),
+        )

@@ -32,6 +32,7 @@ from unison.distributed.rank_setup import (
     _configure_rank,
     _hide_slurm_from_ignite,
     _is_peer_failure,
+    _leave_group,
     _note_rank,
 )
 from unison.distributed.signals import (
@@ -94,16 +95,18 @@ def _spawn(
                 start_method=start_method,
             ) as parallel:
                 parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline, environ, unblock)
-        except mp.ProcessRaisedException as err:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             relay.stop()
-            rank, detail = _root_cause(results, err.error_index, err.msg)
-            if relay.received == signal.SIGINT or (
-                relay.received is not None and _is_peer_failure(Exception(detail))
-            ):
-                raise _signal_exit(relay.received) from None
-            raise RankFailedError(rank, nproc, detail) from None
-        except mp.ProcessExitedException as err:
-            relay.stop()
+            # A rank that raised exits with code 1 and a marker (see _spawned_rank); torch's
+            # own report of a raise (ProcessRaisedException) remains for an error before it.
+            raised = (results / f"raised-rank-{err.error_index}").exists()
+            if raised or isinstance(err, mp.ProcessRaisedException):
+                rank, detail = _root_cause(results, err.error_index, err.msg)
+                if relay.received == signal.SIGINT or (
+                    relay.received is not None and _is_peer_failure(Exception(detail))
+                ):
+                    raise _signal_exit(relay.received) from None
+                raise RankFailedError(rank, nproc, detail) from None
             if err.exit_code == EXIT_PREEMPTED:
                 _log.warning(
                     "The job was preempted: the ranks saved a checkpoint and exited with code %d. Run it "
@@ -149,6 +152,14 @@ def _spawn(
             with open(results / f"rank-{rank}.pkl", "rb") as fh:
                 out.append(pickle.load(fh))
         return out
+
+
+def _record_error(path: Path) -> None:
+    """Writes the exception being handled, with a timestamp, to ``path`` (for _root_cause)."""
+    # Written whole or not at all: the launcher may end this rank at any moment.
+    partial = path.with_suffix(".part")
+    partial.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+    os.replace(partial, path)
 
 
 def _own_traceback(results: Path, rank: int) -> str:
@@ -280,38 +291,47 @@ def _spawned_rank(
     if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         # N ranks on one CPU: give each its share of the cores instead of N x all cores.
         torch.set_num_threads(max(1, usable_cores() // nproc))
+    error = Path(result_dir) / f"error-rank-{local_rank}.txt"
     try:
-        _configure_rank()
         try:
-            result = fn(*args, **kwargs)
-        except BaseException as err:
-            _note_rank(err)
-            # Written whole or not at all: the launcher may end this rank at any moment.
-            final = Path(result_dir) / f"error-rank-{local_rank}.txt"
-            partial = final.with_suffix(".part")
-            partial.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
-            os.replace(partial, final)
-            raise
-        path = Path(result_dir) / f"rank-{local_rank}.pkl"
-        tmp = path.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                pickle.dump(result, fh, protocol=pickle.HIGHEST_PROTOCOL)
-        except (pickle.PicklingError, TypeError, AttributeError) as err:
-            raise TypeError(
-                f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__} that cannot be "
-                f"pickled back to the launching process ({err}). Return plain data or tensors."
-            ) from err
-        os.replace(tmp, path)
+            _configure_rank()
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as err:
+                _note_rank(err)
+                _record_error(error)
+                raise
+            path = Path(result_dir) / f"rank-{local_rank}.pkl"
+            tmp = path.with_suffix(".tmp")
+            try:
+                with open(tmp, "wb") as fh:
+                    pickle.dump(result, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, TypeError, AttributeError) as err:
+                raise TypeError(
+                    f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__} that cannot be "
+                    f"pickled back to the launching process ({err}). Return plain data or tensors."
+                ) from err
+            os.replace(tmp, path)
+            del result  # it may hold a model, and the process group with it
+        finally:
+            # This rank is leaving. When another rank exits first with a non-zero code (every
+            # rank of a preempted job exits with 75), the launcher SIGTERMs the others at once;
+            # a rank killed while it tears down skips its finalizers, and the named semaphores
+            # it holds (tqdm's lock, a DataLoader's queues: a spawned rank's multiprocessing
+            # objects are named) are left for the resource tracker, which warns of "leaked
+            # semaphore objects" at exit. It exits on its own instead; the launcher still
+            # SIGKILLs it if it has not done so 30 seconds later.
+            for sig in _PREEMPTION_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+        _leave_group()  # the group's threads end here, not in the interpreter's teardown
+    except Exception:
+        # Raised on, torch's spawn wrapper would pickle the traceback into a
+        # pytorch-errorfile-*.pickle in the temp folder, which nothing deletes. It is recorded
+        # here instead, and the marker tells the launcher that this rank raised.
+        if not error.exists():
+            _record_error(error)
+        (Path(result_dir) / f"raised-rank-{local_rank}").touch()
+        raise SystemExit(1) from None
     finally:
         if deadline is not None:
             faulthandler.cancel_dump_traceback_later()
-        # This rank is leaving. When another rank exits first with a non-zero code (every
-        # rank of a preempted job exits with 75), the launcher SIGTERMs the others at once;
-        # a rank killed while it tears down skips its finalizers, and the named semaphores
-        # it holds (tqdm's lock, a DataLoader's queues: a spawned rank's multiprocessing
-        # objects are named) are left for the resource tracker, which warns of "leaked
-        # semaphore objects" at exit. It exits on its own instead; the launcher still
-        # SIGKILLs it if it has not done so 30 seconds later.
-        for sig in _PREEMPTION_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
