@@ -391,14 +391,28 @@ def run(
     else:
         nproc_per_node = nproc if nproc is not None else config.parallel.nproc_per_node
         check_port(config)  # a busy port fails here, not after the ranks started
-    results = launch(
+    return launch_config(config, resume, nproc_per_node)[0]
+
+
+def launch_config(
+    config: Config,
+    resume: str | None,
+    nproc_per_node: int | None,
+    attach: Callable[[RunParts], None] | None = None,
+    start_method: str = "spawn",
+) -> list[dict[str, Any]]:
+    """Runs :func:`train_from_config` on every rank, started with the config's ``parallel`` keys
+    (its address and port only when unison spawns the ranks); returns each rank's results."""
+    p = config.parallel
+    return launch(
         train_from_config,
         config,
         resume,
+        attach,
         nproc_per_node=nproc_per_node,
-        backend=config.parallel.backend,
-        timeout=config.parallel.timeout,
-        master_addr=config.parallel.master_addr,
-        master_port=None if config.parallel.master_port is None else int(config.parallel.master_port),
+        backend=p.backend,
+        timeout=p.timeout,
+        master_addr=p.master_addr,
+        master_port=None if p.master_port is None else int(p.master_port),
+        start_method=start_method,
     )
-    return results[0]

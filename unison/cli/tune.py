@@ -49,7 +49,7 @@ from typing import Any
 
 from unison.cli.preflight import check_port, preflight
 from unison.cli.resolve import resolve
-from unison.cli.run import train_from_config
+from unison.cli.run import launch_config
 from unison.cli.tune_best import run_command, write_best
 from unison.cli.tune_server import AttachPruning, DecisionServer
 from unison.cli.tune_space import (
@@ -62,7 +62,7 @@ from unison.cli.tune_space import (
     suggest,
 )
 from unison.config import load_config
-from unison.distributed import detect_launcher, launch
+from unison.distributed import detect_launcher
 from unison.utils import get_logger
 
 _log = get_logger(__name__)
@@ -213,18 +213,8 @@ def run_trial(study: Any, plan: SweepPlan, nproc: int | None) -> dict[str, Any]:
             if detect_launcher().kind == "none" and nproc is not None:
                 check_port(config)
             attach = AttachPruning(plan.metric, server.judge(config.parallel.timeout))
-            results = launch(
-                train_from_config,
-                config,
-                None,
-                attach,
-                nproc_per_node=nproc,
-                backend=config.parallel.backend,
-                timeout=config.parallel.timeout,
-                master_addr=config.parallel.master_addr,
-                master_port=None if config.parallel.master_port is None else int(config.parallel.master_port),
-                start_method="forkserver",  # the fork server imports torch once for all trials
-            )
+            # The fork server imports torch once for all trials.
+            results = launch_config(config, None, nproc, attach, start_method="forkserver")
         record["reported"] = dict(server.reported)
         _tell(study, trial, plan, server.pruned_at, results, record)
     except BaseException as err:
