@@ -39,6 +39,21 @@ def test_validation_loader_takes_the_validation_sections_num_workers() -> None:
     assert (train_loader.num_workers, val_loader.num_workers) == (0, 1)
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_training_shuffle_reaches_the_training_sampler(shuffle: bool) -> None:
+    """QuantumGrav's training.shuffle: False keeps the dataset's order, epoch after epoch."""
+    c = config()
+    c.training.shuffle = shuffle
+    train_loader, _ = build_loaders(c, datasets())
+    assert train_loader is not None
+    orders = []
+    for epoch in range(2):
+        train_loader.sampler.set_epoch(epoch)
+        orders.append(list(train_loader.sampler))
+    in_order = list(range(len(orders[0])))
+    assert (orders == [in_order, in_order]) is not shuffle
+
+
 def test_training_workers_stay_with_the_training_loader() -> None:
     """training.num_workers and prefetch_factor are the training loader's; validation has no workers."""
     c = config()

@@ -154,7 +154,13 @@ def build_loaders(config: Config, datasets: Datasets) -> tuple[DataLoader | None
     if t.prefetch_factor is not None:
         train_kwargs["prefetch_factor"] = t.prefetch_factor
     train_loader, _ = prepare_loaders(
-        datasets.train, None, batch_size=t.batch_size, seed=t.seed, drop_last=t.drop_last, **train_kwargs
+        datasets.train,
+        None,
+        batch_size=t.batch_size,
+        seed=t.seed,
+        shuffle=t.shuffle,
+        drop_last=t.drop_last,
+        **train_kwargs,
     )
     return train_loader, eval_loader(config, "validation", datasets.val)  # its own loader keys
 

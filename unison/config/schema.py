@@ -133,6 +133,7 @@ class TrainingConfig:
     num_workers: int = option(0, "DataLoader worker processes per rank")
     pin_memory: bool = option(False, "pin host memory for faster copies to the GPU")
     drop_last: bool = option(False, "drop the last incomplete training batch")
+    shuffle: bool = option(True, "shuffle the training data, with a new order each epoch (the same on every rank)")
     prefetch_factor: int | None = option(None, "batches each worker loads ahead (needs num_workers > 0)")
     sync_every: int | None = option(100, "iterations between sync points inside an epoch")
     time_limit: float | None = option(None, "stop every rank together after this many seconds")
