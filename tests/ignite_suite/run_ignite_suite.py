@@ -77,7 +77,7 @@ SELECTIONS = {
     ),
     "distributed": Selection(
         "distributed",
-        ("tests/ignite/engine", "tests/ignite/handlers"),
+        ("tests/ignite/engine", "tests/ignite/handlers", "tests/ignite/contrib/engines"),
         "distributed",
         distributed=True,
         timeout_s=900,
