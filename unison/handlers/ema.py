@@ -33,6 +33,7 @@ checkpoints hold rank 0's, so what is evaluated, saved and resumed is rank 0's a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,17 +48,23 @@ from unison.engine.events import UpdateEvents
 _Tensors = tuple[torch.Tensor, ...] | list[torch.Tensor]
 
 
-def _ema_update(decay: float) -> Callable[[_Tensors, _Tensors, torch.Tensor | int], None]:
-    """``AveragedModel``'s ``multi_avg_fn``: the EMA for float tensors, a copy for the rest."""
+def _ema_update(decay: float) -> Callable[[_Tensors, _Tensors], None]:
+    """One EMA step: a fused ``lerp`` per device and floating dtype (``get_ema_multi_avg_fn``'s),
+    a copy for the rest (integer buffers such as counters follow the model)."""
     lerp = get_ema_multi_avg_fn(decay)
 
     @torch.no_grad()
-    def update(averaged: _Tensors, current: _Tensors, n_averaged: torch.Tensor | int) -> None:
-        if averaged and (averaged[0].is_floating_point() or averaged[0].is_complex()):
-            lerp(averaged, current, n_averaged)
-        else:  # a group of one dtype: integer buffers (counters) follow the model
-            for a, c in zip(averaged, current, strict=True):
+    def update(averaged: _Tensors, current: _Tensors) -> None:
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for a, c in zip(averaged, current, strict=True):
+            if a.is_floating_point() or a.is_complex():
+                group = groups.setdefault((a.device, a.dtype), ([], []))
+                group[0].append(a)
+                group[1].append(c)
+            else:
                 a.copy_(c)
+        for group_averaged, group_current in groups.values():
+            lerp(group_averaged, group_current, 0)  # the step count is unused by the EMA
 
     return update
 
@@ -117,7 +124,8 @@ class EMA:
         self.decay = float(decay)
         self.every = every
         self.warmup = warmup
-        self.averaged = AveragedModel(self.model, multi_avg_fn=_ema_update(self.decay), use_buffers=True)
+        self.averaged = AveragedModel(self.model, use_buffers=True)  # the copy and its counter
+        self._update = _ema_update(self.decay)
         for p in self.averaged.parameters():
             p.requires_grad_(False)
         self.averaged.eval()
@@ -135,8 +143,20 @@ class EMA:
         if self.updates % self.every:
             return
         if self.updates <= self.warmup:
-            self.averaged.n_averaged.zero_()  # AveragedModel copies when it has averaged nothing yet
-        self.averaged.update_parameters(self.model)
+            self.averaged.n_averaged.zero_()  # a copy, as when nothing is averaged yet
+        self._step()
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        """What ``AveragedModel.update_parameters`` does, without copying its (CPU) counter to the
+        model's device at every update: from pageable memory that copy waits for the GPU."""
+        averaged = list(itertools.chain(self.module.parameters(), self.module.buffers()))
+        current = [t.detach() for t in itertools.chain(self.model.parameters(), self.model.buffers())]
+        if int(self.averaged.n_averaged) == 0:  # the counter lives on the CPU: no device sync
+            torch._foreach_copy_(averaged, current)
+        else:
+            self._update(averaged, current)
+        self.averaged.n_averaged += 1
 
     def attach(self, engine: Engine, event: Any = UpdateEvents.UPDATE_COMPLETED) -> None:
         """Updates at ``event``: by default every optimizer update of a trainer from
