@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from unison.config.errors import ConfigError
 from unison.config.loader import KeyPath, PyObjectRef, RawConfig
 from unison.config.schema import Config, EarlyStoppingConfig, _hints, _type_name
 
@@ -41,15 +40,6 @@ EARLY_STOPPING_ALIASES = {"delta": "min_delta"}
 """Other trainers' keyword names for keys of the ``early_stopping`` section."""
 
 _HANDLER_KEYS = ("type", "args", "kwargs")
-
-
-def _error(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
-    return ConfigError(message, file=raw.file_of(path), line=raw.line_of(path), key=path)
-
-
-def _given(raw: RawConfig, section: str, key: str) -> bool:
-    data = raw.data.get(section)
-    return isinstance(data, dict) and key in data
 
 
 def _from_command_line(raw: RawConfig, path: KeyPath) -> bool:
@@ -81,15 +71,14 @@ def _criterion(config: Config, raw: RawConfig) -> None:
     criterion, loss = config.criterion, config.training.loss
     if criterion is None:
         return
-    if _given(raw, "training", "loss") and loss.path != criterion.path:
+    if raw.given("training", "loss") and loss.path != criterion.path:
         by_set_loss = _from_command_line(raw, ("training", "loss"))
         by_set_criterion = _from_command_line(raw, ("criterion",))
         if by_set_loss and not by_set_criterion:
             config.criterion = None  # the command line's training.loss wins
             return
         if not by_set_criterion:
-            raise _error(
-                raw,
+            raise raw.error_at(
                 ("criterion",),
                 f"criterion ({criterion}) and training.loss ({loss}) name different losses; they are one "
                 "setting (criterion is QuantumGrav's name for training.loss): keep one of them",
@@ -108,8 +97,7 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
     for given, value in es.kwargs.items():
         name = EARLY_STOPPING_ALIASES.get(str(given), str(given))
         if name == "tasks":
-            raise _error(
-                raw,
+            raise raw.error_at(
                 section + ("kwargs", str(given)),
                 "QuantumGrav's per-task early stopping watches several metrics; unison's watches one "
                 "validation metric, agreed by every rank: set kwargs {metric: <a validation.metrics name>, "
@@ -119,15 +107,14 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
             moved[name] = (section + ("kwargs", str(given)), value)
     if es.args and is_unison_early_stopping(es.type):
         if len(es.args) > 1:
-            raise _error(
-                raw,
+            raise raw.error_at(
                 section + ("args",),
                 f"EarlyStopping takes one positional argument after the trainer, the metric; got {len(es.args)}: "
                 f"{es.args!r}. Name the others under kwargs (patience, mode, min_delta ...)",
             )
         if "metric" in moved:
-            raise _error(
-                raw, section + ("args",), "the metric is given twice, in args and in kwargs: keep one"
+            raise raw.error_at(
+                section + ("args",), "the metric is given twice, in args and in kwargs: keep one"
             )
         moved["metric"] = (section + ("args", "0"), es.args[0])
     for name, (path, value) in moved.items():
@@ -138,16 +125,15 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
                     " (QuantumGrav's mode any/all joins several tasks; unison watches one metric, and "
                     "early_stopping.agreement says how ranks agree)"
                 )
-            raise _error(raw, path, f"expected {_type_name(hints[name])}, got {value!r}{hint}")
+            raise raw.error_at(path, f"expected {_type_name(hints[name])}, got {value!r}{hint}")
         if isinstance(value, int) and not isinstance(value, bool) and _takes_float(hints[name]):
             value = float(value)
         current = getattr(es, name)
-        if _given(raw, "early_stopping", name) and current != value:
+        if raw.given("early_stopping", name) and current != value:
             if _from_command_line(raw, section + (name,)) and not _from_command_line(raw, path):
                 continue  # the command line wins over the file
             if not _from_command_line(raw, path):
-                raise _error(
-                    raw,
+                raise raw.error_at(
                     path,
                     f"sets early_stopping.{name} to {value!r}, which the section also sets, to {current!r}: "
                     "keep one of them",
@@ -159,8 +145,7 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
     if "metric" in moved and is_unison_early_stopping(es.type):
         es.args = []
     if es.type is not None and es.patience is None:
-        raise _error(
-            raw,
+        raise raw.error_at(
             section + ("type",),
             f"early stopping {str(es.type)!r} is named but has no patience: add `kwargs: {{patience: 5}}` "
             "(or `patience: 5` in the section)",
@@ -183,19 +168,19 @@ def _devices(config: Config, raw: RawConfig) -> None:
             or not isinstance(value, (int, str))
             or (isinstance(value, int) and value < 0)
         ):
-            raise _error(
-                raw, path, f"expected a device ('cuda', 'cuda:0', 'cpu') or a cuda index, got {value!r}"
+            raise raw.error_at(
+                path, f"expected a device ('cuda', 'cuda:0', 'cpu') or a cuda index, got {value!r}"
             )
         try:
             if isinstance(value, str):  # an int is a cuda index: torch.device(1) needs a GPU here
                 torch.device(value)
         except (RuntimeError, ValueError) as err:
-            raise _error(
-                raw, path, f"{value!r} is not a device ({err}); use 'cuda', 'cuda:0' or 'cpu'"
+            raise raw.error_at(
+                path, f"{value!r} is not a device ({err}); use 'cuda', 'cuda:0' or 'cpu'"
             ) from None
     rank = config.parallel.rank
     if rank is not None and rank < 0:
-        raise _error(raw, ("parallel", "rank"), f"must be >= 0 or null, got {rank}")
+        raise raw.error_at(("parallel", "rank"), f"must be >= 0 or null, got {rank}")
 
 
 def _loaders(config: Config, raw: RawConfig) -> None:
@@ -203,21 +188,20 @@ def _loaders(config: Config, raw: RawConfig) -> None:
     test_workers = v.num_workers if t.num_workers is None else t.num_workers
     for path, value in ((("testing", "num_workers"), t.num_workers),):
         if value is not None and value < 0:
-            raise _error(raw, path, f"must be >= 0, got {value!r}")
+            raise raw.error_at(path, f"must be >= 0, got {value!r}")
     for path, value in (
         (("testing", "batch_size"), t.batch_size),
         (("validation", "prefetch_factor"), v.prefetch_factor),
         (("testing", "prefetch_factor"), t.prefetch_factor),
     ):
         if value is not None and value <= 0:
-            raise _error(raw, path, f"must be > 0, got {value!r}")
+            raise raw.error_at(path, f"must be > 0, got {value!r}")
     for path, prefetch, workers in (
         (("validation", "prefetch_factor"), v.prefetch_factor, v.num_workers),
         (("testing", "prefetch_factor"), t.prefetch_factor, test_workers),
     ):
         if prefetch is not None and workers == 0:
-            raise _error(
-                raw,
+            raise raw.error_at(
                 path,
                 f"needs {path[0]}.num_workers > 0 (prefetching is done by worker processes)",
             )

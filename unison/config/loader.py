@@ -221,6 +221,15 @@ class RawConfig:
         key = self._overridden(path)
         return f"--set {self.overrides[key]}" if key is not None else self.file
 
+    def error_at(self, path: KeyPath, message: str) -> ConfigError:
+        """A :class:`ConfigError` about ``path``, naming the file and line (or ``--set``) that gave it."""
+        return ConfigError(message, file=self.file_of(path), line=self.line_of(path), key=path)
+
+    def given(self, section: str, key: str) -> bool:
+        """Whether ``section.key`` is written in the config (or set by ``--set``), not a default."""
+        data = self.data.get(section)
+        return isinstance(data, dict) and key in data
+
     def set(self, path: KeyPath, value: Any, origin: str) -> None:
         """Sets ``path`` (creating sections) as the command line's ``--set`` does."""
         node = self.data

@@ -18,7 +18,6 @@ import types
 import typing
 from typing import Any, Union
 
-from unison.config.errors import ConfigError
 from unison.config.loader import KeyPath, PyObjectRef, RawConfig
 from unison.config.schema import Config, _hints, _is_section, _type_name
 
@@ -41,10 +40,6 @@ NOT_TUNABLE = {
 
 _NAME = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def _error(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
-    return ConfigError(message, file=raw.file_of(path), line=raw.line_of(path), key=path)
 
 
 def _section_of(tp: Any) -> type | None:
@@ -117,11 +112,10 @@ def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
     here: KeyPath = ("tuning", "search_space", key)
     tp, why = tunable_key(key)
     if why is not None:
-        raise _error(raw, here, why)
+        raise raw.error_at(here, why)
     if not isinstance(spec, dict) or spec.get("type") not in SPACE_FIELDS:
         got = spec.get("type") if isinstance(spec, dict) else spec
-        raise _error(
-            raw,
+        raise raw.error_at(
             here,
             f"expected a mapping with type: float | int | categorical, got {got!r}; e.g. "
             "`{type: float, low: 1.0e-4, high: 1.0e-1, log: true}` or `{type: categorical, choices: [16, 32]}`",
@@ -131,8 +125,7 @@ def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
         if name not in SPACE_FIELDS[kind]:
             near = difflib.get_close_matches(str(name), SPACE_FIELDS[kind], n=1, cutoff=0.6)
             hint = f" Did you mean {near[0]!r}?" if near else ""
-            raise _error(
-                raw,
+            raise raw.error_at(
                 here + (str(name),),
                 f"a {kind} search space takes {', '.join(SPACE_FIELDS[kind])}.{hint}",
             )
@@ -149,21 +142,20 @@ def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
                 if kind == "float" and _matches(1, tp) and not _matches(0.5, tp)
                 else (f"draw values the key takes ({_type_name(tp)})")
             )
-            raise _error(
-                raw, here, f"{key} takes {_type_name(tp)}; this {kind} search space draws {value!r}: {fix}"
+            raise raw.error_at(
+                here, f"{key} takes {_type_name(tp)}; this {kind} search space draws {value!r}: {fix}"
             )
 
 
 def _check_choices(raw: RawConfig, here: KeyPath, choices: Any) -> list[Any]:
     path = here + ("choices",)
     if not isinstance(choices, list) or not choices:
-        raise _error(
-            raw, path, f"expected a non-empty list of values, got {choices!r}; e.g. `choices: [16, 32, 64]`"
+        raise raw.error_at(
+            path, f"expected a non-empty list of values, got {choices!r}; e.g. `choices: [16, 32, 64]`"
         )
     for value in choices:
         if value is not None and not isinstance(value, (bool, int, float, str)):
-            raise _error(
-                raw,
+            raise raw.error_at(
                 path,
                 f"a choice is a number, a string, true/false or null (what Optuna stores), got "
                 f"{type(value).__name__}: {value!r}",
@@ -171,7 +163,7 @@ def _check_choices(raw: RawConfig, here: KeyPath, choices: Any) -> list[Any]:
     seen = [repr(v) for v in choices]
     twice = sorted({v for v in seen if seen.count(v) > 1})
     if twice:
-        raise _error(raw, path, f"{', '.join(twice)} given more than once; list each choice once")
+        raise raw.error_at(path, f"{', '.join(twice)} given more than once; list each choice once")
     return list(choices)
 
 
@@ -180,35 +172,33 @@ def _check_range(raw: RawConfig, here: KeyPath, kind: str, spec: dict[str, Any])
     for name in ("low", "high"):
         value = spec.get(name)
         if value is None:
-            raise _error(
-                raw, here, f"a {kind} search space needs `{name}`; e.g. `{{type: {kind}, low: 1, high: 8}}`"
+            raise raw.error_at(
+                here, f"a {kind} search space needs `{name}`; e.g. `{{type: {kind}, low: 1, high: 8}}`"
             )
         if not _number(value) or (expect is int and not isinstance(value, int)):
-            raise _error(
-                raw, here + (name,), f"expected {'an int' if expect is int else 'a number'}, got {value!r}"
+            raise raw.error_at(
+                here + (name,), f"expected {'an int' if expect is int else 'a number'}, got {value!r}"
             )
     low, high = spec["low"], spec["high"]
     if low > high:
-        raise _error(raw, here + ("low",), f"low {low!r} is above high {high!r}; swap them")
+        raise raw.error_at(here + ("low",), f"low {low!r} is above high {high!r}; swap them")
     log, step = spec.get("log", False), spec.get("step")
     if not isinstance(log, bool):
-        raise _error(raw, here + ("log",), f"expected true or false, got {log!r}")
+        raise raw.error_at(here + ("log",), f"expected true or false, got {log!r}")
     if log and low <= 0:
-        raise _error(
-            raw,
+        raise raw.error_at(
             here + ("low",),
             f"a log search space needs low > 0, got {low!r}; e.g. low: 1.0e-5 for a learning rate",
         )
     if step is not None:
         if not _number(step) or step <= 0 or (expect is int and not isinstance(step, int)):
-            raise _error(
-                raw,
+            raise raw.error_at(
                 here + ("step",),
                 f"expected a {'positive int' if expect is int else 'number > 0'}, got {step!r}",
             )
         if log and not (kind == "int" and step == 1):
-            raise _error(
-                raw, here + ("step",), "Optuna draws either on a log scale or in steps, not both: drop one"
+            raise raw.error_at(
+                here + ("step",), "Optuna draws either on a log scale or in steps, not both: drop one"
             )
     return [expect(low), expect(high)]
 
@@ -222,8 +212,8 @@ def _check_metric(config: Config, raw: RawConfig) -> None:
     watched = config.checkpoint.metric or names[0]
     metric = t.metric or watched
     if metric not in names:
-        raise _error(
-            raw, ("tuning", "metric"), f"no validation metric named {metric!r}; the metrics: {names}"
+        raise raw.error_at(
+            ("tuning", "metric"), f"no validation metric named {metric!r}; the metrics: {names}"
         )
     named = metric_direction(metric)
     by_name = {"max": "maximize", "min": "minimize", None: None}[named]
@@ -231,8 +221,7 @@ def _check_metric(config: Config, raw: RawConfig) -> None:
         if metric == watched:
             t.direction = "maximize" if config.checkpoint.mode == "max" else "minimize"
         elif by_name is None:
-            raise _error(
-                raw,
+            raise raw.error_at(
                 ("tuning", "metric"),
                 f"whether a higher or lower {metric!r} is better is not clear from its name: set "
                 "tuning.direction (maximize or minimize)",
@@ -240,8 +229,7 @@ def _check_metric(config: Config, raw: RawConfig) -> None:
         else:
             t.direction = by_name  # type: ignore[assignment]  # one of the two
     elif by_name is not None and t.direction != by_name:
-        raise _error(
-            raw,
+        raise raw.error_at(
             ("tuning", "direction"),
             f"{t.direction!r} contradicts the metric {metric!r}, for which {'lower' if named == 'min' else 'higher'} "
             f"is better: the sweep would look for the worst trial. Set `direction: {by_name}` (or leave it out)",
@@ -266,16 +254,14 @@ def _check_optuna_names(config: Config, raw: RawConfig) -> None:
         ("pruner", t.pruner, t.pruner_kwargs, "optuna.pruners"),
     ):
         if name is not None and not _NAME.match(name):
-            raise _error(
-                raw,
+            raise raw.error_at(
                 ("tuning", key),
                 f"expected the name of a class of {package} (like TPESampler or MedianPruner), got {name!r}; "
                 "a config names Optuna's own classes only, never a dotted path",
             )
         for arg, value in kwargs.items():
             if not isinstance(arg, str) or not arg.isidentifier() or not _plain(value):
-                raise _error(
-                    raw,
+                raise raw.error_at(
                     ("tuning", f"{key}_kwargs", str(arg)),
                     "keyword arguments of Optuna's classes are plain values (numbers, strings, lists, "
                     f"mappings), got {arg!r}: {value!r}",
@@ -287,15 +273,13 @@ def _check_storage(config: Config, raw: RawConfig) -> None:
     if t.storage is not None:
         url = t.storage.strip()
         if not _URL.match(url):
-            raise _error(
-                raw,
+            raise raw.error_at(
                 ("tuning", "storage"),
                 f"expected an Optuna storage URL like sqlite:///sweep.db or postgresql://user@host/db, got "
                 f"{t.storage!r}; leave it out for a SQLite file in the sweep folder",
             )
         if url in ("sqlite://", "sqlite:///:memory:"):
-            raise _error(
-                raw,
+            raise raw.error_at(
                 ("tuning", "storage"),
                 "an in-memory SQLite database keeps nothing to resume, and only one thread can read it; "
                 "give a file (sqlite:///sweep.db) or leave storage out",
@@ -304,8 +288,7 @@ def _check_storage(config: Config, raw: RawConfig) -> None:
     if name is not None and (
         not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
     ):
-        raise _error(
-            raw,
+        raise raw.error_at(
             ("tuning", "study_name"),
             f"{name!r} is not a folder name: the sweep folder is <logging.root>/<name>/tune-<study_name>/; "
             "use a name like 'lr-sweep'",

@@ -53,16 +53,11 @@ def _takes_float(tp: Any) -> bool:
     )
 
 
-def _error_at(raw: RawConfig, path: KeyPath, message: str) -> ConfigError:
-    """A config error at ``path``, with its file and line."""
-    return ConfigError(message, file=raw.file_of(path), line=raw.line_of(path), key=path)
-
-
 def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise _error_at(raw, path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}")
+        raise raw.error_at(path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     aliases = {f.metadata["alias"]: f.name for f in fields.values() if f.metadata.get("alias")}
     hints = _hints(cls)
@@ -76,8 +71,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             near = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
             hint = f" Did you mean {near[0]!r}?" if near else ""
             where = ".".join(path) or "the top level"
-            raise _error_at(
-                raw,
+            raise raw.error_at(
                 path + (key,),
                 f"unknown key {key!r} in {where}. Valid keys: {', '.join(sorted(fields))}.{hint}",
             )
@@ -86,8 +80,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             if path + (earlier,) in raw.overrides:
                 continue  # the command line's --set wins over the file
             if path + (key,) not in raw.overrides:
-                raise _error_at(
-                    raw,
+                raise raw.error_at(
                     path + (key,),
                     f"the key is set twice, as {earlier!r} and as {key!r}; keep one of them",
                 )
@@ -97,8 +90,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             values[name] = _build(section_in(tp), value, raw, path + (key,))  # type: ignore[arg-type]  # a section
             continue
         if not _matches(value, tp):
-            raise _error_at(
-                raw,
+            raise raw.error_at(
                 path + (key,),
                 f"expected {_type_name(tp)}, got {type(value).__name__}: {value!r}",
             )
@@ -122,8 +114,8 @@ def validate(raw: RawConfig) -> Config:
     for path in REQUIRED:
         section = getattr(config, path[0])
         if getattr(section, path[1]) is None:
-            raise _error_at(
-                raw, path, f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)"
+            raise raw.error_at(
+                path, f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)"
             )
     apply_compat(config, raw)  # criterion, early_stopping's type/args/kwargs, evaluator specs
     _check_values(config, raw)
@@ -142,8 +134,7 @@ def _check_name(config: Config, raw: RawConfig) -> None:
     bad = not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
     if bad:
         path = ("name",)
-        raise _error_at(
-            raw,
+        raise raw.error_at(
             path,
             f"{name!r} is not a folder name: the run directory is <logging.root>/<name>/, so a name with "
             "'/', '\\', '..' or '~' (or an empty one) would write outside logging.root; use a name like "
@@ -171,11 +162,6 @@ def metric_direction(name: str) -> Literal["max", "min"] | None:
     return None
 
 
-def _explicit(raw: RawConfig, section: str, key: str) -> bool:
-    data = raw.data.get(section)
-    return isinstance(data, dict) and key in data
-
-
 def _check_modes(config: Config, raw: RawConfig) -> None:
     """Fills ``checkpoint.mode`` from the watched metric's name when left out, and refuses a mode
     that contradicts the name (``mode: max`` on a loss keeps the worst checkpoint)."""
@@ -184,7 +170,7 @@ def _check_modes(config: Config, raw: RawConfig) -> None:
     es = config.early_stopping
     es_watched = es.metric or watched
     for section, metric, explicit in (
-        ("checkpoint", watched, _explicit(raw, "checkpoint", "mode")),
+        ("checkpoint", watched, raw.given("checkpoint", "mode")),
         ("early_stopping", es_watched, es.mode is not None),
     ):
         direction = metric_direction(metric)
@@ -198,8 +184,7 @@ def _check_modes(config: Config, raw: RawConfig) -> None:
         if direction is not None and holder.mode != direction:
             path = (section, "mode")
             better = "lower" if direction == "min" else "higher"
-            raise _error_at(
-                raw,
+            raise raw.error_at(
                 path,
                 f"mode {holder.mode!r} contradicts the watched metric {metric!r}, for which {better} is better: "
                 f"'best' would keep the worst model. Set `mode: {direction}` (or leave mode out)",
@@ -249,7 +234,7 @@ def _check_training_extras(config: Config, raw: RawConfig) -> None:
         ]
     for path, bad, message in checks:
         if bad:
-            raise _error_at(raw, path, message)
+            raise raw.error_at(path, message)
 
 
 def _check_values(config: Config, raw: RawConfig) -> None:
@@ -276,8 +261,7 @@ def _check_values(config: Config, raw: RawConfig) -> None:
     ]
     for path, value in positive:
         if value is not None and value <= 0:
-            raise _error_at(
-                raw,
+            raise raw.error_at(
                 path,
                 f"must be > 0, got {value!r}",
             )
@@ -287,7 +271,7 @@ def _check_values(config: Config, raw: RawConfig) -> None:
         (("checkpoint", "keep_best"), config.checkpoint.keep_best),
     ):
         if value < 0:
-            raise _error_at(raw, path, f"must be >= 0, got {value!r}")
+            raise raw.error_at(path, f"must be >= 0, got {value!r}")
     port = config.parallel.master_port
     if isinstance(port, str):
         if not port.strip().isdigit():
@@ -296,15 +280,15 @@ def _check_values(config: Config, raw: RawConfig) -> None:
         config.parallel.master_port = port = int(port)
     if port is not None and not 0 < port < 65536:
         path = ("parallel", "master_port")
-        raise _error_at(raw, path, f"expected a port in 1..65535, got {config.parallel.master_port}")
+        raise raw.error_at(path, f"expected a port in 1..65535, got {config.parallel.master_port}")
     if config.training.prefetch_factor is not None and config.training.num_workers == 0:
         path = ("training", "prefetch_factor")
-        raise _error_at(raw, path, "needs training.num_workers > 0 (prefetching is done by worker processes)")
+        raise raw.error_at(path, "needs training.num_workers > 0 (prefetching is done by worker processes)")
     if config.parallel.backend == "nccl":
         import torch
 
         if not torch.cuda.is_available():
             path = ("parallel", "backend")
-            raise _error_at(
-                raw, path, "'nccl' needs CUDA, which is not available here; use 'gloo' or leave it unset"
+            raise raw.error_at(
+                path, "'nccl' needs CUDA, which is not available here; use 'gloo' or leave it unset"
             )
