@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from unison.distributed.compile import compile_model, compile_spec
 from unison.distributed.ddp_buckets import FixedBucketsDDP, layout_is_fixable
+from unison.distributed.fsdp import FSDPOptions, shard_model
 from unison.distributed.primitives import device as rank_device
-from unison.distributed.primitives import is_distributed
+from unison.distributed.primitives import get_world_size, is_distributed
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside a ``DistributedDataParallel`` (or ``DataParallel``) wrapper.
+    """The module inside ``DistributedDataParallel``, ``DataParallel`` and ``torch.compile`` wrappers.
 
-    Its ``state_dict`` keys have no ``module.`` prefix. A plain module is returned as is.
+    Its ``state_dict`` keys have no ``module.`` or ``_orig_mod.`` prefix. A plain module (or
+    one sharded with ``fully_shard``, which keeps its class and keys) is returned as is.
     """
-    while isinstance(model, (DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
+    while True:
+        if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
 FIND_UNUSED_ENV = "DDP_FIND_UNUSED_PARAMETERS"
@@ -52,15 +60,31 @@ def find_unused_from_env() -> bool | None:
     )
 
 
+Strategy = Literal["ddp", "fsdp"]
+
+
 def prepare_model(
     model: nn.Module,
     *,
     device: torch.device | str | None = None,
+    strategy: Strategy = "ddp",
+    fsdp: FSDPOptions | Mapping[str, Any] | None = None,
+    compile: bool | Mapping[str, Any] = False,
     sync_batchnorm: bool = False,
     find_unused_parameters: bool | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
-    """Moves a model to this rank's device and, with more than one rank, wraps it in DDP.
+    """Moves a model to this rank's device and, with more than one rank, wraps it in DDP or shards it.
+
+    ``strategy="fsdp"`` shards parameters, gradients and optimizer state over the ranks
+    with FSDP2's ``fully_shard`` (see :mod:`unison.distributed.fsdp`; ``fsdp`` takes its
+    options). The model keeps its class and its ``state_dict`` keys; build the optimizer
+    from the returned model's parameters. With one rank either strategy returns the plain
+    model on the device.
+
+    ``compile`` compiles the model with ``torch.compile`` after wrapping, as torch
+    recommends for DDP and FSDP2 (see :mod:`unison.distributed.compile`), in place: the
+    returned module and its ``state_dict`` keys are the uncompiled ones.
 
     The order is the one DDP needs: move first, convert BatchNorm layers next, wrap last.
     ``device_ids`` is ``[cuda index]`` on a GPU and None on the CPU. DDP broadcasts rank 0's
@@ -85,13 +109,19 @@ def prepare_model(
             errors appear. None (the default): the ``DDP_FIND_UNUSED_PARAMETERS``
             environment variable when it is set (NNHandler's switch), else False; a bool
             given here wins over the variable.
+        strategy: ``"ddp"`` (replicas, the default) or ``"fsdp"`` (shards).
+        fsdp: :class:`~unison.distributed.fsdp.FSDPOptions` or a mapping of its keys
+            (``shard``, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``,
+            ``cpu_offload``); only with ``strategy="fsdp"``.
+        compile: True, or a mapping of ``torch.compile`` options (``mode``,
+            ``fullgraph``, ``dynamic``); False for none.
         **ddp_kwargs: other ``DistributedDataParallel`` arguments.
 
     Returns:
-        The model on the device, wrapped in DDP when the world size is above one.
+        The model on the device, wrapped in DDP or sharded when the world size is above one.
 
     Distributed:
-        Call it on every rank: wrapping in DDP is a collective.
+        Call it on every rank: wrapping in DDP and sharding are collectives.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare_model(model=...) needs an nn.Module, got {type(model).__name__}.")
@@ -99,6 +129,24 @@ def prepare_model(
         raise ValueError(
             "prepare_model(model=...) got a model already wrapped in DDP; pass the plain module."
         )
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"prepare_model(strategy={strategy!r}): expected 'ddp' or 'fsdp'.")
+    if fsdp is not None and strategy != "fsdp":
+        raise ValueError("prepare_model(fsdp=...) was given with strategy='ddp'; pass strategy='fsdp' to shard.")
+    fsdp_options = FSDPOptions.of(fsdp) if strategy == "fsdp" else None
+    compile_options = compile_spec(compile)
+    wrapped = _wrap(model, device, fsdp_options, sync_batchnorm, find_unused_parameters, ddp_kwargs)
+    return compile_model(wrapped, compile_options) if compile_options is not None else wrapped
+
+
+def _wrap(
+    model: nn.Module,
+    device: torch.device | str | None,
+    fsdp_options: FSDPOptions | None,
+    sync_batchnorm: bool,
+    find_unused_parameters: bool | None,
+    ddp_kwargs: dict[str, Any],
+) -> nn.Module:
     if find_unused_parameters is None:
         find_unused_parameters = bool(find_unused_from_env())
     target = torch.device(device) if device is not None else rank_device()
@@ -107,6 +155,13 @@ def prepare_model(
     model = model.to(target)
     if not is_distributed():
         return model
+    if fsdp_options is not None:
+        if sync_batchnorm:
+            raise ValueError(
+                "prepare_model(sync_batchnorm=True) with strategy='fsdp': SyncBatchNorm is a DDP feature here; "
+                "leave it off (parallel.sync_batchnorm) or use strategy='ddp'."
+            )
+        return shard_model(model, fsdp_options, target, get_world_size())
     if sync_batchnorm:
         if target.type != "cuda" and any(
             isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -12,6 +13,7 @@ from ignite.metrics import EpochMetric, Metric
 from torch import nn
 from torch.utils.data import DistributedSampler
 
+from unison.distributed.fsdp import gathered_parameters
 from unison.distributed.model import unwrap_model
 from unison.distributed.primitives import broadcast_buffers
 from unison.engine.engine import Engine
@@ -118,14 +120,18 @@ def create_evaluator(
     evaluator = Engine(step, sync_every=None, name="evaluator")
 
     modes: list[bool] = []
+    gathered = contextlib.ExitStack()
 
     def _eval_mode(_: Engine) -> None:
         # Ranks' running statistics drift apart under DDP: evaluate the model rank 0 saves.
         broadcast_buffers(unwrap_model(step.model))
         modes.append(step.model.training)
         step.model.eval()
+        # Shards differ in batches: a sharded model is gathered once, so forwards are local.
+        gathered.enter_context(gathered_parameters(step.model))
 
     def _restore_mode(_: Engine) -> None:
+        gathered.close()
         if modes:
             step.model.train(modes.pop())
 

@@ -13,6 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from unison.distributed.fsdp import global_value as _global
+from unison.distributed.fsdp import is_sharded, no_gradient_sync
 from unison.distributed.model import model_device
 from unison.distributed.primitives import get_rank
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
@@ -133,6 +135,7 @@ class TrainStep:
         non_blocking: bool,
     ) -> None:
         self.model = model
+        self._syncs_gradients = isinstance(model, DistributedDataParallel) or is_sharded(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = device
@@ -203,8 +206,8 @@ class TrainStep:
     def __call__(self, engine: IgniteEngine, batch: Any) -> torch.Tensor:
         window, is_last = (1, True) if self.accumulation_steps == 1 else self._window(engine)
         x, y = self.prepare_batch(batch, self.device, self.non_blocking)
-        if not is_last and isinstance(self.model, DistributedDataParallel):
-            with self.model.no_sync():
+        if not is_last and self._syncs_gradients:
+            with no_gradient_sync(self.model):  # DDP's no_sync, FSDP2's set_requires_gradient_sync
                 loss = self._forward_backward(x, y, window)
         else:
             loss = self._forward_backward(x, y, window)
@@ -212,9 +215,9 @@ class TrainStep:
             if self.clip_grad_norm is not None:
                 if self.scaler is not None:
                     self.scaler.unscale_(self.optimizer)
-                self.grad_norm = nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.clip_grad_norm
-                ).detach()
+                self.grad_norm = _global(
+                    nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm).detach()
+                )
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()

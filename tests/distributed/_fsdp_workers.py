@@ -1,0 +1,46 @@
+"""Rank functions of tests/distributed/test_fsdp.py: the same training under DDP and FSDP2.
+
+Batches depend only on (iteration, rank), so two strategies at the same world size see
+the same data; the model's whole weights come back from every rank as plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from _ddp_workers import batch, make_mlp
+from torch import nn
+
+from unison.distributed import get_rank, get_world_size, prepare_model
+from unison.distributed.fsdp import full_model_state, is_sharded
+from unison.engine import create_evaluator, create_trainer
+from unison.engine.predict import predict
+from unison.metrics import Accuracy, Loss
+
+
+def train(strategy: str, iterations: int, **trainer_kwargs: Any) -> dict[str, torch.Tensor]:
+    """Trains the MLP for ``iterations`` steps of this rank's batches; the whole weights after."""
+    model = prepare_model(make_mlp(), strategy=strategy)
+    assert is_sharded(model) == (strategy == "fsdp" and get_world_size() > 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    trainer = create_trainer(model, optimizer, nn.functional.cross_entropy, **trainer_kwargs)
+    trainer.run([batch(i, get_rank()) for i in range(iterations)], max_epochs=1)
+    return {k: v.detach().clone() for k, v in full_model_state(model).items()}
+
+
+def evaluate_uneven(strategy: str, samples: int) -> tuple[dict[str, float], torch.Tensor | None]:
+    """Exact evaluation and prediction of ``samples`` rows, sharded without padding (uneven shards)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from unison.distributed import EvalSampler
+
+    model = prepare_model(make_mlp(), strategy=strategy)
+    gen = torch.Generator().manual_seed(7)
+    data = TensorDataset(torch.randn(samples, 8, generator=gen), torch.randint(0, 3, (samples,), generator=gen))
+    loader = DataLoader(data, batch_size=2, sampler=EvalSampler(data))
+    evaluator = create_evaluator(
+        model, {"acc": Accuracy(), "loss": Loss(nn.functional.cross_entropy)}
+    )
+    metrics = dict(evaluator.run(loader).metrics)
+    return metrics, predict(model, data, batch_size=2)

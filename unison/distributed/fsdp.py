@@ -1,0 +1,290 @@
+"""Sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each rank holds a 1/N shard of every parameter, gradient and optimizer state; a unit's
+parameters are all-gathered for its forward and backward and freed after. Which
+submodules become units is the ``shard`` rule: ``"auto"`` takes the repeated blocks
+(every class with two or more instances holding parameters, outermost first: transformer
+layers, residual blocks, the layers of an MLP), or a list of class names. The root is
+always a unit, holding what no unit took.
+
+The helpers here keep unison's guarantees under sharding:
+
+- :func:`no_gradient_sync`: an accumulation window's inner backward passes keep their
+  gradients local (FSDP2's ``set_requires_gradient_sync``; DDP's ``no_sync``).
+- :func:`gathered_parameters`: evaluation and prediction shard their data without
+  padding, so ranks run different numbers of batches; a sharded forward is a collective.
+  Inside this context every unit is gathered once, on every rank together, and forward
+  passes are local until it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """How ``strategy="fsdp"`` shards a model.
+
+    Attributes:
+        shard: ``"auto"`` (the repeated blocks) or the class names of the submodules
+            that become units.
+        reshard_after_forward: free the gathered parameters after each unit's forward
+            (less memory; the backward gathers them again).
+        param_dtype: the dtype of the gathered parameters used in forward and backward
+            (``"bfloat16"``, ``"float16"``, ``"float32"``); None keeps the parameters'.
+        reduce_dtype: the dtype gradients are reduced in; None: ``param_dtype``.
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in CPU
+            memory (CUDA only).
+    """
+
+    shard: str | Sequence[str] = "auto"
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    cpu_offload: bool = False
+
+    @classmethod
+    def of(cls, value: FSDPOptions | Mapping[str, Any] | None, who: str = "prepare_model(fsdp=...)") -> FSDPOptions:
+        """Options from an instance, a mapping of the same keys, or None (the defaults).
+
+        Raises:
+            ValueError: naming ``who`` and the key, for an unknown key or a bad value.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            options = value
+        elif isinstance(value, Mapping):
+            unknown = sorted(set(value) - {"shard", "reshard_after_forward", "param_dtype", "reduce_dtype", "cpu_offload"})
+            if unknown:
+                raise ValueError(
+                    f"{who}: unknown key(s) {unknown}; expected shard, reshard_after_forward, param_dtype, "
+                    "reduce_dtype, cpu_offload."
+                )
+            options = cls(**dict(value))
+        else:
+            raise TypeError(f"{who}: expected FSDPOptions or a mapping, got {type(value).__name__}.")
+        shard = options.shard
+        if not (shard == "auto" or (isinstance(shard, (list, tuple)) and shard and all(isinstance(s, str) for s in shard))):
+            raise ValueError(
+                f"{who}: shard={shard!r}; expected 'auto' (the repeated blocks) or a non-empty list of class names "
+                "such as ['TransformerEncoderLayer']."
+            )
+        for key in ("param_dtype", "reduce_dtype"):
+            name = getattr(options, key)
+            if name is not None and _DTYPE_ALIASES.get(name, name) not in _DTYPES:
+                raise ValueError(f"{who}: {key}={name!r}; expected one of {sorted(_DTYPES)} (or bf16/fp16/fp32) or null.")
+        for key in ("reshard_after_forward", "cpu_offload"):
+            if not isinstance(getattr(options, key), bool):
+                raise ValueError(f"{who}: {key}={getattr(options, key)!r}; expected true or false.")
+        return options
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        name = getattr(self, key)
+        return None if name is None else _DTYPES[_DTYPE_ALIASES.get(name, name)]
+
+
+def auto_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules the ``"auto"`` rule shards as units, outermost first (the root excluded).
+
+    Every class with two or more instances that hold parameters is a block class; an
+    instance becomes a unit unless it sits inside another unit.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> [type(u).__name__ for u in auto_units(m)]
+        ['Linear', 'Linear']
+    """
+    counts: dict[type, int] = {}
+    for module in model.modules():
+        if module is not model and any(True for _ in module.parameters()):
+            counts[type(module)] = counts.get(type(module), 0) + 1
+    blocks = {cls for cls, n in counts.items() if n >= 2}
+    return _outermost(model, lambda m: type(m) in blocks)
+
+
+def named_units(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+    """The submodules whose class name is in ``names``, outermost first.
+
+    Raises:
+        ValueError: a name matches no submodule; the message lists the classes the model has.
+    """
+    wanted = set(names)
+    present = {type(m).__name__ for m in model.modules() if m is not model}
+    missing = sorted(wanted - present)
+    if missing:
+        raise ValueError(
+            f"parallel.fsdp.shard names {missing}, which the model does not contain; its submodule classes are "
+            f"{sorted(present)}. Use some of those, or 'auto'."
+        )
+    return _outermost(model, lambda m: type(m).__name__ in wanted)
+
+
+def _outermost(model: nn.Module, chosen: Any) -> list[nn.Module]:
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if chosen(child) and any(True for _ in child.parameters()):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return units
+
+
+def shard_model(model: nn.Module, options: FSDPOptions, device: torch.device, world_size: int) -> nn.Module:
+    """Applies ``fully_shard`` to the units of ``options.shard``, innermost first, then the root.
+
+    Collective: call on every rank with the same model. The model must already be on
+    ``device``; rank 0's parameters are broadcast first so every rank shards the same weights.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if options.cpu_offload and device.type != "cuda":
+        raise ValueError(
+            f"parallel.fsdp.cpu_offload: this rank's device is {device}; offloading moves shards from a GPU to "
+            "CPU memory, so it needs CUDA. Turn it off here."
+        )
+    _broadcast_parameters(model)
+    units = auto_units(model) if options.shard == "auto" else named_units(model, list(options.shard))
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = MixedPrecisionPolicy(
+        param_dtype=options.dtype("param_dtype"), reduce_dtype=options.dtype("reduce_dtype")
+    )
+    offload = CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()
+    kwargs = {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}
+    for unit in reversed(units):  # children before the modules that hold them
+        fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    model._unison_fsdp = options  # type: ignore[assignment]  # read back by gathered_parameters
+    return model
+
+
+def _broadcast_parameters(model: nn.Module) -> None:
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (or the module inside a compile wrapper) was sharded with ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """Every ``fully_shard`` unit of ``model``, in module order (the root first)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in getattr(model, "_orig_mod", model).modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside keep their gradients on this rank, to be reduced with a later one.
+
+    DDP: ``no_sync()``. FSDP2: ``set_requires_gradient_sync(False)`` (the unsharded
+    gradients accumulate locally; the window's last backward reduce-scatters their sum).
+    Anything else: nothing to skip.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = getattr(model, "_orig_mod", model)
+    if isinstance(inner, DistributedDataParallel):
+        with inner.no_sync():
+            yield
+        return
+    if not is_sharded(inner):
+        yield
+        return
+    inner.set_requires_gradient_sync(False)  # type: ignore[operator]  # an FSDPModule
+    try:
+        yield
+    finally:
+        inner.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: nn.Module) -> Iterator[None]:
+    """Inside, a sharded model's forward passes issue no collective: every unit is gathered once.
+
+    Collective on entry and exit for a sharded model: every rank enters together. A plain
+    or DDP model: nothing happens. Memory: the whole model's parameters, as under DDP.
+    """
+    units = fsdp_units(model) if is_sharded(model) else []
+    if not units:
+        yield
+        return
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]  # an FSDPModule
+        unit.unshard()  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()  # type: ignore[operator]
+        root_options = getattr(model, "_unison_fsdp", None)
+        again = root_options.reshard_after_forward if isinstance(root_options, FSDPOptions) else True
+        for unit in units:
+            # the root keeps its gathered parameters after forward, as fully_shard sets it
+            unit.set_reshard_after_forward(again and unit is not units[0], recurse=False)  # type: ignore[operator]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (a sharded parameter, gradient or state)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def global_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding the whole value of ``tensor``: a DTensor's full value, anything else as is.
+
+    A DTensor with a pending reduction (a partial sum, such as a sharded gradient norm)
+    is reduced here, a collective: call it on every rank together.
+    """
+    if not is_dtensor(tensor):
+        return tensor
+    from torch.distributed.tensor import Replicate
+
+    if all(isinstance(p, Replicate) for p in tensor.placements):  # type: ignore[attr-defined]
+        return tensor.to_local()  # type: ignore[attr-defined]
+    return tensor.full_tensor()  # type: ignore[attr-defined]
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole weights as plain tensors, keyed as the unwrapped module's ``state_dict``.
+
+    A sharded model's parameters are all-gathered (a collective: call on every rank); any
+    other model's state is returned as is (without DDP's or compile's prefixes).
+    """
+    inner = getattr(model, "_orig_mod", model)
+    while hasattr(inner, "module") and isinstance(inner.module, nn.Module) and not is_sharded(inner):
+        inner = inner.module  # DDP, DataParallel
+    if not is_sharded(inner):
+        return inner.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True))
