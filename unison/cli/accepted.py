@@ -9,6 +9,8 @@ when a run starts). Evaluation loaders that drop samples get a warning there too
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any
 
@@ -42,6 +44,23 @@ def ddp_options(config: Config, device: torch.device | None = None) -> dict[str,
     if (device if device is not None else rank_device()).type != "cuda":
         return {}
     return {"output_device": out}
+
+
+def compile_options(config: Config) -> dict[str, Any] | None:
+    """``training.compile`` as ``torch.compile`` options: None when off, ``{}`` for true.
+
+    Example:
+        >>> from unison.config import Config
+        >>> c = Config()
+        >>> compile_options(c), (setattr(c.training, "compile", True), compile_options(c))[1]
+        (None, {})
+    """
+    spec = config.training.compile
+    if spec is False:
+        return None
+    if spec is True:
+        return {}
+    return {k: v for k, v in dataclasses.asdict(spec).items() if v is not None}
 
 
 def _evaluator_line(config: Config, section: str, key: str, device: torch.device) -> str | None:

@@ -17,6 +17,7 @@ be called on its own.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from unison.cli.accepted import ddp_options
+from unison.cli.accepted import compile_options, ddp_options
 from unison.cli.early_stop import make_early_stopping
 from unison.cli.ema import EMA, attach_ema, evaluated_model
 from unison.cli.eval_loaders import eval_loader
@@ -169,10 +170,14 @@ def build_model(config: Config, resolved: Resolved) -> nn.Module:
     """Model: builds ``model.type(**model.kwargs)``, moves it to this rank's device and wraps it.
 
     Distributed:
-        Call it on every rank: wrapping in DDP broadcasts rank 0's parameters.
+        Call it on every rank: wrapping in DDP or sharding broadcasts rank 0's parameters.
     """
+    p = config.parallel
     return prepare_model(
         resolved.model_type(**resolved.model_kwargs),
+        strategy=p.strategy,
+        fsdp=dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None,
+        compile=compile_options(config),
         sync_batchnorm=config.parallel.sync_batchnorm,
         find_unused_parameters=config.parallel.find_unused_parameters,
         **ddp_options(config),  # parallel.output_device, on GPUs

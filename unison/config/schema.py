@@ -35,7 +35,32 @@ def section(cls: type, doc: str) -> Any:
 
 
 @dataclass
+class FSDPConfig:
+    shard: str | list[str] = option(
+        "auto",
+        "which submodules become FSDP units: auto (every class with 2+ instances holding parameters, "
+        "outermost first: the repeated blocks) or a list of class names; the root is always one",
+    )
+    reshard_after_forward: bool = option(
+        True, "free each unit's gathered parameters after its forward (less memory, a second all-gather)"
+    )
+    param_dtype: Literal["bfloat16", "float16", "float32"] | None = option(
+        None, "mixed precision: the dtype parameters are gathered and computed in; null keeps theirs"
+    )
+    reduce_dtype: Literal["bfloat16", "float16", "float32"] | None = option(
+        None, "the dtype gradients are reduced in; null: param_dtype"
+    )
+    cpu_offload: bool = option(False, "keep shards, gradients and optimizer state in CPU memory (CUDA only)")
+
+
+@dataclass
 class ParallelConfig:
+    strategy: Literal["ddp", "fsdp"] = option(
+        "ddp",
+        "ddp: a full replica per rank; fsdp: parameters, gradients and optimizer state sharded over the "
+        "ranks (FSDP2), with sharded checkpoints (docs/sharded.md)",
+    )
+    fsdp: FSDPConfig = section(FSDPConfig, "FSDP2 sharding, with strategy: fsdp")
     backend: Literal["gloo", "nccl"] | None = option(
         None, "collective backend; default nccl with CUDA, else gloo"
     )
@@ -90,6 +115,15 @@ class EMAConfig:
 
 
 @dataclass
+class CompileConfig:
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = option(
+        None, "torch.compile's mode; null: its default"
+    )
+    fullgraph: bool = option(False, "fail on a graph break instead of falling back to Python")
+    dynamic: bool | None = option(None, "compile for dynamic shapes; null: decide from the shapes seen")
+
+
+@dataclass
 class TrainingConfig:
     seed: int = option(0, "seed for weights, splits and shuffling (the same on every rank)")
     max_epochs: int = option(10, "epochs to train", alias="num_epochs")
@@ -125,6 +159,11 @@ class TrainingConfig:
     amp: Literal["none", "bf16", "fp16"] = option("none", "autocast precision")
     accumulation_steps: int = option(1, "micro-batches per optimizer update")
     clip_grad_norm: float | None = option(None, "clip the total gradient norm to this value")
+    compile: bool | CompileConfig = option(
+        False,
+        "torch.compile the model after DDP/FSDP wrapping, in place (checkpoints keep the plain keys, so a "
+        "run resumes with or without it); a mapping sets the options below",
+    )
     ema: EMAConfig | None = option(
         None,
         "keep an exponential moving average of the weights, updated once per optimizer update (keys "
