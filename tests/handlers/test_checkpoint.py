@@ -27,6 +27,7 @@ from ignite.engine import Engine as IgniteEngine
 from torch import nn
 
 import unison
+import unison.checkpoint.loading as loading_module
 import unison.checkpoint.writer as writer_module
 import unison.handlers.checkpoint as checkpoint_module
 from unison.checkpoint import Manifest, capture_rng, load_checkpoint
@@ -623,7 +624,8 @@ def _resume_fresh(folder: Path, path: Path, *, faults: dict | None = None, monke
 
     fresh = _live_state(run, scheduler)
     for name, replacement in (faults or {}).items():
-        monkeypatch.setattr(checkpoint_module, name, replacement)
+        owner = loading_module if name == "load_object_states" else checkpoint_module
+        monkeypatch.setattr(owner, name, replacement)
     assert checkpoint.resume(path) == path
     loaded = _live_state(run, scheduler)
     run.trainer.run(run.loader, max_epochs=ROUND_TRIP_EPOCHS)
@@ -713,7 +715,8 @@ def _skip_scheduler(to_save, states) -> None:
 
 
 RESUME_FAULTS = {
-    # name: (what the handler's module gets instead, what the comparison names)
+    # name: (what the handler's module (or, for loading, unison.checkpoint.loading) gets instead,
+    # what the comparison names)
     "generators-not-restored": ({"restore_rng": lambda state: None}, "resumed rng"),
     "scheduler-not-loaded": ({"load_object_states": _skip_scheduler}, "resumed scheduler"),
     "sampler-not-loaded": ({"load_sampler": lambda data, saved: None}, "resumed sampler"),

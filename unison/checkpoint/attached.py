@@ -78,7 +78,9 @@ def load_attached(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None
         if name in states:
             obj.load_state_dict(states[name])
         else:
-            _log.warning("Resuming: the checkpoint holds no state for %s (attached after it was saved?).", name)
+            _log.warning(
+                "Resuming: the checkpoint holds no state for %s (attached after it was saved?).", name
+            )
     extra = sorted(n for n in states if n.startswith(PREFIX) and n not in objects)
     if extra:
         _log.warning("Resuming: the checkpoint holds state for %s, which this run does not attach.", extra)

@@ -40,7 +40,7 @@ def checkpoint_name(prefix: str, epoch: int, iteration: int) -> str:
     return f"{prefix}-e{epoch:04d}-i{iteration:09d}.pt"
 
 
-def entry_for(meta: Mapping[str, Any], prefix: str) -> Entry:
+def entry_for(meta: Mapping[str, Any], prefix: str, *, sharded: bool = False) -> Entry:
     """The manifest entry of a checkpoint with this ``meta``, before its file is durable.
 
     A score that is not finite is recorded as None: never the best, and ``manifest.json``
@@ -49,8 +49,9 @@ def entry_for(meta: Mapping[str, Any], prefix: str) -> Entry:
     score = meta.get("score")
     if score is not None and not math.isfinite(score):
         score = None
+    name = checkpoint_name(prefix, meta["epoch"], meta["iteration"])
     return Entry(
-        file=checkpoint_name(prefix, meta["epoch"], meta["iteration"]),
+        file=name[: -len(".pt")] + ".dcp" if sharded else name,
         epoch=meta["epoch"],
         iteration=meta["iteration"],
         score=score,
@@ -71,7 +72,9 @@ def file_in(folder: Path, name: str, *, source: str = "a checkpoint entry") -> P
         >>> file_in(Path("ckpts"), "ckpt-e0001-i000000010.pt").as_posix()
         'ckpts/ckpt-e0001-i000000010.pt'
     """
-    plain = isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+    plain = (
+        isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+    )
     if not plain:
         raise CheckpointError(
             f"{source} names {name!r}, which is not a file of the checkpoint folder {folder} (a path, an absolute "

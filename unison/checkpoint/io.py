@@ -81,7 +81,14 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     every record's local header is where the directory says, and its stored size fits the
     file). That catches truncation and most damage, not flipped bytes inside a record; a
     log line says so.
+
+    A sharded checkpoint's folder is whole when every file it recorded is present with its
+    size and CRC-32 (:func:`unison.checkpoint.sharded.sharded_problem`).
     """
+    if os.path.isdir(path):
+        from unison.checkpoint.sharded import sharded_complete  # it builds on this module
+
+        return sharded_complete(path)
     try:
         with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
             size = os.fstat(raw.fileno()).st_size
@@ -134,6 +141,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             holds objects that ``weights_only`` refuses; with what to do.
     """
     file = Path(path)
+    if file.is_dir():
+        return _load_sharded_rest(file)
     if not file.is_file():
         raise CheckpointError(
             f"Checkpoint {file} does not exist. Check the path, or resume='auto' to pick the newest."
@@ -163,3 +172,17 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"Checkpoint {file} holds a {type(state).__name__}, not a dict of states.")
     return state
+
+
+def _load_sharded_rest(folder: Path) -> dict[str, Any]:
+    """The ``rest.pt`` of a sharded checkpoint folder, after checking the whole folder."""
+    from unison.checkpoint.sharded import REST, sharded_problem
+
+    problem = sharded_problem(folder)
+    if problem is not None:
+        raise CheckpointError(
+            f"Sharded checkpoint {folder} is incomplete or damaged: {problem}. It was probably cut short by a "
+            "crash or a full disk, or damaged on disk. Delete the folder and resume from the previous checkpoint "
+            "(resume='auto' skips it by itself)."
+        )
+    return load_checkpoint(folder / REST)

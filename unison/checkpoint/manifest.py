@@ -12,6 +12,7 @@ from typing import Any
 from unison.checkpoint.entry import Entry, checkpoint_name, entry_for, file_in
 from unison.checkpoint.io import atomic_write_json, is_complete, load_checkpoint
 from unison.checkpoint.retention import oldest_first
+from unison.checkpoint.sharded import folder_size, remove
 from unison.utils.logging import get_logger
 
 __all__ = ["MANIFEST", "Entry", "Manifest", "checkpoint_name", "entry_for"]
@@ -19,7 +20,7 @@ __all__ = ["MANIFEST", "Entry", "Manifest", "checkpoint_name", "entry_for"]
 _log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
-_NAME = re.compile(r"^(?P<prefix>.+)-e(?P<epoch>\d+)-i(?P<iteration>\d+)\.pt$")
+_NAME = re.compile(r"^(?P<prefix>.+)-e(?P<epoch>\d+)-i(?P<iteration>\d+)\.(pt|dcp)$")
 
 
 class Manifest:
@@ -56,12 +57,13 @@ class Manifest:
     def rebuild(self) -> Manifest:
         """Reads the manifest and reconciles it with the files in the folder."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.folder.glob(f".{self.prefix}-*.tmp"):
-            stale.unlink(missing_ok=True)
+        for stale in self.folder.glob(f".{self.prefix}-*.tmp"):  # a file, or a sharded folder being written
+            remove(stale)
         for stale in self.folder.glob(f".{MANIFEST}.*.tmp"):
             stale.unlink(missing_ok=True)
-        known = {e.file: e for e in self._read() if file_in(self.folder, e.file).is_file()}
-        for path in sorted(self.folder.glob(f"{self.prefix}-e*-i*.pt")):
+        known = {e.file: e for e in self._read() if file_in(self.folder, e.file).exists()}
+        found = [*self.folder.glob(f"{self.prefix}-e*-i*.pt"), *self.folder.glob(f"{self.prefix}-e*-i*.dcp")]
+        for path in sorted(found):
             if path.name not in known:
                 found = self._entry_from_file(path)
                 if found is not None:
@@ -86,7 +88,7 @@ class Manifest:
             iteration=int(match.group("iteration")),
             score=meta.get("score"),
             saved_at=path.stat().st_mtime,
-            size=path.stat().st_size,
+            size=folder_size(path) if path.is_dir() else path.stat().st_size,
             sequence=sequence if isinstance(sequence, int) else None,
         )
 

@@ -341,3 +341,20 @@ class DataTracker:
         if n is None:
             self.counting = False
         self.current.samples = None if n is None else self.current.samples + n
+
+
+def step_attribute(engine: Any, name: str, default: Any) -> Any:
+    """An attribute of the trainer's step (``TrainStep``), or ``default`` for another process function."""
+    return getattr(getattr(engine, "_process_function", None), name, default)
+
+
+def trainer_position(engine: Any) -> Position:
+    """Where a trainer stands (with unison's Engine, right after ``terminate_epoch()`` too)."""
+    position = getattr(engine, "epoch_position", None)  # unison's Engine: right after terminate_epoch()
+    into = position[1] if isinstance(position, tuple) else None
+    return Position(engine.state.epoch, engine.state.iteration, engine.state.epoch_length, into)
+
+
+def trainer_layout(engine: Any) -> tuple[int | None, int]:
+    """The per-rank batch size of the training data and the accumulation steps."""
+    return fixed_batch_size(engine.state.dataloader), step_attribute(engine, "accumulation_steps", 1)

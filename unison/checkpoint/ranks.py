@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 
 from unison.checkpoint.manifest import Manifest
+from unison.checkpoint.sharded import local_view
+from unison.checkpoint.verify import Verdict, first_non_finite, vet
 from unison.distributed.primitives import broadcast_object, get_rank, get_world_size, is_distributed
 
 
@@ -64,3 +67,21 @@ def summed_over_ranks(per_rank: list[list[list[float]] | None]) -> list[list[flo
     if not per_rank or per_rank[0] is None:
         return None
     return [[sum(column) for column in zip(*rows, strict=True)] for rows in zip(*per_rank, strict=True)]
+
+
+def agreed_verdict(
+    state: dict[str, Any] | None, problem: Exception | None, shards: Mapping[str, Any] | None
+) -> tuple[dict[str, Any] | None, Verdict | None]:
+    """Collective: rank 0 checks what it collected (``verify.vet``), every rank the weights of its
+    own shards (when the checkpoint is sharded); every rank gets rank 0's verdict.
+
+    Returns:
+        The state with plain values (rank 0; None elsewhere), and None or the reason not
+        to write it, the same on every rank.
+    """
+    bad_shards = gather_on_first(first_non_finite(local_view(shards))) if shards is not None else None
+    state, verdict = vet(state, problem)
+    bad = next((b for b in bad_shards or [] if b), None)
+    if verdict is None and bad is not None:
+        verdict = Verdict("not finite", bad)
+    return state, broadcast_object(verdict)

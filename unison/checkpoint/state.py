@@ -304,10 +304,11 @@ def check_checkpoint(
         raise CheckpointError(
             f"Checkpoint {source} has format {meta.get('format')!r}; this unison reads {FORMAT}."
         )
-    missing = [name for name in names if name not in state["objects"]]
+    sharded = meta.get("sharded", [])
+    missing = [name for name in names if name not in state["objects"] and name not in sharded]
     if missing:
         raise CheckpointError(
-            f"Checkpoint {source} holds no state for {missing} (it has {sorted(state['objects'])}). "
+            f"Checkpoint {source} holds no state for {missing} (it has {sorted([*state['objects'], *sharded])}). "
             "Use the same to_save names as the run that wrote it."
         )
     if meta["world_size"] == world_size:

@@ -22,6 +22,7 @@ from unison.checkpoint.entry import file_in
 from unison.checkpoint.io import atomic_save
 from unison.checkpoint.manifest import Entry, Manifest
 from unison.checkpoint.retention import retain
+from unison.checkpoint.sharded import remove
 from unison.checkpoint.state import to_cpu_copy
 from unison.utils.logging import get_logger
 
@@ -102,6 +103,14 @@ class CheckpointWriter:
             err, self._error = self._error, None
             raise RuntimeError(f"Writing a checkpoint to {self.folder} failed: {err}") from err
 
+    def record(self, entry: Entry, path: Path) -> None:
+        """Records a checkpoint written elsewhere (a sharded folder, durable already), then rotates."""
+        self.wait()
+        entry.saved_at = time.time()
+        self._record(entry)
+        self.saved.append(path)
+        _log.info("Saved sharded checkpoint %s", path)
+
     def _write(self, state: dict[str, Any], path: Path, entry: Entry) -> None:
         try:
             self._save(state, path)
@@ -133,7 +142,7 @@ class CheckpointWriter:
         self.manifest.remove(set(plan.delete))
         self.manifest.write()  # durable before anything is deleted
         for name in plan.delete:
-            file_in(self.folder, name, source=str(self.manifest.path)).unlink(missing_ok=True)
+            remove(file_in(self.folder, name, source=str(self.manifest.path)))  # a file or a sharded folder
 
 
 def _disk_full_cause(err: BaseException) -> OSError | None:

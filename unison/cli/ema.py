@@ -10,13 +10,14 @@ the best checkpoint's average and tests it; predictions are made with it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from unison.checkpoint import load_model_state
+from unison.checkpoint import load_checkpoint
 from unison.checkpoint.attached import attached_states
+from unison.checkpoint.loading import load_states
 from unison.config import Config
 from unison.engine import Engine
 from unison.handlers import EMA
@@ -52,15 +53,20 @@ def evaluated_model(config: Config, model: nn.Module, ema: EMA | None) -> nn.Mod
     return ema.module if ema is not None and e is not None and e.evaluate else model
 
 
-def load_best_weights(
-    config: Config, model: nn.Module, ema: EMA | None, trainer: Engine, objects: Mapping[str, Any]
-) -> None:
-    """Loads a checkpoint's weights for testing: the model's, and the average's when it is evaluated."""
-    load_model_state(model, objects["model"])
-    if evaluated_model(config, model, ema) is model or ema is None:
-        return
-    name = next((n for n, obj in attached_states(trainer, []).items() if obj is ema), None)
-    if name is None or name not in objects:
-        _log.warning("the best checkpoint holds no EMA state: testing the average as training left it")
-        return
-    ema.load_state_dict(objects[name])
+def load_best_weights(config: Config, model: nn.Module, ema: EMA | None, trainer: Engine, path: str) -> None:
+    """Loads a checkpoint's weights for testing: the model's, and the average's when it is evaluated.
+
+    Either kind of checkpoint: a file, or a sharded folder (read at this run's world size).
+
+    Distributed:
+        Collective: call on every rank.
+    """
+    state = load_checkpoint(path)
+    objects: dict[str, Any] = {"model": model}
+    if evaluated_model(config, model, ema) is not model and ema is not None:
+        name = next((n for n, obj in attached_states(trainer, []).items() if obj is ema), None)
+        if name is None or (name not in state["objects"] and name not in state["meta"].get("sharded", [])):
+            _log.warning("the best checkpoint holds no EMA state: testing the average as training left it")
+        else:
+            objects[name] = ema
+    load_states(objects, state, Path(path), {"model": model})

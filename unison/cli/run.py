@@ -309,14 +309,12 @@ def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> di
     Distributed:
         Collective: call on every rank.
     """
-    from unison.checkpoint import load_checkpoint
-
     checkpoint, model = parts.checkpoint, parts.model
     if config.testing.use_best and checkpoint is not None:
         best = checkpoint.best if get_rank() == 0 else None
         path = broadcast_object(None if best is None else str(checkpoint.folder / best.file))
         if path is not None:
-            load_best_weights(config, model, parts.ema, parts.trainer, load_checkpoint(path)["objects"])
+            load_best_weights(config, model, parts.ema, parts.trainer, path)
             _log.info("testing the best checkpoint %s", path)
     metrics = make_metrics(resolved)
     amp = config.training.amp

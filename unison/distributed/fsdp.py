@@ -54,7 +54,9 @@ class FSDPOptions:
     cpu_offload: bool = False
 
     @classmethod
-    def of(cls, value: FSDPOptions | Mapping[str, Any] | None, who: str = "prepare_model(fsdp=...)") -> FSDPOptions:
+    def of(
+        cls, value: FSDPOptions | Mapping[str, Any] | None, who: str = "prepare_model(fsdp=...)"
+    ) -> FSDPOptions:
         """Options from an instance, a mapping of the same keys, or None (the defaults).
 
         Raises:
@@ -65,7 +67,9 @@ class FSDPOptions:
         if isinstance(value, cls):
             options = value
         elif isinstance(value, Mapping):
-            unknown = sorted(set(value) - {"shard", "reshard_after_forward", "param_dtype", "reduce_dtype", "cpu_offload"})
+            unknown = sorted(
+                set(value) - {"shard", "reshard_after_forward", "param_dtype", "reduce_dtype", "cpu_offload"}
+            )
             if unknown:
                 raise ValueError(
                     f"{who}: unknown key(s) {unknown}; expected shard, reshard_after_forward, param_dtype, "
@@ -75,7 +79,10 @@ class FSDPOptions:
         else:
             raise TypeError(f"{who}: expected FSDPOptions or a mapping, got {type(value).__name__}.")
         shard = options.shard
-        if not (shard == "auto" or (isinstance(shard, (list, tuple)) and shard and all(isinstance(s, str) for s in shard))):
+        if not (
+            shard == "auto"
+            or (isinstance(shard, (list, tuple)) and shard and all(isinstance(s, str) for s in shard))
+        ):
             raise ValueError(
                 f"{who}: shard={shard!r}; expected 'auto' (the repeated blocks) or a non-empty list of class names "
                 "such as ['TransformerEncoderLayer']."
@@ -83,7 +90,9 @@ class FSDPOptions:
         for key in ("param_dtype", "reduce_dtype"):
             name = getattr(options, key)
             if name is not None and _DTYPE_ALIASES.get(name, name) not in _DTYPES:
-                raise ValueError(f"{who}: {key}={name!r}; expected one of {sorted(_DTYPES)} (or bf16/fp16/fp32) or null.")
+                raise ValueError(
+                    f"{who}: {key}={name!r}; expected one of {sorted(_DTYPES)} (or bf16/fp16/fp32) or null."
+                )
         for key in ("reshard_after_forward", "cpu_offload"):
             if not isinstance(getattr(options, key), bool):
                 raise ValueError(f"{who}: {key}={getattr(options, key)!r}; expected true or false.")

@@ -10,36 +10,38 @@ from typing import Any, Literal
 
 from ignite.engine import Engine, Events
 
-from unison.checkpoint.attached import attached_states, load_attached
+from unison.checkpoint.attached import attached_states
 from unison.checkpoint.io import load_checkpoint
+from unison.checkpoint.loading import load_states
 from unison.checkpoint.manifest import Entry, Manifest, entry_for
 from unison.checkpoint.position import (
     DataTracker,
     PositionUnknown,
     fit_to_data,
-    fixed_batch_size,
     load_sampler,
     rank_view,
     sampler_state,
+    step_attribute,
+    trainer_layout,
+    trainer_position,
 )
-from unison.checkpoint.ranks import choose, gather_on_first, open_folder, summed_over_ranks
+from unison.checkpoint.ranks import agreed_verdict, choose, gather_on_first, open_folder, summed_over_ranks
 from unison.checkpoint.retention import best_entry
+from unison.checkpoint.sharded import dcp_states, save_sharded, sharded_names
 from unison.checkpoint.state import (
-    Position,
     build_checkpoint,
     capture_rng,
     check_checkpoint,
     check_options,
     check_to_save,
     checkpoint_meta,
-    load_object_states,
     object_states,
     restore_rng,
     rng_of_rank,
 )
-from unison.checkpoint.verify import raise_refusal, skip_message, to_plain, vet
+from unison.checkpoint.verify import raise_refusal, skip_message, to_plain
 from unison.checkpoint.writer import CheckpointWriter
-from unison.distributed.primitives import broadcast_object, get_rank, get_world_size
+from unison.distributed.primitives import get_rank, get_world_size
 from unison.distributed.sync import require_sync_point
 from unison.utils.logging import get_logger
 
@@ -120,7 +122,7 @@ class Checkpoint:
         self._agreed = require_sync_point(trainer, "Checkpoint(trainer=...)")
         self.folder = Path(dirname)
         self.to_save = dict(to_save)
-        scaler = _step_attribute(trainer, "scaler", None)
+        scaler = step_attribute(trainer, "scaler", None)
         if scaler is not None and not any(obj is scaler for obj in self.to_save.values()):
             # fp16 training made its own GradScaler: without its scale, a resume is not exact.
             self.to_save["grad_scaler"] = scaler
@@ -161,7 +163,7 @@ class Checkpoint:
             raise ValueError("Checkpoint.attach: attach to the trainer given to the constructor.")
         if trainer.has_event_handler(self._on_started, Events.STARTED):
             return
-        k = _step_attribute(trainer, "accumulation_steps", 1)
+        k = step_attribute(trainer, "accumulation_steps", 1)
         trainer.add_event_handler(Events.STARTED, self._on_started)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
         trainer.add_event_handler(Events.DATALOADER_STOP_ITERATION, self._on_data_ran_out)
@@ -214,10 +216,16 @@ class Checkpoint:
         value = (self.metric_engine or self.trainer).state.metrics.get(self.metric)
         return None if value is None else float(value)
 
-    def collect(self, engine: Engine) -> dict[str, Any] | None:
+    def _objects(self, engine: Engine) -> dict[str, Any]:
+        """Every object a checkpoint holds: the handlers attached to the trainer, then ``to_save``."""
+        return {**attached_states(engine, [self, *self.to_save.values()]), **self.to_save}
+
+    def collect(self, engine: Engine, *, sharded: list[str] | None = None) -> dict[str, Any] | None:
         """Collective: call on every rank. The full checkpoint on rank 0; None elsewhere.
 
-        Its ``meta`` gets its save sequence when :meth:`save` writes it.
+        Its ``meta`` gets its save sequence when :meth:`save` writes it. The objects named
+        in ``sharded`` are left out (each rank writes their shards) and listed in
+        ``meta["sharded"]``.
         """
         pass_, iteration = self.data.current, engine.state.iteration
         partial = getattr(engine, "partial_sums", lambda: None)()  # the epoch's loss sums so far
@@ -233,9 +241,9 @@ class Checkpoint:
             if partials is not None:
                 trainer["unison"]["partials"] = partials
             trainer["unison"]["stop_by_rank"] = [s for _, _, (_, s) in everyone]
-        batch_size, steps = _layout(engine)
+        batch_size, steps = trainer_layout(engine)
         meta = checkpoint_meta(
-            _position(engine),
+            trainer_position(engine),
             world_size=get_world_size(),
             batch_size=batch_size,
             accumulation_steps=steps,
@@ -244,12 +252,16 @@ class Checkpoint:
             saved_at=time.time(),
         )
         by_rank = [consumed for _, consumed, _ in everyone]
+        if sharded:
+            meta["sharded"] = list(sharded)
         return build_checkpoint(
             meta=meta,
             trainer=trainer,
             sampler=sampler_state(engine.state.dataloader, pass_, iteration, by_rank),
             rng=[rng for rng, _, _ in everyone],
-            objects=object_states({**attached_states(engine, [self, *self.to_save.values()]), **self.to_save}),
+            objects=object_states(
+                {n: o for n, o in self._objects(engine).items() if n not in (sharded or ())}
+            ),
             config=self.config,
         )
 
@@ -269,36 +281,48 @@ class Checkpoint:
         if engine.state.iteration == self._last_saved_iteration:
             return self.saved[-1] if self.saved else None  # this iteration is already on disk
         start = time.perf_counter()
+        names = sharded_names(self._objects(engine))  # the same on every rank
+        shards = dcp_states(self._objects(engine), names) if names else None
         try:
-            state, problem = self.collect(engine), None
+            state, problem = (self.collect(engine, sharded=names) if names else self.collect(engine)), None
         except PositionUnknown as err:  # rank 0 only, after the collective: shared below
             state, problem = None, err
-        state = self._vetted(state, problem)
+        state, write = self._vetted(state, problem, shards)
         self._last_saved_iteration = engine.state.iteration
-        if state is None:
+        if not write:
             return None
         self.writer.wait()  # at most one write in flight; the manifest is up to date after it
-        state["meta"]["sequence"] = self.manifest.next_sequence()
-        entry = entry_for(state["meta"], self.manifest.prefix)
-        path = self.folder / entry.file
-        self.writer.write(state, path, entry)
-        self.stall_seconds.append(time.perf_counter() - start)
+        entry = None
+        if state is not None:
+            state["meta"]["sequence"] = self.manifest.next_sequence()
+            entry = entry_for(state["meta"], self.manifest.prefix, sharded=bool(names))
+        if shards is not None:  # every rank writes its shards; rank 0 the rest, then records
+            name = entry_for(trainer_position(engine)._asdict(), self.manifest.prefix, sharded=True).file
+            path = save_sharded(self.writer, name, state, shards, entry)
+        elif state is None or entry is None:
+            return None
+        else:
+            path = self.folder / entry.file
+            self.writer.write(state, path, entry)
+        if path is not None:
+            self.stall_seconds.append(time.perf_counter() - start)
         return path
 
-    def _vetted(self, state: dict[str, Any] | None, problem: Exception | None) -> dict[str, Any] | None:
-        """Collective: rank 0 checks what it collected (``verify.vet``); every rank acts on its verdict.
+    def _vetted(
+        self, state: dict[str, Any] | None, problem: Exception | None, shards: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """Collective: every rank acts on rank 0's verdict (``ranks.agreed_verdict``).
 
-        Returns the state to write (rank 0), or None: another rank, or weights that are not
-        finite. Raises rank 0's refusal on every rank.
+        Returns the state to write (rank 0; None elsewhere) and whether to write: False for
+        weights that are not finite. Raises rank 0's refusal on every rank.
         """
-        state, verdict = vet(state, problem)
-        verdict = broadcast_object(verdict)
+        state, verdict = agreed_verdict(state, problem, shards)
         if verdict is None:
-            return state
+            return state, True
         raise_refusal(verdict)
         if get_rank() == 0:
             _log.warning(skip_message(verdict, self.manifest, self.trainer.state.iteration))
-        return None
+        return None, False
 
     def wait(self) -> None:
         """Blocks until an asynchronous write has finished; re-raises its error."""
@@ -334,8 +358,7 @@ class Checkpoint:
         if change is not None:
             _log.warning("%s", change)
         meta = state["meta"]
-        load_object_states(self.to_save, state["objects"])
-        load_attached(attached_states(self.trainer, [self, *self.to_save.values()]), state["objects"])
+        load_states(self._objects(self.trainer), state, Path(choice), self.to_save)
         self.trainer.load_state_dict(state["trainer"])
         self._pending_rng = rng_of_rank(state["rng"], get_rank())
         self._pending_resume = state
@@ -347,8 +370,10 @@ class Checkpoint:
         state, self._pending_resume = self._pending_resume, None
         saved = rank_view(None if state is None else state.get("sampler"), get_rank())
         if state is not None:  # the data decides the epoch length, not the checkpoint
-            batch_size, steps = _layout(engine)
-            saved = fit_to_data(engine, _position(engine), state["meta"], saved, layout=(batch_size, steps))
+            batch_size, steps = trainer_layout(engine)
+            saved = fit_to_data(
+                engine, trainer_position(engine), state["meta"], saved, layout=(batch_size, steps)
+            )
             self._last_saved_iteration = engine.state.iteration  # that position is on disk
         self.data.run_started(engine.state.dataloader, engine.state.iteration, saved)
         if self.data.counting and not engine.has_event_handler(self._count_batch, Events.GET_BATCH_COMPLETED):
@@ -387,19 +412,3 @@ class Checkpoint:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Rotation is rebuilt from the folder, which is the truth; nothing to load."""
-
-
-def _step_attribute(engine: Engine, name: str, default: Any) -> Any:
-    """An attribute of the trainer's step (``TrainStep``), or ``default`` for another process function."""
-    return getattr(getattr(engine, "_process_function", None), name, default)
-
-
-def _position(engine: Engine) -> Position:
-    position = getattr(engine, "epoch_position", None)  # unison's Engine: right after terminate_epoch()
-    into = position[1] if isinstance(position, tuple) else None
-    return Position(engine.state.epoch, engine.state.iteration, engine.state.epoch_length, into)
-
-
-def _layout(engine: Engine) -> tuple[int | None, int]:
-    """The per-rank batch size of the training data and the accumulation steps."""
-    return fixed_batch_size(engine.state.dataloader), _step_attribute(engine, "accumulation_steps", 1)

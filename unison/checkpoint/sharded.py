@@ -1,0 +1,350 @@
+"""Sharded checkpoints: every rank writes its own shards through torch's Distributed Checkpoint.
+
+A sharded checkpoint is a folder, ``<prefix>-eEEEE-iIIIIIIIII.dcp/``, holding:
+
+- a Distributed Checkpoint (DCP: ``.metadata`` and ``__<rank>_<n>.distcp`` files) of the
+  states that are sharded: ``{name: state}`` for the models sharded with ``fully_shard``,
+  their optimizers, and any object whose state holds DTensors (an EMA of a sharded model);
+- ``rest.pt``: the rest of the checkpoint, the same dict as a single-file checkpoint
+  (meta, trainer, sampler position, every rank's generators, the other objects, the
+  config), whose ``meta["sharded"]`` names the states in the DCP. It loads with
+  ``torch.load(weights_only=True)``;
+- ``checksums.json``: the CRC-32 and size of every file, checked before a resume.
+
+The folder is written under a temporary name, every file fsynced, then renamed and its
+parent fsynced: a crash at any point leaves no folder that a resume could pick.
+
+DCP stores each tensor by its key and its place in the whole tensor, so a checkpoint
+written at N ranks loads at M: each rank reads the pieces of its new shards. Models and
+optimizers go through torch's ``get_state_dict``/``set_state_dict``, whose keys are the
+plain module's (no ``module.`` or ``_orig_mod.``): a DDP run loads a sharded checkpoint,
+and a sharded run loads a single-file one (:func:`load_full_states`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from unison.checkpoint.io import CheckpointError, atomic_save, atomic_write_json, fsync_dir, is_complete
+from unison.distributed.fsdp import is_dtensor, is_sharded
+from unison.distributed.model import unwrap_model
+
+SUFFIX = ".dcp"
+"""The name ending of a sharded checkpoint folder."""
+REST = "rest.pt"
+CHECKSUMS = "checksums.json"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a sharded checkpoint folder (by its name; see :func:`sharded_complete`)."""
+    return Path(path).suffix == SUFFIX
+
+
+# --- which states are sharded -----------------------------------------------------------------
+
+
+def _holds_dtensor(state: Any) -> bool:
+    if isinstance(state, torch.Tensor):
+        return is_dtensor(state)
+    if isinstance(state, Mapping):
+        return any(_holds_dtensor(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_holds_dtensor(v) for v in state)
+    return False
+
+
+def _model_of(optimizer: torch.optim.Optimizer, to_save: Mapping[str, Any]) -> nn.Module:
+    """The model of ``to_save`` whose parameters ``optimizer`` updates."""
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    for obj in to_save.values():
+        if isinstance(obj, nn.Module) and any(p is first for p in obj.parameters()):
+            return unwrap_model(obj)
+    raise CheckpointError(
+        "A sharded checkpoint saves an optimizer through its model, and no model in to_save holds the "
+        "optimizer's parameters: add the model to to_save (Checkpoint(to_save={'model': model, ...}))."
+    )
+
+
+def sharded_names(to_save: Mapping[str, Any]) -> list[str]:
+    """The names of ``to_save`` whose states are sharded: sharded models, their optimizers, and
+    objects whose ``state_dict()`` holds DTensors. Empty when nothing is sharded."""
+    if not any(isinstance(o, nn.Module) and is_sharded(unwrap_model(o)) for o in to_save.values()):
+        return []
+    names = []
+    for name, obj in to_save.items():
+        if isinstance(obj, nn.Module):
+            if is_sharded(unwrap_model(obj)):
+                names.append(name)
+        elif isinstance(obj, torch.optim.Optimizer):
+            if any(is_dtensor(p) for group in obj.param_groups for p in group["params"]):
+                names.append(name)
+        elif _holds_dtensor(obj.state_dict()):
+            names.append(name)
+    return names
+
+
+def dcp_states(to_save: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """The states of ``names`` as DCP saves and loads them (models and optimizers keyed by
+    parameter name, through torch's ``get_model_state_dict``/``get_optimizer_state_dict``).
+
+    Collective for optimizers of sharded models with no state yet (torch initialises it):
+    call on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    states: dict[str, Any] = {}
+    for name in names:
+        obj = to_save[name]
+        if isinstance(obj, nn.Module):
+            states[name] = get_model_state_dict(unwrap_model(obj))
+        elif isinstance(obj, torch.optim.Optimizer):
+            states[name] = get_optimizer_state_dict(_model_of(obj, to_save), obj)
+        else:
+            states[name] = obj.state_dict()
+    return states
+
+
+def local_view(state: Any) -> Any:
+    """``state`` with every DTensor replaced by this rank's shard (checks that issue no collective)."""
+    if isinstance(state, torch.Tensor):
+        return state.to_local() if is_dtensor(state) else state  # type: ignore[attr-defined]
+    if isinstance(state, Mapping):
+        return {k: local_view(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [local_view(v) for v in state]
+    return state
+
+
+def load_dcp_states(folder: Path, to_save: Mapping[str, Any], names: list[str]) -> None:
+    """Collective: loads the DCP of ``folder`` into the objects ``names`` of ``to_save``, on every rank.
+
+    Works at any world size and for sharded or plain models alike: DCP reads the pieces
+    each rank's tensors need.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    states = dcp_states(to_save, names)
+    dcp.load(states, checkpoint_id=str(folder), no_dist=not torch.distributed.is_initialized())
+    for name in names:
+        obj = to_save[name]
+        if isinstance(obj, nn.Module):
+            set_model_state_dict(unwrap_model(obj), states[name])
+        elif isinstance(obj, torch.optim.Optimizer):
+            set_optimizer_state_dict(_model_of(obj, to_save), obj, states[name])
+        else:
+            obj.load_state_dict(states[name])
+
+
+def load_full_states(to_save: Mapping[str, Any], states: Mapping[str, Any], names: list[str]) -> None:
+    """Loads whole (unsharded) states, as a single-file checkpoint holds them, into sharded objects.
+
+    A model's weights are cut into this rank's shards; an optimizer's ``state_dict()``
+    (keyed by parameter index) is re-keyed by parameter name in the optimizer's order.
+    Collective: call on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    for name in names:
+        obj, state = to_save[name], states[name]
+        if isinstance(obj, nn.Module):
+            if state and all(k.startswith("module.") for k in state):
+                state = {k[len("module.") :]: v for k, v in state.items()}
+            set_model_state_dict(unwrap_model(obj), dict(state), options=full)
+        elif isinstance(obj, torch.optim.Optimizer):
+            model = _model_of(obj, to_save)
+            set_optimizer_state_dict(model, obj, _by_name(obj, model, state), options=full)
+        else:
+            obj.load_state_dict(state)
+
+
+def _by_name(optimizer: torch.optim.Optimizer, model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict()`` keyed by parameter index, re-keyed by parameter name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved_ids = [i for group in state["param_groups"] for i in group["params"]]
+    if len(saved_ids) != len(order):
+        raise CheckpointError(
+            f"The checkpoint's optimizer has {len(saved_ids)} parameters and this run's has {len(order)}: "
+            "they are not the same model."
+        )
+    fqn = dict(zip(saved_ids, order, strict=True))
+    groups = [{**g, "params": [fqn[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {fqn[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def temp_folder(final: Path) -> Path:
+    """Where a sharded checkpoint is written before its rename: a hidden sibling of ``final``."""
+    return final.with_name(f".{final.name}.tmp")
+
+
+def write_shards(states: Mapping[str, Any], tmp: Path) -> dict[str, tuple[int, int]]:
+    """Collective: every rank writes its shards of ``states`` into ``tmp`` (fsynced).
+
+    Returns:
+        ``{file name: (size, crc32)}`` of the files this rank wrote (rank 0 also writes
+        ``.metadata``, after every rank's files are written).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    before = set(os.listdir(tmp)) if tmp.exists() else set()
+    dcp.save(dict(states), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = [
+        n
+        for n in os.listdir(tmp)
+        if n not in before and (n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata"))
+    ]
+    return {name: file_checksum(tmp / name) for name in sorted(mine)}
+
+
+def file_checksum(path: Path) -> tuple[int, int]:
+    """``(size, crc32)`` of a file, read in 1 MiB blocks."""
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return size, crc
+
+
+def finish_folder(
+    tmp: Path, final: Path, rest: Mapping[str, Any], checksums: Mapping[str, tuple[int, int]]
+) -> int:
+    """Rank 0, after every rank's shards are durable: writes ``rest.pt`` and the checksums,
+    fsyncs the folder, renames it to ``final`` and fsyncs the parent. Returns the folder's size."""
+    atomic_save(dict(rest), tmp / REST)
+    sums = dict(checksums)
+    sums[REST] = file_checksum(tmp / REST)
+    atomic_write_json(
+        {"files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(sums.items())}}, tmp / CHECKSUMS
+    )
+    fsync_dir(tmp)
+    if final.exists():  # the same position saved again (a resumed run): the new one replaces it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return folder_size(final)
+
+
+def folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def remove(path: Path) -> None:
+    """Deletes a checkpoint: a file, or a sharded checkpoint's folder."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def save_sharded(
+    writer: Any, name: str, rest: dict[str, Any] | None, states: Mapping[str, Any], entry: Any
+) -> Path | None:
+    """Collective: writes a sharded checkpoint folder ``name`` and records it (rank 0).
+
+    Every rank writes its shards into a temporary folder; rank 0 then writes the rest,
+    the checksums of every rank's files, renames the folder and records ``entry`` in the
+    manifest (rotation follows, as for files).
+
+    Args:
+        writer: the :class:`~unison.checkpoint.writer.CheckpointWriter` (rank 0's records it).
+        name: the folder's name, the same on every rank.
+        rest: the checkpoint's other parts (rank 0); None elsewhere.
+        states: this rank's sharded states (:func:`dcp_states`).
+        entry: the manifest entry (rank 0); None elsewhere.
+
+    Returns:
+        The folder on rank 0; None on other ranks.
+    """
+    from unison.checkpoint.entry import file_in
+    from unison.checkpoint.ranks import gather_on_first
+    from unison.distributed.primitives import barrier, get_rank
+
+    final = file_in(writer.folder, name)
+    tmp = temp_folder(final)
+    if get_rank() == 0:
+        remove(tmp)
+        tmp.mkdir(parents=True)
+    barrier()  # the folder exists before any rank writes into it
+    everyone = gather_on_first(write_shards(states, tmp))
+    if everyone is None:
+        return None
+    checksums = {n: v for mine in everyone for n, v in mine.items()}
+    entry.size = finish_folder(tmp, final, rest or {}, checksums)
+    writer.record(entry, final)
+    return final
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def sharded_problem(folder: Path, *, checksums: bool = True) -> str | None:
+    """What is wrong with a sharded checkpoint folder, or None when it is whole.
+
+    Checks that ``rest.pt`` is whole, that ``.metadata`` loads and every file it names is
+    present and long enough, and (``checksums``) every file's size and CRC-32.
+    """
+    if not folder.is_dir():
+        return "it is not a folder"
+    listed = folder / CHECKSUMS
+    if not listed.is_file():
+        return f"{CHECKSUMS} is missing (the save did not finish)"
+    try:
+        recorded = json.loads(listed.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{CHECKSUMS} is unreadable ({err})"
+    for name, want in recorded.items():
+        path = folder / name
+        if Path(name).name != name or not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["size"]:
+            return f"{name} has {path.stat().st_size} bytes, {want['size']} were written"
+        if checksums and file_checksum(path)[1] != want["crc32"]:
+            return f"{name} is corrupt (its CRC-32 differs from the one recorded)"
+    if not is_complete(folder / REST):
+        return f"{REST} is truncated or corrupt"
+    return _metadata_problem(folder)
+
+
+def _metadata_problem(folder: Path) -> str | None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as err:  # a damaged pickle raises anything
+        return f".metadata does not load ({type(err).__name__}: {err})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in needed.items():
+        path = folder / name
+        if Path(name).name != name or not path.is_file():
+            return f"{name}, named in .metadata, is missing"
+        if path.stat().st_size < end:
+            return f"{name} is truncated ({path.stat().st_size} of {end} bytes)"
+    return None
+
+
+def sharded_complete(folder: str | os.PathLike[str]) -> bool:
+    """Whether a sharded checkpoint folder is whole (:func:`sharded_problem` finds nothing)."""
+    return sharded_problem(Path(folder)) is None
