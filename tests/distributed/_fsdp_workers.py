@@ -37,10 +37,10 @@ def evaluate_uneven(strategy: str, samples: int) -> tuple[dict[str, float], torc
 
     model = prepare_model(make_mlp(), strategy=strategy)
     gen = torch.Generator().manual_seed(7)
-    data = TensorDataset(torch.randn(samples, 8, generator=gen), torch.randint(0, 3, (samples,), generator=gen))
-    loader = DataLoader(data, batch_size=2, sampler=EvalSampler(data))
-    evaluator = create_evaluator(
-        model, {"acc": Accuracy(), "loss": Loss(nn.functional.cross_entropy)}
+    data = TensorDataset(
+        torch.randn(samples, 8, generator=gen), torch.randint(0, 3, (samples,), generator=gen)
     )
+    loader = DataLoader(data, batch_size=2, sampler=EvalSampler(data))
+    evaluator = create_evaluator(model, {"acc": Accuracy(), "loss": Loss(nn.functional.cross_entropy)})
     metrics = dict(evaluator.run(loader).metrics)
     return metrics, predict(model, data, batch_size=2)

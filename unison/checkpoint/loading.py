@@ -39,7 +39,7 @@ def load_states(
         for n, o in objects.items()
         if n.startswith(PREFIX) and n not in to_save and n not in in_shards and n not in sharded_now
     }
-    load_attached(attached, saved)
+    load_attached(attached, {n: v for n, v in saved.items() if n not in whole_into_shards})
     if whole_into_shards:
         load_full_states(objects, saved, whole_into_shards)
     if in_shards:

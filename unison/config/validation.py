@@ -215,7 +215,22 @@ def _check_training_extras(config: Config, raw: RawConfig) -> None:
                 e.warmup < 0,
                 f"must be >= 0 (updates that copy the weights before averaging), got {e.warmup!r}",
             ),
+            (
+                ("training", "ema", "evaluate"),
+                e.evaluate and config.parallel.strategy == "fsdp",
+                "is true with parallel.strategy: fsdp, where the average is kept as each rank's shards (it is "
+                "saved, resumed and exported with `unison export --ema`, not evaluated during the run); set "
+                "`evaluate: false`",
+            ),
         ]
+    if t.profile is not None:
+        for key, least in (("wait", 0), ("warmup", 0), ("active", 1), ("repeat", 1)):
+            value = getattr(t.profile, key)
+            what = (
+                "iterations recorded" if key == "active" else "windows" if key == "repeat" else "iterations"
+            )
+            message = f"must be >= {least} ({what}), got {value!r}; leave it out for the default"
+            checks.append((("training", "profile", key), value < least, message))
     if not isinstance(t.lr_scaling, str):
         ls = t.lr_scaling
         ref = ls.reference_batch_size

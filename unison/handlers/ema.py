@@ -42,6 +42,7 @@ from ignite.engine import Engine
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from unison.distributed.fsdp import is_dtensor, is_sharded
 from unison.distributed.model import unwrap_model
 from unison.engine.events import UpdateEvents
 
@@ -124,17 +125,32 @@ class EMA:
         self.decay = float(decay)
         self.every = every
         self.warmup = warmup
-        self.averaged = AveragedModel(self.model, use_buffers=True)  # the copy and its counter
         self._update = _ema_update(self.decay)
-        for p in self.averaged.parameters():
-            p.requires_grad_(False)
-        self.averaged.eval()
+        self.shards: ShardedAverage | None = ShardedAverage(self.model) if is_sharded(self.model) else None
+        """Under FSDP: the average of this rank's shards (a sharded model cannot be copied whole)."""
+        self.averaged = (
+            self.shards if self.shards is not None else AveragedModel(self.model, use_buffers=True)
+        )
+        if self.shards is None:
+            for p in self.averaged.parameters():
+                p.requires_grad_(False)
+            self.averaged.eval()
         self.updates = 0
         """Optimizer updates seen (saved and resumed)."""
 
     @property
     def module(self) -> nn.Module:
-        """The averaged model: the model's class, with the averaged weights, in eval mode."""
+        """The averaged model: the model's class, with the averaged weights, in eval mode.
+
+        Raises:
+            RuntimeError: under FSDP, where the average is kept as shards (see :class:`ShardedAverage`).
+        """
+        if self.shards is not None:
+            raise RuntimeError(
+                "EMA.module: the model is sharded with FSDP, so its average is kept as this rank's shards, not as a "
+                "whole model. Save it (Checkpoint) and export it (unison export --ema), or evaluate the trained "
+                "weights (training.ema.evaluate: false)."
+            )
         return self.averaged.module
 
     def __call__(self, engine: Engine | None = None) -> None:
@@ -150,8 +166,11 @@ class EMA:
     def _step(self) -> None:
         """What ``AveragedModel.update_parameters`` does, without copying its (CPU) counter to the
         model's device at every update: from pageable memory that copy waits for the GPU."""
-        averaged = list(itertools.chain(self.module.parameters(), self.module.buffers()))
-        current = [t.detach() for t in itertools.chain(self.model.parameters(), self.model.buffers())]
+        if self.shards is not None:
+            averaged, current = self.shards.tensors, self.shards.current()
+        else:
+            averaged = list(itertools.chain(self.module.parameters(), self.module.buffers()))
+            current = [t.detach() for t in itertools.chain(self.model.parameters(), self.model.buffers())]
         if int(self.averaged.n_averaged) == 0:  # the counter lives on the CPU: no device sync
             torch._foreach_copy_(averaged, current)
         else:
@@ -178,7 +197,7 @@ class EMA:
     def state_dict(self) -> dict[str, Any]:
         """The averaged weights (the model's own keys), how many updates they average, the counter."""
         return {
-            "weights": self.module.state_dict(),
+            "weights": self.shards.state() if self.shards is not None else self.module.state_dict(),
             "n_averaged": int(self.averaged.n_averaged),
             "updates": self.updates,
         }
@@ -192,6 +211,65 @@ class EMA:
         missing = {"weights", "n_averaged", "updates"} - set(state)
         if missing:
             raise KeyError(f"EMA.load_state_dict: the state has no {sorted(missing)}; is it an EMA's state?")
-        self.module.load_state_dict(state["weights"])
+        if self.shards is not None:
+            self.shards.load(state["weights"])
+        else:
+            self.module.load_state_dict(state["weights"])
         self.averaged.n_averaged.fill_(int(state["n_averaged"]))
         self.updates = int(state["updates"])
+
+
+class ShardedAverage:
+    """The average of a sharded (FSDP) model: a copy of this rank's shard of each parameter and of
+    each buffer, updated with no collective. Saved as DTensors of the parameters' layout, so a
+    checkpoint holds it sharded and resumes it at any world size."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names = [n for n, _ in itertools.chain(model.named_parameters(), model.named_buffers())]
+        self.tensors = [t.detach().clone() for t in self.current()]
+        self.n_averaged = torch.zeros((), dtype=torch.long)
+
+    def current(self) -> list[torch.Tensor]:
+        """This rank's shards of the model's parameters, and its buffers."""
+        return [_local(t).detach() for t in itertools.chain(self.model.parameters(), self.model.buffers())]
+
+    def _live(self) -> list[torch.Tensor]:
+        return list(itertools.chain(self.model.parameters(), self.model.buffers()))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The averaged weights under the model's own keys, as DTensors where the model has them."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        for name, live, mine in zip(self.names, self._live(), self.tensors, strict=True):
+            if is_dtensor(live):
+                out[name] = DTensor.from_local(
+                    mine,
+                    live.device_mesh,
+                    live.placements,
+                    shape=live.shape,
+                    stride=live.stride(),  # type: ignore[attr-defined]
+                )
+            else:
+                out[name] = mine
+        return out
+
+    @torch.no_grad()
+    def load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Loads averaged weights: sharded (DTensors, any world size) or whole (cut into this
+        rank's shards; a collective then, as every rank loads together)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        missing = sorted(set(self.names) - set(weights))
+        if missing:
+            raise KeyError(f"EMA.load_state_dict: the averaged weights lack {missing[:5]}")
+        for name, live, mine in zip(self.names, self._live(), self.tensors, strict=True):
+            value = weights[name]
+            if is_dtensor(live) and not is_dtensor(value):
+                value = distribute_tensor(value.to(live.device), live.device_mesh, live.placements)  # type: ignore[attr-defined]
+            mine.copy_(_local(value))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]

@@ -1,0 +1,87 @@
+"""Rank functions of tests/distributed/test_sharded_checkpoint.py.
+
+One small training job (an MLP, AdamW, a StepLR schedule, an EMA of the weights, a
+resumable sampler) under DDP or FSDP2, which can stop after a given iteration (every rank
+together) and resume from its checkpoint folder at any world size. Each run reports the
+whole weights, the average, the learning rate and the samples it trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from _ddp_workers import make_mlp
+from ignite.engine import Events
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from unison.distributed import get_rank, prepare_loaders, prepare_model
+from unison.distributed.fsdp import full_model_state, global_value
+from unison.engine import create_trainer
+from unison.handlers import EMA, Checkpoint
+
+SAMPLES = 30
+BATCH = 2
+
+
+def dataset() -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(SAMPLES, 8, generator=gen)
+    x[:, 0] = torch.arange(SAMPLES, dtype=torch.float32)  # the sample's index, read back from batches
+    return TensorDataset(x, torch.randint(0, 3, (SAMPLES,), generator=gen))
+
+
+def _ema_weights(ema: EMA) -> dict[str, torch.Tensor]:
+    if ema.shards is not None:
+        return {k: global_value(v).clone() for k, v in ema.shards.state().items()}
+    return {k: v.clone() for k, v in ema.module.state_dict().items()}
+
+
+def job(
+    folder: str, strategy: str, epochs: int, *, stop_after: int | None = None, resume: bool = False
+) -> dict[str, Any]:
+    """Trains (or resumes and trains) until ``epochs`` or until ``stop_after`` iterations in all."""
+    model = prepare_model(make_mlp(), strategy=strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    loader, _ = prepare_loaders(dataset(), None, batch_size=BATCH, seed=5)
+    trainer = create_trainer(model, optimizer, nn.functional.cross_entropy, sync_every=1)  # stops act at once
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: schedule.step())
+    ema = EMA(model, decay=0.8)
+    ema.attach(trainer)
+    checkpoint = Checkpoint(
+        folder,
+        {"model": model, "optimizer": optimizer, "scheduler": schedule},
+        trainer,
+        every_iters=4,
+        keep_last=3,
+    )
+    checkpoint.attach()
+    seen: list[tuple[int, int]] = []  # (epoch, sample index)
+    at_start: dict[str, Any] = {}
+
+    @trainer.on(Events.STARTED)
+    def _loaded(_: Any) -> None:  # what the resume put back, before any step
+        params = {k: v.clone() for k, v in full_model_state(model).items()}  # DDP's are the live tensors
+        at_start.update(params=params, ema=_ema_weights(ema), lr=optimizer.param_groups[0]["lr"])
+
+    @trainer.on(Events.ITERATION_COMPLETED)
+    def _record(engine: Any) -> None:
+        seen.extend((engine.state.epoch, int(i)) for i in engine.state.batch[0][:, 0].tolist())
+        if stop_after is not None and engine.state.iteration == stop_after:
+            engine.terminate()  # every rank at the same iteration
+
+    if resume:
+        checkpoint.resume("auto")
+    trainer.run(loader, max_epochs=epochs)
+    return {
+        "rank": get_rank(),
+        "params": {k: v.clone() for k, v in full_model_state(model).items()},
+        "ema": _ema_weights(ema),
+        "lr": optimizer.param_groups[0]["lr"],
+        "seen": seen,
+        "at_start": at_start,
+        "epoch": trainer.state.epoch,
+        "iteration": trainer.state.iteration,
+    }

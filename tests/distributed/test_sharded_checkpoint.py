@@ -1,0 +1,112 @@
+"""Sharded checkpoints under FSDP2: exact resume, resharding N -> M ranks, DDP <-> FSDP, damage.
+
+The truths: the uninterrupted run for a run resumed at the same world size; for a resume
+at another world size, the states saved (the resumed run starts from them exactly) and the
+epoch's samples (each trained on exactly once across the stop).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _sharded_workers import BATCH, SAMPLES, job
+
+from unison.checkpoint import Manifest
+from unison.testing import run_distributed
+
+EPOCHS = 2
+
+
+def _same(a: dict, b: dict, atol: float = 0.0) -> float:
+    assert a.keys() == b.keys()
+    gap = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert gap <= atol, gap
+    return gap
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fsdp_resume_mid_epoch_ends_as_the_uninterrupted_run(tmp_path):
+    truth = run_distributed(job, str(tmp_path / "a"), "fsdp", EPOCHS, nproc=2, timeout=120)[0]
+    folder = str(tmp_path / "b")
+    run_distributed(job, folder, "fsdp", EPOCHS, stop_after=11, nproc=2, timeout=120)
+    saved = sorted(p.name for p in Path(folder).iterdir() if p.suffix == ".dcp")
+    assert saved and all((Path(folder) / s / "rest.pt").is_file() for s in saved)
+    resumed = run_distributed(job, folder, "fsdp", EPOCHS, resume=True, nproc=2, timeout=120)[0]
+    _same(resumed["params"], truth["params"], atol=1e-6)
+    _same(resumed["ema"], truth["ema"], atol=1e-6)
+    assert resumed["lr"] == truth["lr"]
+
+
+def _reshard(tmp_path: Path, before: int, after: int) -> None:
+    folder = str(tmp_path / f"{before}to{after}")
+    stop = 5 if before == 2 else 3  # mid-epoch 1: 30 samples, 2 per rank per step
+    stopped = run_distributed(job, folder, "fsdp", EPOCHS, stop_after=stop, nproc=before, timeout=120)
+    resumed = run_distributed(job, folder, "fsdp", EPOCHS, resume=True, nproc=after, timeout=120)
+    start = resumed[0]["at_start"]
+    _same(start["params"], stopped[0]["params"])  # model, average and schedule: as saved
+    _same(start["ema"], stopped[0]["ema"])
+    assert start["lr"] == stopped[0]["lr"]
+    # the interrupted epoch: every sample, across both runs, and none twice but for the padding that
+    # gives every rank of the resumed run the same number of the remaining samples (TrainSampler's rule)
+    epoch_one = [i for r in stopped + resumed for e, i in r["seen"] if e == 1]
+    remaining = SAMPLES - stop * BATCH * before
+    assert set(epoch_one) == set(range(SAMPLES))
+    assert len(epoch_one) - SAMPLES == -remaining % after
+    epoch_two = [i for r in resumed for e, i in r["seen"] if e == 2]
+    assert sorted(epoch_two) == list(range(SAMPLES))
+    assert all(r["epoch"] == EPOCHS for r in resumed)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)])
+def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, before, after):
+    _reshard(tmp_path, before, after)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("first", "then"), [("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_ddp_and_fsdp_checkpoints_load_into_each_other(tmp_path, first, then):
+    truth = run_distributed(job, str(tmp_path / "truth"), first, EPOCHS, nproc=2, timeout=120)[0]
+    folder = str(tmp_path / "mixed")
+    stopped = run_distributed(job, folder, first, EPOCHS, stop_after=15, nproc=2, timeout=120)[0]
+    kinds = {p.suffix for p in Path(folder).iterdir() if p.name.startswith("ckpt-")}
+    assert kinds == {".dcp" if first == "fsdp" else ".pt"}
+    resumed = run_distributed(job, folder, then, EPOCHS, resume=True, nproc=2, timeout=120)[0]
+    _same(resumed["at_start"]["params"], stopped["params"])
+    _same(resumed["at_start"]["ema"], stopped["ema"])
+    _same(resumed["params"], truth["params"], atol=1e-5)  # reduction order differs between strategies
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_damaged_or_unfinished_sharded_checkpoint_is_never_resumed(tmp_path, caplog):
+    folder = tmp_path / "ckpts"
+    run_distributed(job, str(folder), "fsdp", EPOCHS, nproc=2, timeout=120)  # keeps 3: i8, i12, i16
+    manifest = Manifest(folder).rebuild()
+    newest, older = (folder / e.file for e in manifest.newest()[:2])
+    assert manifest.newest_complete() == newest
+    shard = next(newest.glob("__1_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-7])  # truncated
+    assert Manifest(folder).rebuild().newest_complete() == older
+    assert "damaged" in caplog.text
+    # a crash mid-save: a temporary folder and a renamed folder without its checksums
+    (folder / f".{newest.name}.tmp").mkdir()
+    (older / "checksums.json").unlink()
+    rebuilt = Manifest(folder).rebuild()
+    assert not (folder / f".{newest.name}.tmp").exists()
+    assert rebuilt.newest_complete() not in (newest, older)
+    recorded = json.loads((folder / "manifest.json").read_text())["checkpoints"]
+    assert all(not e["file"].endswith(".tmp") for e in recorded)
+    rest = torch.load(rebuilt.newest_complete() / "rest.pt", weights_only=True)
+    assert set(rest["meta"]["sharded"]) == {"model", "optimizer", "handler:EMA"}
+    assert set(rest["objects"]) == {"scheduler"}
