@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,16 +92,6 @@ def _group_threads() -> list[str]:
     return sorted(names)
 
 
-def _clear_dtensor_caches() -> None:
-    """Empties DTensor's sharding-propagation cache, whose keys hold device meshes and so the group
-    (after FSDP training, say); a no-op where DTensor was never imported."""
-    api = sys.modules.get("torch.distributed.tensor._api")
-    dispatcher = getattr(getattr(api, "DTensor", None), "_op_dispatcher", None)
-    cache = getattr(getattr(dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
-    if cache is not None and callable(getattr(cache, "cache_clear", None)):
-        cache.cache_clear()
-
-
 def _leave_group() -> None:
     """Destroys this rank's process group for good, while Python is still whole.
 
@@ -123,7 +112,6 @@ def _leave_group() -> None:
     that ran fewer collectives than its peers must leave, so that their next collective fails
     with a lost connection that names the cause, instead of waiting on it in a barrier.
     """
-    _clear_dtensor_caches()
     gc.collect()
     idist.finalize()  # dist.destroy_process_group(), and ignite back to a single process
     left = _group_threads()
