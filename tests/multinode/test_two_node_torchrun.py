@@ -35,7 +35,7 @@ NNODES, NPROC = 2, 2
 WORLD = NNODES * NPROC
 EVERY_ITERS = 3
 RUN_TIMEOUT_S = 150  # one 2x2 run: ~35 s on an idle 2-core machine, 4 ranks + 2 agents
-SAVE_LINE = re.compile(r"Saved checkpoint (?P<path>\S+\.pt)$")
+SAVE_LINE = re.compile(r"Saved (sharded )?checkpoint (?P<path>\S+\.(pt|dcp))$")
 
 
 def end_agents(procs: list[subprocess.Popen]) -> None:
@@ -116,14 +116,19 @@ def check_folder(folder: Path) -> list[dict]:
         f"the folder ({on_disk}) and the manifest ({entries}) disagree: a leftover, a temp file or a duplicate"
     )
     for e in entries:
-        assert (folder / e["file"]).stat().st_size == e["size"], e
+        path = folder / e["file"]
+        size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
+        assert size == e["size"], e
     return entries
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
-def test_two_agents_checkpoint_log_and_resume_once(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_agents_checkpoint_log_and_resume_once(tmp_path, strategy):
     # -- a first run: one epoch, a checkpoint every 3 iterations and at the epoch's end ------
-    first = run_two_nodes(tmp_path, "first", "--set", "training.max_epochs=1")
+    first = run_two_nodes(
+        tmp_path, f"first-{strategy}", "--set", "training.max_epochs=1", "--set", f"parallel.strategy={strategy}"
+    )
     run_dir = run_dir_of(tmp_path)
     both = "\n".join(first)
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -168,9 +173,15 @@ def test_two_agents_checkpoint_log_and_resume_once(tmp_path):
     folder = run_dir / "checkpoints"
     entries = check_folder(folder)
     assert entries[-1]["iteration"] == length
-    last = torch.load(folder / entries[-1]["file"], map_location="cpu", weights_only=True)
+    newest = folder / entries[-1]["file"]
+    if strategy == "fsdp":  # a folder: every rank's shards, and the rest written by rank 0
+        assert sorted(p.name for p in newest.glob("__*_*.distcp")) == [f"__{r}_0.distcp" for r in range(WORLD)]
+        newest = newest / "rest.pt"
+    last = torch.load(newest, map_location="cpu", weights_only=True)
     assert last["meta"]["world_size"] == WORLD and last["meta"]["iteration"] == length
     assert len(last["rng"]) == WORLD, "the checkpoint should hold every rank's generator states"
+    if strategy == "fsdp":
+        return  # resuming sharded checkpoints, at any world size: tests/distributed/test_sharded_checkpoint.py
 
     # -- a second 2x2 run resumes it and trains one more epoch ------------------------------
     second = run_two_nodes(tmp_path, "resume", "--set", "training.max_epochs=2", "--resume", "auto")
