@@ -64,7 +64,19 @@ def environment(device: Any = None) -> dict[str, Any]:
 
 
 def print_environment(env: Mapping[str, Any]) -> None:
-    keys = ("date", "machine", "python", "torch", "ignite", "unison", "device", "load_average_1_5_15min")
+    # gpus and cuda are there only where torch sees a GPU (the CPU line is unchanged)
+    keys = (
+        "date",
+        "machine",
+        "python",
+        "torch",
+        "ignite",
+        "unison",
+        "device",
+        "gpus",
+        "cuda",
+        "load_average_1_5_15min",
+    )
     print("  ".join(f"{k}={env[k]}" for k in keys if k in env and env[k] is not None))
 
 

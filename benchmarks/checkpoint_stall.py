@@ -23,6 +23,12 @@ snapshot kept between saves would reach).
 
 Target: async stall <= 20% of sync.
 
+On a GPU (``--device cuda``, the default where torch sees one) the model, its optimizer
+and the batches live on the GPU: a save copies the state to CPU memory first (the async
+save inside ``save()``, the sync one as it writes), and the handler waits for the queued
+steps (``torch.cuda.synchronize``) before it calls ``save()``, so the stall is the save's
+own. The reference copies go into CPU tensors.
+
     python benchmarks/checkpoint_stall.py                    # ~1-2 minutes on 2 busy cores
     python benchmarks/checkpoint_stall.py --quick            # a smoke run
     python benchmarks/checkpoint_stall.py --repeats 9 --json stall.json --dir /scratch/ckpt
@@ -57,7 +63,9 @@ def build(width: int, layers: int, seed: int = 0) -> Any:
     return nn.Sequential(*blocks[:-1])
 
 
-def one_run(model: Any, optimizer: Any, data: Any, folder: Path, mode: str, steps: int) -> dict[str, float]:
+def one_run(
+    model: Any, optimizer: Any, data: Any, folder: Path, mode: str, steps: int, device: Any = "cpu"
+) -> dict[str, float]:
     """Trains ``steps`` iterations, saving once halfway; returns the save's timings."""
     import torch.nn.functional as F
 
@@ -78,22 +86,25 @@ def one_run(model: Any, optimizer: Any, data: Any, folder: Path, mode: str, step
 
     @trainer.on(Events.ITERATION_COMPLETED(once=steps // 2))
     def _save(engine: Any) -> None:
+        C.synchronize(device)  # the queued steps finish first: the stall is the save's (a no-op on the CPU)
         started.append(time.time())
         checkpoint.save(engine)
 
     wall = time.perf_counter()
     trainer.run(data, max_epochs=1, epoch_length=steps)
+    C.synchronize(device)
     wall = time.perf_counter() - wall
     checkpoint.wait()
     durable = checkpoint.manifest.entries[-1].saved_at - started[0]
     return {"stall_s": checkpoint.stall_seconds[-1], "run_s": wall, "durable_s": durable}
 
 
-def copy_timings(model: Any, reused: dict[str, Any]) -> dict[str, float]:
+def copy_timings(model: Any, reused: dict[str, Any], device: Any = "cpu") -> dict[str, float]:
     """Seconds to copy the model's tensors into fresh CPU tensors, and into ``reused`` ones."""
     from unison.checkpoint.state import to_cpu_copy
 
     state = model.state_dict()
+    C.synchronize(device)
     start = time.perf_counter()
     fresh = to_cpu_copy(state)
     middle = time.perf_counter()
@@ -119,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", type=Path, default=None, help="where checkpoints are written (default: a temp folder)"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the report here, as JSON")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default cuda when available, else cpu"
+    )
     parser.add_argument("--check", action="store_true", help=f"exit 1 if async stall > {TARGET * 100:.0f}%% of sync")
     args = parser.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
@@ -128,14 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    env = C.environment("cpu")
+    device = C.resolve_device(args.device)
+    env = C.environment(device)
     C.print_environment(env)
-    model = build(args.width, args.layers)
+    model = build(args.width, args.layers).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     params = sum(p.numel() for p in model.parameters())
     megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     gen = torch.Generator().manual_seed(0)
     data = [(torch.randn(4, args.width, generator=gen), torch.randn(4, args.width, generator=gen))]
+    data = [(x.to(device), y.to(device)) for x, y in data]
     print(
         f"model: {args.layers} x Linear({args.width}, {args.width}), "
         f"{params / 1e6:.1f}M parameters, {megabytes:.0f} MB"
@@ -144,16 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="unison-stall-", dir=args.dir))
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     copies: list[dict[str, float]] = []
-    reused = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    reused = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     try:
         for mode in MODES:  # warm-up: first writes to a folder, first file-system allocations
-            one_run(model, optimizer, data, root / mode, mode, args.steps)
+            one_run(model, optimizer, data, root / mode, mode, args.steps, device)
         for round_index in range(repeats):
             for mode in C.rotated((*MODES, "copy"), round_index):
                 if mode == "copy":
-                    copies.append(copy_timings(model, reused))
+                    copies.append(copy_timings(model, reused, device))
                 else:
-                    results[mode].append(one_run(model, optimizer, data, root / mode, mode, args.steps))
+                    results[mode].append(one_run(model, optimizer, data, root / mode, mode, args.steps, device))
             last = {m: results[m][-1]["stall_s"] for m in MODES}
             print(
                 f"  round {round_index + 1}/{repeats}: "

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         targets = entry.get("report", {}).get("targets", [])
         for target in targets if isinstance(targets, list) else []:
             if isinstance(target, dict) and "met" in target:
-                line += f"\n    {C.verdict(bool(target['met']))}: {target.get('target')}"
+                met = target["met"]  # None: the run cannot judge it (one rank, say)
+                line += f"\n    {C.verdict(None if met is None else bool(met))}: {target.get('target')}"
         print(line)
     C.write_json(args.out, report)
     return 1 if failed else 0

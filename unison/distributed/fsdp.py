@@ -179,6 +179,7 @@ def shard_model(model: nn.Module, options: FSDPOptions, device: torch.device, wo
         fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=options.reshard_after_forward, **kwargs)
     model._unison_fsdp = options  # type: ignore[assignment]  # read back by gathered_parameters
+    model._unison_device = device  # type: ignore[assignment]  # where it computes, even with its shards offloaded
     return model
 
 

@@ -182,7 +182,12 @@ def _wrap(
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of a model's first parameter (or buffer); the CPU for a model with neither."""
+    """The device a model computes on: its first parameter's (or buffer's); the CPU for a model
+    with neither. A sharded model with ``cpu_offload`` keeps its shards in CPU memory and
+    computes on the device it was sharded for: that one."""
+    compute = getattr(unwrap_model(model), "_unison_device", None)
+    if isinstance(compute, torch.device):
+        return compute
     for tensor in model.parameters():
         return tensor.device
     for buffer in model.buffers():
