@@ -39,7 +39,13 @@ def _ema_weights(ema: EMA) -> dict[str, torch.Tensor]:
 
 
 def job(
-    folder: str, strategy: str, epochs: int, *, stop_after: int | None = None, resume: bool = False
+    folder: str,
+    strategy: str,
+    epochs: int,
+    *,
+    stop_after: int | None = None,
+    resume: bool = False,
+    async_save: bool = False,
 ) -> dict[str, Any]:
     """Trains (or resumes and trains) until ``epochs`` or until ``stop_after`` iterations in all."""
     model = prepare_model(make_mlp(), strategy=strategy)

@@ -42,6 +42,23 @@ def test_fsdp_resume_mid_epoch_ends_as_the_uninterrupted_run(tmp_path):
     assert resumed["lr"] == truth["lr"]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_async_sharded_saves_resume_as_the_uninterrupted_run(tmp_path):
+    truth = run_distributed(job, str(tmp_path / "a"), "fsdp", EPOCHS, nproc=2, timeout=120)[0]
+    folder = tmp_path / "b"
+    run_distributed(job, str(folder), "fsdp", EPOCHS, stop_after=11, async_save=True, nproc=2, timeout=120)
+    manifest = Manifest(folder).rebuild()
+    assert [e.iteration for e in manifest.entries] == [4, 8, 11]  # every save recorded, in order
+    assert all(folder.joinpath(e.file).is_dir() for e in manifest.entries)
+    resumed = run_distributed(
+        job, str(folder), "fsdp", EPOCHS, resume=True, async_save=True, nproc=2, timeout=120
+    )
+    _same(resumed[0]["params"], truth["params"], atol=1e-6)
+    _same(resumed[0]["ema"], truth["ema"], atol=1e-6)
+
+
 def _reshard(tmp_path: Path, before: int, after: int) -> None:
     folder = str(tmp_path / f"{before}to{after}")
     stop = 5 if before == 2 else 3  # mid-epoch 1: 30 samples, 2 per rank per step

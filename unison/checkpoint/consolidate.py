@@ -14,11 +14,7 @@ metadata classes allowed, and each non-tensor value of the shards must load with
 from __future__ import annotations
 
 import io
-import json
-import pathlib
-import pickle
 import warnings
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -26,8 +22,8 @@ from typing import Any
 
 import torch
 
-from unison.checkpoint.entry import file_in
 from unison.checkpoint.io import CheckpointError, is_complete, load_checkpoint
+from unison.checkpoint.sharded import REST, read_metadata, sharded_problem
 
 __all__ = [
     "EMA_OBJECT",
@@ -40,14 +36,8 @@ __all__ = [
     "strip_wrappers",
 ]
 
-REST = "rest.pt"
-"""The file of a sharded checkpoint folder holding what is not sharded (meta, trainer, small objects)."""
-
 METADATA = ".metadata"
-"""The Distributed Checkpoint's index of a sharded checkpoint folder; written last."""
-
-CHECKSUMS = "checksums.json"
-"""The sizes and CRC-32s of a sharded checkpoint folder's files, when its writer recorded them."""
+"""The Distributed Checkpoint's index of a sharded checkpoint folder."""
 
 EMA_OBJECT = "handler:EMA"
 """The name under which a checkpoint holds an attached :class:`~unison.handlers.EMA`'s state."""
@@ -55,87 +45,6 @@ EMA_OBJECT = "handler:EMA"
 _WRAPPERS = ("module.", "_orig_mod.")
 _DCP = "torch.distributed.checkpoint"
 _NO_GROUP_WARNING = r"torch\.distributed is (disabled, )?(unavailable|uninitialized)"
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata``: its own classes, dtypes, sizes and paths; nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = None if "." in name else _metadata_global(module, name)
-        if found is None:
-            raise pickle.UnpicklingError(
-                f"it refers to {module}.{name}, which is no part of a Distributed Checkpoint's metadata"
-            )
-        return found
-
-
-def _metadata_global(module: str, name: str) -> Any:
-    if module in (f"{_DCP}.metadata", f"{_DCP}.filesystem"):
-        import importlib
-
-        found = getattr(importlib.import_module(module), name, None)
-        return found if isinstance(found, type) and found.__module__ == module else None
-    if module == "torch":
-        found = getattr(torch, name, None)
-        return found if isinstance(found, torch.dtype) or found is torch.Size else None
-    if (module, name) == ("torch.serialization", "_get_layout"):
-        return torch.serialization._get_layout  # maps a layout's name to the layout
-    if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
-        return getattr(pathlib, name)
-    return None
-
-
-def read_metadata(folder: Path) -> Any:
-    """The ``.metadata`` of a sharded checkpoint folder, unpickled with only DCP's own classes allowed."""
-    with open(folder / METADATA, "rb") as fh:
-        return _MetadataUnpickler(fh).load()
-
-
-def _shard_problem(folder: Path, metadata: Any) -> str | None:
-    """What is wrong with the shard files ``metadata`` names: missing, shorter than recorded."""
-    storage = getattr(metadata, "storage_data", None)
-    if not isinstance(storage, Mapping):
-        return f"its {METADATA} lists no shard files (not a checkpoint written to a folder)"
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        name = str(getattr(info, "relative_path", ""))
-        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    for name, end in sorted(needed.items()):
-        shard = file_in(folder, name, source=str(folder / METADATA))
-        if not shard.is_file():
-            return f"its shard file {name}, listed in {METADATA}, is missing"
-        size = shard.stat().st_size
-        if size < end:
-            return f"its shard file {name} holds {size} bytes where {METADATA} records {end} (truncated)"
-    return None
-
-
-def _checksum_problem(folder: Path) -> str | None:
-    """A file of ``folder`` whose size or CRC-32 differs from ``checksums.json``; None when all match or
-    there is no such record."""
-    listed = folder / CHECKSUMS
-    if not listed.is_file():
-        return None
-    try:
-        recorded = {
-            str(name): (int(v["size"]), int(v["crc32"]))
-            for name, v in json.loads(listed.read_text())["files"].items()
-        }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        return f"its {CHECKSUMS} does not read ({type(err).__name__}: {err})"
-    for name, (size, crc) in sorted(recorded.items()):
-        file = file_in(folder, name, source=str(listed))
-        if not file.is_file():
-            return f"its file {name}, listed in {CHECKSUMS}, is missing"
-        if file.stat().st_size != size:
-            return f"its file {name} holds {file.stat().st_size} bytes where {size} were written"
-        found = 0
-        with open(file, "rb") as fh:
-            while block := fh.read(1 << 20):
-                found = zlib.crc32(block, found)
-        if found != crc:
-            return f"its file {name} is corrupt (its CRC-32 differs from the one recorded in {CHECKSUMS})"
-    return None
 
 
 def checkpoint_problem(path: str | Path) -> str | None:
@@ -152,27 +61,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
         return "it does not exist"
     if path.is_file():
         return None if is_complete(path) else "it is truncated or corrupt (its checksums do not match)"
-    if not (path / METADATA).is_file():
-        return (
-            f"it is a folder without {METADATA}: not a sharded checkpoint, or one whose save did not finish"
-        )
-    try:
-        metadata = read_metadata(path)
-    except Exception as err:  # a damaged pickle raises many kinds
-        return f"its {METADATA} does not read ({type(err).__name__}: {err})"
-    try:
-        problem = _shard_problem(path, metadata)
-        if problem is None:
-            problem = _checksum_problem(path)
-    except CheckpointError as err:  # a file named outside the folder
-        return str(err)
-    if problem is not None:
-        return problem
-    if not (path / REST).is_file():
-        return f"it holds no {REST} (the meta record and the objects not stored sharded)"
-    if not is_complete(path / REST):
-        return f"its {REST} is truncated or corrupt (its checksums do not match)"
-    return None
+    return sharded_problem(path, require_checksums=False)
 
 
 def _load_planner(names: set[str]) -> Any:
@@ -297,7 +186,7 @@ class CheckpointReader:
         return {name: _plain(found[name]) for name in wanted}
 
     def _read_shards(self, names: list[str]) -> dict[str, Any]:
-        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 
         # state_dict_loader._load_state_dict is what torch's own dcp_to_torch_save calls: it
         # loads into an empty dict built from the metadata, in this process alone.
@@ -313,7 +202,7 @@ class CheckpointReader:
                     planner=_load_planner(set(names)),
                     no_dist=True,
                 )
-        except Exception as err:  # DCP wraps a rank's failure in CheckpointException
+        except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps a rank's error
             raise CheckpointError(
                 f"Checkpoint {self.path}: its shards of {', '.join(names)} do not read ({type(err).__name__}: "
                 f"{err}). The folder is damaged or was written by other code; export another checkpoint."

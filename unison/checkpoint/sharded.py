@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import pickle
 import shutil
 import zlib
 from collections.abc import Mapping
@@ -205,14 +207,17 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> dict[str, tuple[int, i
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    before = set(os.listdir(tmp)) if tmp.exists() else set()
     dcp.save(dict(states), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    return own_checksums(tmp)
+
+
+def own_checksums(tmp: Path) -> dict[str, tuple[int, int]]:
+    """``{file name: (size, crc32)}`` of the files this rank wrote into ``tmp`` (its shards; on rank 0
+    also the metadata)."""
+    import torch.distributed as dist
+
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = [
-        n
-        for n in os.listdir(tmp)
-        if n not in before and (n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata"))
-    ]
+    mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")]
     return {name: file_checksum(tmp / name) for name in sorted(mine)}
 
 
@@ -258,7 +263,13 @@ def remove(path: Path) -> None:
 
 
 def save_sharded(
-    writer: Any, name: str, rest: dict[str, Any] | None, states: Mapping[str, Any], entry: Any
+    writer: Any,
+    name: str,
+    rest: dict[str, Any] | None,
+    states: Mapping[str, Any],
+    entry: Any,
+    *,
+    async_group: Any = None,
 ) -> Path | None:
     """Collective: writes a sharded checkpoint folder ``name`` and records it (rank 0).
 
@@ -266,18 +277,27 @@ def save_sharded(
     the checksums of every rank's files, renames the folder and records ``entry`` in the
     manifest (rotation follows, as for files).
 
+    With ``async_group`` (a gloo group of every rank, made once for this), DCP copies the
+    shards to CPU memory and returns; the writing, the gathering of checksums (over that
+    group) and rank 0's rename and record run in each rank's writer thread, which the next
+    save and the end of the run wait for (``writer.wait()``).
+
     Args:
         writer: the :class:`~unison.checkpoint.writer.CheckpointWriter` (rank 0's records it).
         name: the folder's name, the same on every rank.
         rest: the checkpoint's other parts (rank 0); None elsewhere.
         states: this rank's sharded states (:func:`dcp_states`).
         entry: the manifest entry (rank 0); None elsewhere.
+        async_group: write in the background, gathering over this group.
 
     Returns:
-        The folder on rank 0; None on other ranks.
+        The folder on rank 0 (recorded once written); None on other ranks.
     """
+    import torch.distributed as dist
+
     from unison.checkpoint.entry import file_in
     from unison.checkpoint.ranks import gather_on_first
+    from unison.checkpoint.state import to_cpu_copy
     from unison.distributed.primitives import barrier, get_rank
 
     final = file_in(writer.folder, name)
@@ -286,62 +306,144 @@ def save_sharded(
         remove(tmp)
         tmp.mkdir(parents=True)
     barrier()  # the folder exists before any rank writes into it
-    everyone = gather_on_first(write_shards(states, tmp))
-    if everyone is None:
-        return None
-    checksums = {n: v for mine in everyone for n, v in mine.items()}
-    entry.size = finish_folder(tmp, final, rest or {}, checksums)
-    writer.record(entry, final)
-    return final
+
+    def finish(checksums: list[dict[str, tuple[int, int]]] | None, rest: Mapping[str, Any] | None) -> None:
+        if checksums is None:  # not rank 0
+            return
+        entry.size = finish_folder(
+            tmp, final, rest or {}, {n: v for mine in checksums for n, v in mine.items()}
+        )
+        writer.record(entry, final)
+
+    if async_group is None:
+        finish(gather_on_first(write_shards(states, tmp)), rest)
+        return final if get_rank() == 0 else None
+    import torch.distributed.checkpoint as dcp
+
+    pending = dcp.async_save(dict(states), checkpoint_id=str(tmp), process_group=async_group)
+    rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
+
+    def in_background() -> None:
+        pending.result()
+        mine = own_checksums(tmp)
+        everyone: list[Any] | None = [None] * dist.get_world_size() if get_rank() == 0 else None
+        dist.gather_object(mine, everyone, dst=0, group=async_group)
+        finish(everyone, rest)
+
+    writer.in_background(in_background)
+    return final if get_rank() == 0 else None
 
 
 # --- reading ----------------------------------------------------------------------------------
 
+_DCP = "torch.distributed.checkpoint"
 
-def sharded_problem(folder: Path, *, checksums: bool = True) -> str | None:
-    """What is wrong with a sharded checkpoint folder, or None when it is whole.
 
-    Checks that ``rest.pt`` is whole, that ``.metadata`` loads and every file it names is
-    present and long enough, and (``checksums``) every file's size and CRC-32.
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata``: its own classes, dtypes, sizes and paths; nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = None if "." in name else _metadata_global(module, name)
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"it refers to {module}.{name}, which is no part of a Distributed Checkpoint's metadata"
+            )
+        return found
+
+
+def _metadata_global(module: str, name: str) -> Any:
+    if module in (f"{_DCP}.metadata", f"{_DCP}.filesystem"):
+        import importlib
+
+        found = getattr(importlib.import_module(module), name, None)
+        return found if isinstance(found, type) and found.__module__ == module else None
+    if module == "torch":
+        found = getattr(torch, name, None)
+        return found if isinstance(found, torch.dtype) or found is torch.Size else None
+    if (module, name) == ("torch.serialization", "_get_layout"):
+        return torch.serialization._get_layout  # maps a layout's name to the layout
+    if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        return getattr(pathlib, name)
+    return None
+
+
+def read_metadata(folder: Path) -> Any:
+    """The ``.metadata`` of a sharded checkpoint folder, unpickled with only DCP's own classes allowed
+    (torch's reader would unpickle anything: a folder from elsewhere could run code)."""
+    with open(folder / ".metadata", "rb") as fh:
+        return _MetadataUnpickler(fh).load()
+
+
+def sharded_problem(folder: Path, *, require_checksums: bool = True) -> str | None:
+    """What is wrong with a sharded checkpoint folder, as a phrase, or None when it is whole.
+
+    Checks every file's size and CRC-32 against ``checksums.json`` (written last, so its
+    absence means the save did not finish; ``require_checksums=False`` accepts a folder
+    written without one, by DCP alone), that ``.metadata`` reads (with only DCP's own
+    classes: nothing in it can run code) and names files present at their recorded
+    lengths, and that ``rest.pt`` is whole.
     """
+    from unison.checkpoint.entry import file_in
+
     if not folder.is_dir():
         return "it is not a folder"
+    try:
+        problem = _checksum_problem(folder, require_checksums)
+        if problem is None:
+            problem = _metadata_problem(folder)
+    except CheckpointError as err:  # a file named outside the folder
+        return str(err)
+    if problem is not None:
+        return problem
+    if not file_in(folder, REST).is_file():
+        return f"it holds no {REST} (the meta record and the objects not stored sharded)"
+    return None if is_complete(folder / REST) else f"its {REST} is truncated or corrupt"
+
+
+def _checksum_problem(folder: Path, required: bool) -> str | None:
+    from unison.checkpoint.entry import file_in
+
     listed = folder / CHECKSUMS
     if not listed.is_file():
-        return f"{CHECKSUMS} is missing (the save did not finish)"
+        return f"its {CHECKSUMS} is missing (the save did not finish)" if required else None
     try:
-        recorded = json.loads(listed.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"{CHECKSUMS} is unreadable ({err})"
-    for name, want in recorded.items():
-        path = folder / name
-        if Path(name).name != name or not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != want["size"]:
-            return f"{name} has {path.stat().st_size} bytes, {want['size']} were written"
-        if checksums and file_checksum(path)[1] != want["crc32"]:
-            return f"{name} is corrupt (its CRC-32 differs from the one recorded)"
-    if not is_complete(folder / REST):
-        return f"{REST} is truncated or corrupt"
-    return _metadata_problem(folder)
+        files = json.loads(listed.read_text())["files"]
+        recorded = {n: (int(v["size"]), int(v["crc32"])) for n, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"its {CHECKSUMS} does not read ({type(err).__name__}: {err})"
+    for name, (size, crc) in sorted(recorded.items()):
+        path = file_in(folder, name, source=str(listed))
+        if not path.is_file():
+            return f"its file {name}, listed in {CHECKSUMS}, is missing"
+        if path.stat().st_size != size:
+            return f"its file {name} holds {path.stat().st_size} bytes where {size} were written"
+        if file_checksum(path)[1] != crc:
+            return f"its file {name} is corrupt (its CRC-32 differs from the one recorded in {CHECKSUMS})"
+    return None
 
 
 def _metadata_problem(folder: Path) -> str | None:
-    from torch.distributed.checkpoint import FileSystemReader
+    from unison.checkpoint.entry import file_in
 
+    if not (folder / ".metadata").is_file():
+        return "it has no .metadata: not a sharded checkpoint, or one whose save did not finish"
     try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except Exception as err:  # a damaged pickle raises anything
-        return f".metadata does not load ({type(err).__name__}: {err})"
+        metadata = read_metadata(folder)
+    except Exception as err:  # a damaged or hostile pickle raises many kinds
+        return f"its .metadata does not read ({type(err).__name__}: {err})"
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return "its .metadata lists no shard files (not a checkpoint written to a folder)"
     needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in needed.items():
-        path = folder / name
-        if Path(name).name != name or not path.is_file():
-            return f"{name}, named in .metadata, is missing"
+    for info in storage.values():
+        name = str(getattr(info, "relative_path", ""))
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(needed.items()):
+        path = file_in(folder, name, source=str(folder / ".metadata"))
+        if not path.is_file():
+            return f"its shard file {name}, listed in .metadata, is missing"
         if path.stat().st_size < end:
-            return f"{name} is truncated ({path.stat().st_size} of {end} bytes)"
+            return f"its shard file {name} holds {path.stat().st_size} bytes where .metadata records {end} (truncated)"
     return None
 
 

@@ -103,9 +103,24 @@ class CheckpointWriter:
             err, self._error = self._error, None
             raise RuntimeError(f"Writing a checkpoint to {self.folder} failed: {err}") from err
 
+    def in_background(self, work: Any) -> None:
+        """Runs ``work()`` in the writer's thread (a sharded save's finish): :meth:`wait` joins it and
+        re-raises its error. Waits first for a write still in flight."""
+        self.wait()
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as err:
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="unison-ckpt", daemon=False)
+        self._thread.start()
+
     def record(self, entry: Entry, path: Path) -> None:
         """Records a checkpoint written elsewhere (a sharded folder, durable already), then rotates."""
-        self.wait()
+        if threading.current_thread() is not self._thread:
+            self.wait()
         entry.saved_at = time.time()
         self._record(entry)
         self.saved.append(path)

@@ -298,7 +298,7 @@ class Checkpoint:
             entry = entry_for(state["meta"], self.manifest.prefix, sharded=bool(names))
         if shards is not None:  # every rank writes its shards; rank 0 the rest, then records
             name = entry_for(trainer_position(engine)._asdict(), self.manifest.prefix, sharded=True).file
-            path = save_sharded(self.writer, name, state, shards, entry)
+            path = save_sharded(self.writer, name, state, shards, entry, async_group=self._async_group())
         elif state is None or entry is None:
             return None
         else:
@@ -307,6 +307,16 @@ class Checkpoint:
         if path is not None:
             self.stall_seconds.append(time.perf_counter() - start)
         return path
+
+    def _async_group(self) -> Any:
+        """Collective: the gloo group a background sharded save gathers over (made once), or None."""
+        if not self.writer.async_save:
+            return None
+        if getattr(self, "_gloo", None) is None:
+            import torch.distributed as dist
+
+            self._gloo = dist.new_group(backend="gloo")
+        return self._gloo
 
     def _vetted(
         self, state: dict[str, Any] | None, problem: Exception | None, shards: dict[str, Any] | None
