@@ -44,3 +44,40 @@ def evaluate_uneven(strategy: str, samples: int) -> tuple[dict[str, float], torc
     evaluator = create_evaluator(model, {"acc": Accuracy(), "loss": Loss(nn.functional.cross_entropy)})
     metrics = dict(evaluator.run(loader).metrics)
     return metrics, predict(model, data, batch_size=2)
+
+
+def ema_evaluated(strategy: str, iterations: int) -> tuple[float, float, float, float]:
+    """Trains with an EMA, then evaluates the average with the evaluator. Returns the evaluator's
+    loss, the loss of a plain model loaded with the average's whole weights and of one with the
+    trained weights (both computed here on all the data), and how far the trained weights moved
+    across the evaluation (the swap undone: 0)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from unison.distributed import EvalSampler
+    from unison.distributed.fsdp import global_value
+    from unison.handlers import EMA
+
+    model = prepare_model(make_mlp(), strategy=strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    trainer = create_trainer(model, optimizer, nn.functional.cross_entropy)
+    ema = EMA(model, decay=0.5)
+    ema.attach(trainer)
+    trainer.run([batch(i, get_rank()) for i in range(iterations)], max_epochs=1)
+    gen = torch.Generator().manual_seed(11)
+    data = TensorDataset(torch.randn(9, 8, generator=gen), torch.randint(0, 3, (9,), generator=gen))
+    before = {k: v.clone() for k, v in full_model_state(model).items()}
+    evaluator = create_evaluator(ema.module, {"loss": Loss(nn.functional.cross_entropy)})
+    loss = evaluator.run(DataLoader(data, batch_size=2, sampler=EvalSampler(data))).metrics["loss"]
+    after = full_model_state(model)
+    moved = max(float((before[k] - after[k]).abs().max()) for k in before)
+    if ema.shards is not None:
+        weights = {k: global_value(v) for k, v in ema.shards.state().items()}
+    else:
+        weights = ema.module.state_dict()
+    losses = []
+    for state in (weights, before):
+        plain = make_mlp()
+        plain.load_state_dict(state)
+        with torch.no_grad():
+            losses.append(float(nn.functional.cross_entropy(plain(data.tensors[0]), data.tensors[1])))
+    return loss, losses[0], losses[1], moved

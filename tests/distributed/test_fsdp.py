@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fsdp_workers import evaluate_uneven, train
+from _fsdp_workers import ema_evaluated, evaluate_uneven, train
 
 from unison.testing import run_distributed
 
@@ -58,3 +58,12 @@ def test_fsdp_evaluates_and_predicts_exactly_on_uneven_shards(nproc):
     assert metrics["loss"] == pytest.approx(truth_metrics["loss"], rel=1e-6)
     assert rows is not None and torch.allclose(rows, truth_rows, atol=1e-6)
     assert all(r[1] is None for r in results[1:])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_the_ema_of_a_sharded_model_is_what_the_evaluator_runs():
+    for loss, average, trained, moved in run_distributed(ema_evaluated, "fsdp", 4, nproc=2, timeout=90):
+        assert loss == pytest.approx(average, rel=1e-6)  # the average, swapped into the shards
+        assert abs(average - trained) > 1e-4  # (which the trained weights would not give)
+        assert moved == 0.0  # and the trained weights are back afterwards

@@ -206,6 +206,17 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
+def swapped_in(model: nn.Module) -> Iterator[None]:
+    """Enters ``model.swapped()`` where a model has it (an EMA's view of a sharded model), else nothing."""
+    swap = getattr(model, "swapped", None)
+    if callable(swap):
+        with swap():
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
 def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """Backward passes inside keep their gradients on this rank, to be reduced with a later one.
 
@@ -237,7 +248,7 @@ def gathered_parameters(model: nn.Module) -> Iterator[None]:
     Collective on entry and exit for a sharded model: every rank enters together. A plain
     or DDP model: nothing happens. Memory: the whole model's parameters, as under DDP.
     """
-    units = fsdp_units(model) if is_sharded(model) else []
+    units = fsdp_units(model)  # the units inside, also when ``model`` wraps a sharded one
     if not units:
         yield
         return
@@ -249,7 +260,7 @@ def gathered_parameters(model: nn.Module) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()  # type: ignore[operator]
-        root_options = getattr(model, "_unison_fsdp", None)
+        root_options = getattr(units[0], "_unison_fsdp", None)
         again = root_options.reshard_after_forward if isinstance(root_options, FSDPOptions) else True
         for unit in units:
             # the root keeps its gathered parameters after forward, as fully_shard sets it

@@ -13,7 +13,7 @@ from ignite.metrics import EpochMetric, Metric
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from unison.distributed.fsdp import gathered_parameters
+from unison.distributed.fsdp import gathered_parameters, swapped_in
 from unison.distributed.model import unwrap_model
 from unison.distributed.primitives import broadcast_buffers
 from unison.engine.engine import Engine
@@ -128,6 +128,7 @@ def create_evaluator(
         modes.append(step.model.training)
         step.model.eval()
         # Shards differ in batches: a sharded model is gathered once, so forwards are local.
+        gathered.enter_context(swapped_in(step.model))  # an EMA's average, into the shards first
         gathered.enter_context(gathered_parameters(step.model))
 
     def _restore_mode(_: Engine) -> None:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from unison.distributed.fsdp import gathered_parameters
+from unison.distributed.fsdp import gathered_parameters, swapped_in
 from unison.distributed.model import model_device, unwrap_model
 from unison.distributed.primitives import broadcast_buffers, get_rank, get_world_size, is_distributed
 from unison.distributed.samplers import EvalSampler
@@ -54,7 +54,7 @@ def predict(
     was_training = net.training
     net.eval()
     outputs: list[torch.Tensor] = []
-    with torch.no_grad(), gathered_parameters(net):  # shards differ in batches: forwards stay local
+    with torch.no_grad(), swapped_in(net), gathered_parameters(net):  # shards differ in batches: forwards stay local
         for batch in loader:
             x = pick(batch)
             x = x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x

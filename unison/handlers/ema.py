@@ -33,8 +33,9 @@ checkpoints hold rank 0's, so what is evaluated, saved and resumed is rank 0's a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -128,6 +129,7 @@ class EMA:
         self._update = _ema_update(self.decay)
         self.shards: ShardedAverage | None = ShardedAverage(self.model) if is_sharded(self.model) else None
         """Under FSDP: the average of this rank's shards (a sharded model cannot be copied whole)."""
+        self._view: AveragedView | None = None
         self.averaged = (
             self.shards if self.shards is not None else AveragedModel(self.model, use_buffers=True)
         )
@@ -142,15 +144,14 @@ class EMA:
     def module(self) -> nn.Module:
         """The averaged model: the model's class, with the averaged weights, in eval mode.
 
-        Raises:
-            RuntimeError: under FSDP, where the average is kept as shards (see :class:`ShardedAverage`).
+        Under FSDP, where the average is kept as shards (:class:`ShardedAverage`), an
+        :class:`AveragedView`: the sharded model itself, with the average swapped into its
+        shards while an evaluator or ``predict`` runs it.
         """
         if self.shards is not None:
-            raise RuntimeError(
-                "EMA.module: the model is sharded with FSDP, so its average is kept as this rank's shards, not as a "
-                "whole model. Save it (Checkpoint) and export it (unison export --ema), or evaluate the trained "
-                "weights (training.ema.evaluate: false)."
-            )
+            if self._view is None:
+                self._view = AveragedView(self.model, self.shards)
+            return self._view
         return self.averaged.module
 
     def __call__(self, engine: Engine | None = None) -> None:
@@ -255,6 +256,20 @@ class ShardedAverage:
                 out[name] = mine
         return out
 
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Inside, the model's own shards hold the average; its trained weights come back on exit.
+        No collective: each rank swaps its own shards."""
+        live = [_local(t) for t in self._live()]
+        with torch.no_grad():
+            trained = [t.clone() for t in live]
+            torch._foreach_copy_(live, self.tensors)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(live, trained)
+
     @torch.no_grad()
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Loads averaged weights: sharded (DTensors, any world size) or whole (cut into this
@@ -269,6 +284,26 @@ class ShardedAverage:
             if is_dtensor(live) and not is_dtensor(value):
                 value = distribute_tensor(value.to(live.device), live.device_mesh, live.placements)  # type: ignore[attr-defined]
             mine.copy_(_local(value))
+
+
+class AveragedView(nn.Module):
+    """A sharded model seen with its averaged weights: what :attr:`EMA.module` is under FSDP.
+
+    Its forward is the model's; the evaluator and ``predict`` enter :meth:`swapped` (every
+    rank together, before they gather the parameters), so the average is what they run.
+    """
+
+    def __init__(self, model: nn.Module, average: ShardedAverage) -> None:
+        super().__init__()
+        self.model = model
+        self._average = average
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def swapped(self) -> contextlib.AbstractContextManager[None]:
+        """The average in the model's shards while inside (see :meth:`ShardedAverage.swapped`)."""
+        return self._average.swapped()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
