@@ -67,3 +67,34 @@ def test_the_ema_of_a_sharded_model_is_what_the_evaluator_runs():
         assert loss == pytest.approx(average, rel=1e-6)  # the average, swapped into the shards
         assert abs(average - trained) > 1e-4  # (which the trained weights would not give)
         assert moved == 0.0  # and the trained weights are back afterwards
+
+
+def test_the_auto_rule_shards_the_repeated_blocks_outermost_first():
+    from torch import nn
+
+    from unison.distributed.fsdp import auto_units, named_units
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    model = nn.Sequential(nn.Linear(2, 4), Block(), Block(), nn.LayerNorm(4), nn.Linear(4, 1))
+    units = auto_units(model)
+    # the blocks (not their Linears, inside a unit already), and the Linears outside them
+    assert [type(u).__name__ for u in units] == ["Linear", "Block", "Block", "Linear"]
+    assert named_units(model, ["Block"]) == [model[1], model[2]]
+    with pytest.raises(ValueError, match=r"\['Bogus'\].*Block"):
+        named_units(model, ["Bogus"])
+
+
+def test_a_shard_rule_naming_no_class_of_the_model_fails_before_spawning(tmp_path):
+    from pathlib import Path
+
+    from unison.cli.run import run
+    from unison.config import ConfigError
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "digits" / "config.yaml"
+    overrides = ["parallel.strategy=fsdp", "parallel.fsdp.shard=[Bogus]", f"logging.root={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"parallel\.fsdp\.shard.*\['Bogus'\]"):
+        run(str(recipe), nproc=2, overrides=overrides)

@@ -20,6 +20,7 @@ The helpers here keep unison's guarantees under sharding:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,9 @@ class FSDPOptions:
         else:
             raise TypeError(f"{who}: expected FSDPOptions or a mapping, got {type(value).__name__}.")
         shard = options.shard
+        if isinstance(shard, str) and shard != "auto":  # one class name
+            options = dataclasses.replace(options, shard=(shard,))
+            shard = options.shard
         if not (
             shard == "auto"
             or (isinstance(shard, (list, tuple)) and shard and all(isinstance(s, str) for s in shard))
