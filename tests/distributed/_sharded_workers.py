@@ -8,6 +8,7 @@ whole weights, the average, the learning rate and the samples it trained on.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,4 +91,29 @@ def job(
         "at_start": at_start,
         "epoch": trainer.state.epoch,
         "iteration": trainer.state.iteration,
+    }
+
+
+def nan_in_one_shard(folder: str) -> dict[str, Any]:
+    """Trains an FSDP model a few steps and saves; then puts a NaN into rank 1's shard only and saves
+    again. Returns what each save returned on this rank and the folder's checkpoints."""
+    from unison.distributed.fsdp import local_tensor
+
+    model = prepare_model(make_mlp(), strategy="fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    loader, _ = prepare_loaders(dataset(), None, batch_size=BATCH, seed=5)
+    trainer = create_trainer(model, optimizer, nn.functional.cross_entropy)
+    checkpoint = Checkpoint(folder, {"model": model, "optimizer": optimizer}, trainer, at_end=False)
+    checkpoint.attach()
+    trainer.run(loader, max_epochs=1, epoch_length=3)
+    first = checkpoint.save(trainer)
+    trainer.state.iteration += 1  # another position, so the save is not skipped as already on disk
+    if get_rank() == 1:
+        with torch.no_grad():
+            local_tensor(next(iter(model.parameters()))).view(-1)[0] = float("nan")
+    second = checkpoint.save(trainer)
+    return {
+        "first": first,
+        "second": second,
+        "saved": sorted(p.name for p in Path(folder).glob("ckpt-*")),
     }

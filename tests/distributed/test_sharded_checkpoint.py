@@ -127,3 +127,14 @@ def test_a_damaged_or_unfinished_sharded_checkpoint_is_never_resumed(tmp_path, c
     rest = torch.load(rebuilt.newest_complete() / "rest.pt", weights_only=True)
     assert set(rest["meta"]["sharded"]) == {"model", "optimizer", "handler:EMA"}
     assert set(rest["objects"]) == {"scheduler"}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_nan_in_one_ranks_shard_skips_the_save_on_every_rank(tmp_path):
+    from _sharded_workers import nan_in_one_shard
+
+    results = run_distributed(nan_in_one_shard, str(tmp_path), nproc=2, timeout=90)
+    assert results[0]["first"] is not None and results[0]["first"].suffix == ".dcp"
+    assert [r["second"] for r in results] == [None, None]  # agreed: no rank writes its shards
+    assert results[0]["saved"] == [results[0]["first"].name]  # the good one stays the newest
