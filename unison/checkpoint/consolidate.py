@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from unison.checkpoint.io import CheckpointError, is_complete, load_checkpoint
-from unison.checkpoint.sharded import REST, read_metadata, sharded_problem
+from unison.checkpoint.sharded import REST
+from unison.checkpoint.sharded_check import read_metadata, sharded_problem
 
 __all__ = [
     "EMA_OBJECT",

@@ -86,7 +86,7 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     size and CRC-32 (:func:`unison.checkpoint.sharded.sharded_problem`).
     """
     if os.path.isdir(path):
-        from unison.checkpoint.sharded import sharded_complete  # it builds on this module
+        from unison.checkpoint.sharded_check import sharded_complete  # it builds on this module
 
         return sharded_complete(path)
     try:
@@ -176,7 +176,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _load_sharded_rest(folder: Path) -> dict[str, Any]:
     """The ``rest.pt`` of a sharded checkpoint folder, after checking the whole folder."""
-    from unison.checkpoint.sharded import REST, sharded_problem
+    from unison.checkpoint.sharded import REST
+    from unison.checkpoint.sharded_check import sharded_problem
 
     problem = sharded_problem(folder)
     if problem is not None:

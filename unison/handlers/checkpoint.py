@@ -27,7 +27,7 @@ from unison.checkpoint.position import (
 )
 from unison.checkpoint.ranks import agreed_verdict, choose, gather_on_first, open_folder, summed_over_ranks
 from unison.checkpoint.retention import best_entry
-from unison.checkpoint.sharded import dcp_states, save_sharded, sharded_names
+from unison.checkpoint.sharded import background_group, dcp_states, save_sharded, sharded_names
 from unison.checkpoint.state import (
     build_checkpoint,
     capture_rng,
@@ -298,7 +298,7 @@ class Checkpoint:
             entry = entry_for(state["meta"], self.manifest.prefix, sharded=bool(names))
         if shards is not None:  # every rank writes its shards; rank 0 the rest, then records
             name = entry_for(trainer_position(engine)._asdict(), self.manifest.prefix, sharded=True).file
-            path = save_sharded(self.writer, name, state, shards, entry, async_group=self._async_group())
+            path = save_sharded(self.writer, name, state, shards, entry, async_group=background_group(self.writer))
         elif state is None or entry is None:
             return None
         else:
@@ -307,16 +307,6 @@ class Checkpoint:
         if path is not None:
             self.stall_seconds.append(time.perf_counter() - start)
         return path
-
-    def _async_group(self) -> Any:
-        """Collective: the gloo group a background sharded save gathers over (made once), or None."""
-        if not self.writer.async_save:
-            return None
-        if getattr(self, "_gloo", None) is None:
-            import torch.distributed as dist
-
-            self._gloo = dist.new_group(backend="gloo")
-        return self._gloo
 
     def _vetted(
         self, state: dict[str, Any] | None, problem: Exception | None, shards: dict[str, Any] | None
