@@ -238,3 +238,13 @@ def test_only_rank_zero_writes(tmp_path):
         scalars["train/samples_per_second"], scalars["train/epoch_time_s"], strict=True
     ):
         assert sps * seconds == pytest.approx(ITERS * BATCH * 2, rel=1e-5)  # both ranks' samples
+
+
+def test_a_trainer_run_twice_in_the_same_second_keeps_both_runs_scalars(tmp_path):
+    model = torch.nn.Linear(3, 1)
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss)
+    TensorBoardLogger(tmp_path, trainer=trainer).attach()
+    trainer.run(DataLoader(_data(), batch_size=BATCH), max_epochs=1)
+    trainer.run(DataLoader(_data(), batch_size=BATCH), max_epochs=2)  # continues: epoch 2
+    assert len(list(Path(tmp_path).glob("events.out.tfevents.*"))) == 2  # one file per writer, none lost
+    assert _steps(read_scalars(tmp_path)["train/loss"]) == [ITERS, 2 * ITERS]

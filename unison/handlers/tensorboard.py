@@ -218,7 +218,9 @@ class TensorBoardLogger:
         if self._writer is None:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.log_dir))
+            # tensorboardX names event files by the second and opens them with 'wb': a second writer in
+            # the same second (a trainer run again, a resumed run) would overwrite the first's file
+            self._writer = SummaryWriter(str(self.log_dir), filename_suffix=f".{os.getpid()}.{time.time_ns()}")
         for tag, value in scalars.items():
             self._writer.add_scalar(tag, value, step)
 
