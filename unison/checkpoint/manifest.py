@@ -65,9 +65,9 @@ class Manifest:
         found = [*self.folder.glob(f"{self.prefix}-e*-i*.pt"), *self.folder.glob(f"{self.prefix}-e*-i*.dcp")]
         for path in sorted(found):
             if path.name not in known:
-                found = self._entry_from_file(path)
-                if found is not None:
-                    known[path.name] = found
+                entry = self._entry_from_file(path)
+                if entry is not None:
+                    known[path.name] = entry
         self.entries = oldest_first(list(known.values()))
         return self
 

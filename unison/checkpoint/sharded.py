@@ -333,7 +333,8 @@ def save_sharded(
     rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
 
     def in_background() -> None:
-        pending.result()
+        done: Any = getattr(pending, "upload_completion", pending)  # a Future, or a response holding one
+        done.result()
         mine = own_checksums(tmp)
         everyone: list[Any] | None = [None] * dist.get_world_size() if get_rank() == 0 else None
         dist.gather_object(mine, everyone, dst=0, group=async_group)

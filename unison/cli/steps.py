@@ -32,6 +32,8 @@ from unison.cli.ema import EMA, attach_ema, evaluated_model
 from unison.cli.eval_loaders import eval_loader
 from unison.cli.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs
 from unison.cli.resolve import Resolved, make_metrics
+from unison.cli.tracking import attach_tracking
+from unison.cli.tracking_tb import attach_hparams, attach_profiler
 from unison.config import Config, ConfigError, to_plain
 from unison.distributed import prepare_loaders, prepare_model
 from unison.engine import Engine, Events, TrainStep, UpdateEvents, create_evaluator, create_trainer
@@ -177,7 +179,7 @@ def build_model(config: Config, resolved: Resolved) -> nn.Module:
         resolved.model_type(**resolved.model_kwargs),
         strategy=p.strategy,
         fsdp=dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None,
-        compile=compile_options(config),
+        compile=_off_or(compile_options(config)),
         sync_batchnorm=config.parallel.sync_batchnorm,
         find_unused_parameters=config.parallel.find_unused_parameters,
         **ddp_options(config),  # parallel.output_device, on GPUs
@@ -371,7 +373,8 @@ def attach_checkpoint(
 
 
 def attach_logging(config: Config, parts: RunParts, run_dir: Path) -> None:
-    """TensorBoard event files in ``run_dir/tb`` and the progress bar, as ``logging`` asks."""
+    """TensorBoard event files in ``run_dir/tb`` (with the HParams session and profiler traces of
+    :mod:`unison.cli.tracking_tb`) and the progress bar, as ``logging`` asks."""
     if config.logging.tensorboard:
         try:
             from unison.handlers.tensorboard import TensorBoardLogger
@@ -384,5 +387,13 @@ def attach_logging(config: Config, parts: RunParts, run_dir: Path) -> None:
                 evaluators={"val": parts.evaluator},
                 log_every=config.logging.log_every,
             ).attach(parts.trainer)
+    attach_hparams(config, parts, run_dir)  # logging.tensorboard: the settings for the HParams view
+    attach_profiler(config, parts, run_dir)  # training.profile: a trace of a few iterations per rank
+    attach_tracking(config, parts, run_dir)  # logging.mlflow (unison.cli.tracking)
     if config.logging.progress:
         ProgressBar().attach(parts.trainer)
+
+
+def _off_or(options: dict[str, Any] | None) -> bool | dict[str, Any]:
+    """``training.compile``'s options for ``prepare_model``: False when off, ``{}`` (on, defaults) kept."""
+    return False if options is None else options

@@ -178,10 +178,14 @@ def shard_model(model: nn.Module, options: FSDPOptions, device: torch.device, wo
         param_dtype=options.dtype("param_dtype"), reduce_dtype=options.dtype("reduce_dtype")
     )
     offload = CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()
-    kwargs = {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}
-    for unit in reversed(units):  # children before the modules that hold them
-        fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    for unit in [*reversed(units), model]:  # children before the modules that hold them, the root last
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=options.reshard_after_forward,
+            mp_policy=policy,
+            offload_policy=offload,
+        )
     model._unison_fsdp = options  # type: ignore[assignment]  # read back by gathered_parameters
     model._unison_device = device  # type: ignore[assignment]  # where it computes, even with its shards offloaded
     return model
@@ -202,8 +206,8 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
 
 
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """Every ``fully_shard`` unit of ``model``, in module order (the root first)."""
+def fsdp_units(model: nn.Module) -> list[Any]:
+    """Every ``fully_shard`` unit of ``model`` (``FSDPModule``), in module order (the root first)."""
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in getattr(model, "_orig_mod", model).modules() if isinstance(m, FSDPModule)]
@@ -257,18 +261,18 @@ def gathered_parameters(model: nn.Module) -> Iterator[None]:
         yield
         return
     for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]  # an FSDPModule
-        unit.unshard()  # type: ignore[operator]
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
     try:
         yield
     finally:
         for unit in units:
-            unit.reshard()  # type: ignore[operator]
+            unit.reshard()
         root_options = getattr(units[0], "_unison_fsdp", None)
         again = root_options.reshard_after_forward if isinstance(root_options, FSDPOptions) else True
         for unit in units:
             # the root keeps its gathered parameters after forward, as fully_shard sets it
-            unit.set_reshard_after_forward(again and unit is not units[0], recurse=False)  # type: ignore[operator]
+            unit.set_reshard_after_forward(again and unit is not units[0], recurse=False)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -312,4 +316,5 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
         return inner.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True))
+    state = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True))
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

@@ -130,10 +130,10 @@ class EMA:
         self.shards: ShardedAverage | None = ShardedAverage(self.model) if is_sharded(self.model) else None
         """Under FSDP: the average of this rank's shards (a sharded model cannot be copied whole)."""
         self._view: AveragedView | None = None
-        self.averaged = (
+        self.averaged: ShardedAverage | AveragedModel = (
             self.shards if self.shards is not None else AveragedModel(self.model, use_buffers=True)
         )
-        if self.shards is None:
+        if isinstance(self.averaged, AveragedModel):
             for p in self.averaged.parameters():
                 p.requires_grad_(False)
             self.averaged.eval()
@@ -152,6 +152,7 @@ class EMA:
             if self._view is None:
                 self._view = AveragedView(self.model, self.shards)
             return self._view
+        assert isinstance(self.averaged, AveragedModel)
         return self.averaged.module
 
     def __call__(self, engine: Engine | None = None) -> None:
@@ -247,10 +248,10 @@ class ShardedAverage:
             if is_dtensor(live):
                 out[name] = DTensor.from_local(
                     mine,
-                    live.device_mesh,
-                    live.placements,
+                    live.device_mesh,  # type: ignore[attr-defined]  # a DTensor (checked above)
+                    live.placements,  # type: ignore[attr-defined]
                     shape=live.shape,
-                    stride=live.stride(),  # type: ignore[attr-defined]
+                    stride=live.stride(),
                 )
             else:
                 out[name] = mine
