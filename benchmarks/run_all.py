@@ -7,8 +7,8 @@ report, return code and duration) goes to ``benchmarks/results/latest.json`` unl
 ``--out`` says otherwise. A script that fails is recorded with the tail of its output and
 the others still run; the exit code is then 1.
 
-    python benchmarks/run_all.py --quick               # smoke run of the whole suite, ~2-3 minutes
-    python benchmarks/run_all.py                       # full run, ~4-6 minutes on 2 busy cores
+    python benchmarks/run_all.py --quick               # smoke run of the whole suite, ~3-4 minutes
+    python benchmarks/run_all.py                       # full run, ~8-10 minutes on 2 busy cores
     python benchmarks/run_all.py --only overhead ddp   # a subset, updated in the existing file
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 
 import _common as C  # noqa: E402
 
-SCRIPTS = ("overhead", "ddp", "metric_sync", "sync_point", "checkpoint_stall")
+SCRIPTS = ("overhead", "ddp", "fsdp", "metric_sync", "sync_point", "checkpoint_stall")
 DEFAULT_OUT = HERE / "results" / "latest.json"
 
 

@@ -19,9 +19,12 @@ from unison.handlers import (
     AgreedPruning,
     Checkpoint,
     EarlyStopping,
+    HParamsLogger,
     LRWarmup,
+    MLflowLogger,
     NonFiniteGuard,
     Preemption,
+    Profiler,
     ProgressBar,
     TensorBoardLogger,
     TimeLimit,
@@ -66,6 +69,15 @@ FACTORIES: dict[str, Callable[[Engine, Engine, Path], tuple[Any, Callable[[Any],
     ),
     "TensorBoardLogger": lambda t, e, d: (
         TensorBoardLogger(d / "tb", trainer=t, evaluators={"val": e}),
+        lambda h: h.attach(),
+    ),
+    "HParamsLogger": lambda t, e, d: (
+        HParamsLogger(d / "hp", {"training.lr": 0.1, "model.type": "Linear"}, trainer=t),
+        lambda h: h.attach(),
+    ),
+    "Profiler": lambda t, e, d: (Profiler(d / "prof", wait=0, warmup=1, active=1), lambda h: h.attach(t)),
+    "MLflowLogger": lambda t, e, d: (
+        MLflowLogger(f"sqlite:///{d / 'mlflow.db'}", trainer=t, experiment="contract", evaluators={"val": e}),
         lambda h: h.attach(),
     ),
     "MetricGroup": lambda t, e, d: (

@@ -1,11 +1,12 @@
-"""The ``unison`` command: ``run`` a config, ``tune`` it, check a machine with ``doctor``, ``plot`` a run.
+"""The ``unison`` command: ``run`` a config, ``tune`` it, check a machine with ``doctor``, ``plot`` a run,
+``export`` its weights.
 
 The parser and :func:`main` live here; each command's code is in modules of this package,
 imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.cli.run`
 (with :mod:`unison.cli.resolve` and :mod:`unison.cli.steps`), :mod:`unison.cli.tune` (with
 :mod:`unison.cli.tune_space`, :mod:`unison.cli.tune_server` and :mod:`unison.cli.tune_best`),
 :mod:`unison.cli.doctor` (with :mod:`unison.cli.checks` and :mod:`unison.cli.launch_checks`)
-and :mod:`unison.cli.plot`.
+and :mod:`unison.cli.plot`, :mod:`unison.cli.export`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ def _run(args: argparse.Namespace) -> int:
 
     first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own
     try:
-        results = run(args.config, nproc=args.nproc, overrides=args.set, resume=args.resume)
+        overrides = args.set
+        if args.profile is not None:  # --profile [ACTIVE]; a --set of training.profile wins
+            from unison.cli.tracking_tb import profile_overrides
+
+            active = args.profile or None  # 0: a bare --profile
+            overrides = [*profile_overrides(args.config, active), *args.set]
+        results = run(args.config, nproc=args.nproc, overrides=overrides, resume=args.resume)
     except (ConfigError, ResumeError) as err:
         if args.debug:
             raise
@@ -70,13 +77,45 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from unison.cli.plot import plot_run
+    from unison.cli.plot_compare import plot_compare
 
-    print(plot_run(args.run_dir, out=args.out))
+    try:
+        if args.compare:
+            runs = [args.run_dir, *args.compare] if args.run_dir else args.compare
+            print(plot_compare(runs, out=args.out))
+        elif args.run_dir is not None:
+            print(plot_run(args.run_dir, out=args.out))
+        else:
+            raise ValueError("give a run directory, or several after --compare RUN_DIR ...")
+    except (FileNotFoundError, ValueError, ImportError) as err:
+        print(f"unison plot: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from unison.cli.export import run_export
+
+    return run_export(
+        args.run_dir,
+        checkpoint=args.checkpoint,
+        out=args.out,
+        ema=args.ema,
+        force=args.force,
+        mode=args.mode,
+        debug=args.debug,
+    )
+
+
+def _iterations(text: str) -> int:
+    """``--profile ACTIVE``: a number of iterations, at least 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of iterations >= 1, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``unison`` argument parser: one sub-command each for ``run``, ``tune``, ``doctor`` and ``plot``."""
+    """The ``unison`` argument parser: a sub-command each for ``run``, ``tune``, ``doctor``, ``plot``, ``export``."""
     parser = argparse.ArgumentParser(
         prog="unison", description="Distributed training in which every rank moves in unison."
     )
@@ -100,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--resume", default=None, metavar="auto|PATH", help="'auto', a checkpoint file or a run directory"
+    )
+    run.add_argument(
+        "--profile",
+        nargs="?",
+        type=_iterations,
+        const=0,  # a bare --profile
+        default=None,
+        metavar="ACTIVE",
+        help="trace ACTIVE iterations (default training.profile, else 3) with torch.profiler on every rank, "
+        "into <run>/tb/plugins/profile/",
     )
     run.add_argument(
         "--debug",
@@ -136,9 +185,50 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(handler=_doctor)
 
     plot = commands.add_parser("plot", help="draw a run's training and validation curves to a PNG")
-    plot.add_argument("run_dir", help="a run directory (runs/<name>/<timestamp>)")
-    plot.add_argument("--out", default=None, help="the PNG to write (default <run_dir>/curves.png)")
+    plot.add_argument("run_dir", nargs="?", default=None, help="a run directory (runs/<name>/<timestamp>)")
+    plot.add_argument(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar="RUN_DIR",
+        help="draw these runs (and run_dir, when given) on one figure, labelled by the settings that differ",
+    )
+    plot.add_argument(
+        "--out",
+        default=None,
+        help="the PNG to write (default <run_dir>/curves.png; with --compare, compare.png in the runs' common folder)",
+    )
     plot.set_defaults(handler=_plot)
+
+    export = commands.add_parser(
+        "export",
+        help="write a run's weights as one plain state_dict file for inference",
+        description="Reads a checkpoint of the run (a file, or a sharded folder put together) and writes its "
+        "weights with the plain model's keys: model.load_state_dict(torch.load(OUT, weights_only=True)).",
+    )
+    export.add_argument("run_dir", help="a run directory (runs/<name>/<timestamp>)")
+    export.add_argument(
+        "--checkpoint",
+        default="best",
+        metavar="best|last|PATH",
+        help="'best' by the recorded score (the last when none has one), 'last', or a checkpoint file or "
+        ".dcp folder (default best)",
+    )
+    export.add_argument(
+        "--out", default=None, help="the file to write (default <run_dir>/model.pt, model-ema.pt with --ema)"
+    )
+    export.add_argument(
+        "--ema", action="store_true", help="export the EMA average instead of the trained weights"
+    )
+    export.add_argument("--force", action="store_true", help="replace --out when it exists")
+    export.add_argument(
+        "--mode",
+        choices=("max", "min"),
+        default=None,
+        help="whether higher or lower scores are better, for 'best' (default the run's checkpoint.mode)",
+    )
+    export.add_argument("--debug", action="store_true", help="show the full Python traceback of an error")
+    export.set_defaults(handler=_export)
     return parser
 
 

@@ -10,7 +10,6 @@ when a run starts). Evaluation loaders that drop samples get a warning there too
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from typing import Any
 

@@ -1,4 +1,7 @@
-"""``unison plot``: a PNG of a run's training and validation curves, from its event files."""
+"""``unison plot``: a PNG of a run's training and validation curves, from its event files.
+
+Several runs on one figure (``unison plot --compare``) are :mod:`unison.cli.plot_compare`'s.
+"""
 
 from __future__ import annotations
 
@@ -78,12 +81,17 @@ def _draw(ax: Axes, title: str, tags: list[str], scalars: Scalars) -> None:
     ax.legend(fontsize="small")
 
 
-def _log_dir(run_dir: Path) -> Path:
+def find_log_dir(run_dir: Path) -> Path:
+    """The folder of a run's event files: ``run_dir/tb``, else ``run_dir`` itself.
+
+    Raises:
+        FileNotFoundError: neither holds event files.
+    """
     for folder in (run_dir / "tb", run_dir):
         if event_files(folder):
             return folder
     raise FileNotFoundError(
-        f"plot_run: no TensorBoard event files in {run_dir / 'tb'} (nor in {run_dir}). Pass the run's "
+        f"unison plot: no TensorBoard event files in {run_dir / 'tb'} (nor in {run_dir}). Pass the run's "
         "folder (the one holding tb/), and log with unison.handlers.tensorboard.TensorBoardLogger "
         "(logging.tensorboard: true in a recipe's config)."
     )
@@ -125,7 +133,7 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
         ) from err
 
     run_dir = Path(run_dir)
-    log_dir = _log_dir(run_dir)
+    log_dir = find_log_dir(run_dir)
     scalars = read_scalars(log_dir)
     if not scalars:
         raise ValueError(f"plot_run: the event files in {log_dir} hold no scalars; nothing to draw.")

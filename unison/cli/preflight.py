@@ -17,9 +17,11 @@ from torch import nn
 
 from unison.cli.references import _References
 from unison.cli.resolve import Resolved
+from unison.cli.tracking import check_tracking
 from unison.config import Config, ConfigError
 from unison.config.usercode import describe
 from unison.distributed.env import port_is_free
+from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
 from unison.metrics import Loss
 from unison.utils import get_logger
@@ -43,9 +45,11 @@ def preflight(config: Config, resolved: Resolved) -> None:
     _check_device(config, refs)
     _check_output_root(config, refs)
     _check_find_unused(config, refs)
+    check_tracking(config)  # logging.mlflow: installed, a store a config may name
     model = _meta_model(resolved, refs)
     if model is not None:
         _meta_optimizer(config, resolved, model, refs)
+        _check_shard_rule(config, model, refs)
     for name, (cls, kwargs) in resolved.metrics.items():
         if issubclass(cls, Loss) and "loss_fn" not in kwargs:
             kwargs = {"loss_fn": resolved.loss, **kwargs}
@@ -55,6 +59,17 @@ def preflight(config: Config, resolved: Resolved) -> None:
             raise refs.error(
                 f"validation.metrics.{name}", f"building {describe(cls)} raised {type(err).__name__}: {err}"
             ) from err
+
+
+def _check_shard_rule(config: Config, model: nn.Module, refs: _References) -> None:
+    """``parallel.fsdp.shard`` names classes the model holds (checked on the meta model)."""
+    shard = config.parallel.fsdp.shard
+    if config.parallel.strategy != "fsdp" or shard == "auto":
+        return
+    try:
+        named_units(model, [shard] if isinstance(shard, str) else list(shard))
+    except ValueError as err:
+        raise refs.error("parallel.fsdp.shard", str(err).replace("parallel.fsdp.shard names", "names")) from None
 
 
 def _check_find_unused(config: Config, refs: _References) -> None:

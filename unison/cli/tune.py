@@ -50,6 +50,7 @@ from typing import Any
 from unison.cli.preflight import check_port, preflight
 from unison.cli.resolve import resolve
 from unison.cli.run import launch_config
+from unison.cli.tracking import SweepRun, sweep_tracking, trial_overrides
 from unison.cli.tune_best import run_command, write_best
 from unison.cli.tune_server import AttachPruning, DecisionServer
 from unison.cli.tune_space import (
@@ -182,8 +183,12 @@ def _write_record(run_dir: Path | None, record: dict[str, Any]) -> None:
         (run_dir / "trial.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
-def run_trial(study: Any, plan: SweepPlan, nproc: int | None) -> dict[str, Any]:
+def run_trial(
+    study: Any, plan: SweepPlan, nproc: int | None, tracking: SweepRun | None = None
+) -> dict[str, Any]:
     """Asks the study for a trial, runs it on its ranks, and tells the study how it ended.
+
+    With ``tracking`` (``logging.mlflow``), the trial's MLflow run is nested under the sweep's.
 
     Returns:
         The trial's record (also written to ``<its run folder>/trial.json``).
@@ -205,6 +210,7 @@ def run_trial(study: Any, plan: SweepPlan, nproc: int | None) -> dict[str, Any]:
             f"name=trial-{trial.number:04d}",
             f"logging.root={json.dumps(str(plan.folder))}",
             "training.path=null",
+            *trial_overrides(tracking, trial.number),
         ]
         config = load_config(plan.path, [*plan.overrides, *sets, *layout])
         preflight(config, resolve(config))
@@ -316,9 +322,9 @@ def tune(
         trials,
     )
     records = []
-    with _signals_stop_the_sweep():
+    with sweep_tracking(plan) as tracking, _signals_stop_the_sweep():  # logging.mlflow: the sweep's run
         for _ in range(todo):
-            records.append(run_trial(study, plan, nproc))
+            records.append(run_trial(study, plan, nproc, tracking))
     best_yaml = write_best(study, plan, nproc)
     best = None
     if best_yaml is not None:

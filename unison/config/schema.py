@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from unison.config.loader import KeyPath, PyObjectRef
+from unison.config.mlflow_config import MLflowConfig
+from unison.config.profiling import ProfileConfig
 
 
 def option(
@@ -169,6 +171,7 @@ class TrainingConfig:
         "keep an exponential moving average of the weights, updated once per optimizer update (keys "
         "below; `ema: {}` takes their defaults); null: off",
     )
+    profile: ProfileConfig | None = option(None, "torch.profiler traces of a few iterations; null: off")
     num_workers: int = option(0, "DataLoader worker processes per rank")
     pin_memory: bool = option(False, "pin host memory for faster copies to the GPU")
     drop_last: bool = option(False, "drop the last incomplete training batch")
@@ -300,6 +303,7 @@ class LoggingConfig:
     tensorboard: bool = option(True, "write TensorBoard event files to <run>/tb")
     progress: bool = option(True, "a progress bar on rank 0")
     log_every: int = option(50, "iterations between learning-rate points in TensorBoard")
+    mlflow: MLflowConfig | None = option(None, "track the run in MLflow from rank 0 (docs/tracking.md); null: off")
 
 
 @dataclass

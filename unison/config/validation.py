@@ -215,13 +215,6 @@ def _check_training_extras(config: Config, raw: RawConfig) -> None:
                 e.warmup < 0,
                 f"must be >= 0 (updates that copy the weights before averaging), got {e.warmup!r}",
             ),
-            (
-                ("training", "ema", "evaluate"),
-                e.evaluate and config.parallel.strategy == "fsdp",
-                "is true with parallel.strategy: fsdp, where the average is kept as each rank's shards (it is "
-                "saved, resumed and exported with `unison export --ema`, not evaluated during the run); set "
-                "`evaluate: false`",
-            ),
         ]
     if t.profile is not None:
         for key, least in (("wait", 0), ("warmup", 0), ("active", 1), ("repeat", 1)):
