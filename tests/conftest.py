@@ -16,6 +16,21 @@ torch.set_num_threads(1)
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "UNISON_SPAWNED")
 
 
+# Marks whose tests run only when the -m expression names them (pyproject.toml says what each holds).
+_OPT_IN_MARKS = ("compile",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselects the tests of an opt-in mark unless ``-m`` names it (``pytest -m compile``)."""
+    expression = config.getoption("markexpr", "") or ""
+    marks = [mark for mark in _OPT_IN_MARKS if mark not in expression]
+    left_out = [item for item in items if any(item.get_closest_marker(mark) for mark in marks)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        dropped = set(left_out)
+        items[:] = [item for item in items if item not in dropped]
+
+
 @pytest.fixture(autouse=True)
 def _clean_distributed_state():
     """Restores the environment, destroys a leaked process group, and fails on leftover children."""

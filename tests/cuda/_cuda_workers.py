@@ -47,9 +47,13 @@ IN, HIDDEN, OUT, BATCH = 8, 32, 4, 8
 
 
 def make_mlp(seed: int = 0, dropout: float = 0.0) -> nn.Module:
-    """Three Linear layers (FSDP's "auto" rule makes each a unit); weights from ``seed`` only."""
+    """Three Linear layers (FSDP's "auto" rule makes each a unit); weights from ``seed`` only.
+
+    Only the CPU generator is seeded (and put back): ``torch.manual_seed`` would also reseed
+    every GPU's generator, which ``fork_rng(devices=[])`` does not restore, so every run's
+    dropout masks on the GPU would be the same whatever its own seed."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU()]
         if dropout:
             layers.append(nn.Dropout(dropout))
