@@ -117,8 +117,8 @@ def torch_compile_kwargs(options: Mapping[str, Any] | None, device: torch.device
     can lose a kernel's dependency on an in-place scatter when it fuses loops, and the
     reordering then runs the reader before the scatter. The max-pool backward scatters into
     a zeroed buffer, so a ``Conv2d -> MaxPool2d`` network (the digits recipe's) trained with
-    zero gradients for its convolutions (torch issue #185509, fixed upstream by #185873;
-    ``tests/distributed/test_compile.py`` tells when the installed torch no longer needs it).
+    zero gradients for its convolutions (a test marked ``compile`` in
+    ``tests/distributed/test_compile.py`` reproduces it, and tells when a torch no longer needs this).
 
     Example:
         >>> torch_compile_kwargs({"mode": "max-autotune-no-cudagraphs"}, torch.device("cpu"))["options"]
