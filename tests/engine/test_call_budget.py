@@ -7,6 +7,7 @@ iterations, so each run's fixed cost cancels out: deterministic to the call, unl
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 
@@ -27,11 +28,17 @@ def _calls(run: Callable[[int], None], n: int) -> int:
         if event in ("call", "c_call"):
             count += 1
 
+    # A garbage collection inside the run would add the calls of whatever it finalises and of
+    # the gc callbacks other libraries registered (imported by earlier tests): collect first,
+    # and not during the count.
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         run(n)
     finally:
         sys.setprofile(None)
+        gc.enable()
     return count
 
 
