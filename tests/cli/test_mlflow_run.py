@@ -47,7 +47,7 @@ def build(seed, n=80):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=gen)
     y = (x[:, 0] > 0).long()
-    return TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
+    return TensorDataset(x[:56], y[:56]), TensorDataset(x[56:68], y[56:68]), TensorDataset(x[68:], y[68:])
 """
 
 CONFIG = """\
@@ -305,6 +305,11 @@ def test_a_two_rank_run_is_one_mlflow_run_holding_what_metrics_json_holds(tmp_pa
     ):
         values = [m.value for m in client.get_metric_history(run.info.run_id, name)]
         assert values == pytest.approx([row[key] for row in metrics["history"]]), name  # one per epoch
+    assert set(metrics["test"]) == {"accuracy", "loss"}
+    for name, value in metrics["test"].items():  # the test phase, after training closed the run
+        assert [m.value for m in client.get_metric_history(run.info.run_id, f"test/{name}")] == [
+            pytest.approx(value)
+        ], name
     best = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
     names = {client_path.path for client_path in client.list_artifacts(run.info.run_id, "checkpoints")}
     assert len(names) == 1 and Path(names.pop()).name in {e["file"] for e in best["checkpoints"]}

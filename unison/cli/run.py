@@ -36,6 +36,7 @@ from unison.cli.eval_loaders import eval_loader
 from unison.cli.preflight import check_port, preflight
 from unison.cli.resolve import Resolved, make_metrics, resolve
 from unison.cli.steps import RunParts, build_run
+from unison.cli.tracking import log_test_metrics
 from unison.config import Config, dump_config, load_config
 from unison.distributed import (
     barrier,
@@ -273,6 +274,7 @@ def finish_run(
     datasets = parts.datasets
     if datasets.test is not None and config.testing.enabled:
         results["test"] = evaluate_test_set(config, resolved, parts)
+        log_test_metrics(config, run_dir, results["test"])  # logging.mlflow: into the training's run
     if config.predict.enabled:
         written = write_predictions(config, parts, run_dir)
         if written is not None:

@@ -33,8 +33,9 @@ import torch
 
 from unison.cli.references import _References
 from unison.config import Config, ConfigError, PyObjectRef
-from unison.distributed import get_world_size
+from unison.distributed import get_rank, get_world_size
 from unison.handlers.mlflow import MLflowLogger
+from unison.handlers.mlflow_store import key as metric_key
 from unison.handlers.mlflow_store import (
     artifacts_beside,
     limited,
@@ -283,6 +284,25 @@ def attach_tracking(config: Config, parts: RunParts, run_dir: Path) -> MLflowLog
     )
     logger.attach(parts.trainer)
     return logger
+
+
+def log_test_metrics(config: Config, run_dir: Path, metrics: dict[str, float]) -> None:
+    """``logging.mlflow``: the test phase's metrics, as ``test/<name>``, into the run training wrote
+    (found through ``<run>/mlflow-run.json``; the run has ended, its status is kept).
+
+    Distributed:
+        Call it on every rank; rank 0 alone writes, and nothing is collective.
+    """
+    if config.logging.mlflow is None or not metrics or get_rank() != 0:
+        return
+    uri, _ = store(config)
+    client = make_client(uri)
+    run_id = recorded_run(client, run_dir / RUN_FILE)
+    if run_id is None:
+        _log.warning("MLflow: no run recorded in %s; the test metrics are not logged there", run_dir / RUN_FILE)
+        return
+    for name, value in metrics.items():
+        client.log_metric(run_id, metric_key(f"test/{name}"), float(value))
 
 
 @dataclass(frozen=True)
