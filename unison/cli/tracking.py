@@ -35,7 +35,6 @@ from unison.cli.references import _References
 from unison.config import Config, ConfigError, PyObjectRef
 from unison.distributed import get_rank, get_world_size
 from unison.handlers.mlflow import MLflowLogger
-from unison.handlers.mlflow_store import key as metric_key
 from unison.handlers.mlflow_store import (
     artifacts_beside,
     limited,
@@ -44,6 +43,7 @@ from unison.handlers.mlflow_store import (
     record_run,
     recorded_run,
 )
+from unison.handlers.mlflow_store import key as metric_key
 from unison.utils import get_logger
 from unison.utils.version import __version__
 
