@@ -39,7 +39,7 @@ def group_threads() -> list[str]:
     return sorted(names)
 
 
-def train_and_record(out: str, launch_id: int) -> int:
+def train_and_record(out: str, launch_id: int, strategy: str = "ddp") -> int:
     from unison.distributed import get_rank, prepare_loaders, prepare_model
     from unison.engine import Events, create_evaluator, create_trainer
     from unison.metrics import Accuracy, Loss
@@ -54,8 +54,11 @@ def train_and_record(out: str, launch_id: int) -> int:
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=gen), torch.randint(0, 3, (64,), generator=gen))
     train_loader, val_loader = prepare_loaders(data, data, batch_size=8, seed=0)
-    model = prepare_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
-    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy)
+    model = prepare_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)), strategy=strategy)
+    clip = 1.0 if strategy == "fsdp" else None  # a global norm over shards: DTensor redistributions
+    trainer = create_trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, clip_grad_norm=clip
+    )
     evaluator = create_evaluator(model, {"accuracy": Accuracy(), "loss": Loss(F.cross_entropy)})
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(val_loader))
     trainer.run(train_loader, max_epochs=2)
@@ -78,6 +81,8 @@ def main(argv: list[str]) -> None:
         runs, out = int(rest[0]), rest[1]
         for launch_id in range(runs):
             launch(train_and_record, out, launch_id, nproc_per_node=2, backend="gloo", start_method="spawn")
+    elif mode == "spawn-fsdp":  # DTensor's caches hold the device mesh, and so the group
+        launch(train_and_record, rest[0], 0, "fsdp", nproc_per_node=2, backend="gloo", start_method="spawn")
     elif mode == "torchrun":
         launch(train_and_record, rest[0], 0, backend="gloo")
     elif mode == "fail":

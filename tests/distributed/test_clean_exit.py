@@ -81,6 +81,12 @@ def test_spawned_ranks_leave_no_group_thread_to_teardown(tmp_path: Path, job_env
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_sharded_ranks_leave_no_group_thread_to_teardown(tmp_path: Path, job_env: None) -> None:
+    cmd = [sys.executable, str(WORKERS), "spawn-fsdp", str(tmp_path)]
+    check_clean(run_in_session(cmd, RUN_TIMEOUT_S, ROOT), tmp_path, 1)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_torchrun_ranks_leave_no_group_thread_to_teardown(tmp_path: Path, job_env: None) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(WORKERS), "torchrun", str(tmp_path)]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +94,37 @@ def _group_threads() -> list[str]:
     return sorted(names)
 
 
+def _clear_dtensor_cache() -> None:
+    """Empties DTensor's caches, whose entries hold the device mesh of a sharded (FSDP2) model and
+    through it the process group, whose threads then outlived the group's destroy: the sharding
+    propagation cache kept in C++ (where ``gc`` cannot see it), the redistribution planners and
+    the ``functools`` caches of ``torch.distributed`` (redistribution plans, mesh topology,
+    tensor metadata). Only where
+    DTensor was used; it scans the heap once, as the rank leaves."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    for clear in (
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+        getattr(redistribute, "clear_redistribute_planner_cache", None),  # planners keyed by mesh
+    ):
+        if callable(clear):
+            clear()
+    with warnings.catch_warnings():  # reading attributes of deprecated objects warns
+        warnings.simplefilter("ignore")
+        _clear_caches_of("torch.distributed")
+
+
+def _clear_caches_of(package: str) -> None:
+    for obj in gc.get_objects():
+        try:
+            owner = getattr(obj, "__module__", None) if callable(getattr(obj, "cache_clear", None)) else None
+            if isinstance(owner, str) and owner.startswith(package):
+                obj.cache_clear()
+        except Exception:  # an object whose attributes cannot be read: not one of these caches
+            continue
+
+
 def _leave_group() -> None:
     """Destroys this rank's process group for good, while Python is still whole.
 
@@ -112,6 +145,7 @@ def _leave_group() -> None:
     that ran fewer collectives than its peers must leave, so that their next collective fails
     with a lost connection that names the cause, instead of waiting on it in a barrier.
     """
+    _clear_dtensor_cache()
     gc.collect()
     idist.finalize()  # dist.destroy_process_group(), and ignite back to a single process
     left = _group_threads()
