@@ -55,3 +55,32 @@ def _clean_distributed_state():
         proc.join(timeout=5)
     assert not leaked_group, "the test left a torch.distributed process group behind"
     assert not leftovers, f"the test left child processes running: {[p.pid for p in leftovers]}"
+
+
+# The summaries of two parts of the suite. They live here, not in those folders' conftests:
+# with pytest-xdist (`-n 2`) the controller, which prints the summary, loads only this one;
+# the workers' reports reach it with their keywords and user properties.
+IGNITE_SUMMARY_KEY = "ignite_suite"  # tests/ignite_suite/run_ignite_suite.py: SUMMARY_KEY
+GPU_COMMAND = "python benchmarks/gpu.py"  # runs tests/cuda, then the benchmarks, on a GPU machine
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """ignite's own tests, as counted by the run of its suite; the CUDA tests not run here."""
+    lines = [
+        value
+        for outcome in ("passed", "failed")
+        for report in terminalreporter.stats.get(outcome, [])
+        if getattr(report, "when", "call") == "call"
+        for key, value in getattr(report, "user_properties", [])
+        if key == IGNITE_SUMMARY_KEY
+    ]
+    if lines:
+        terminalreporter.section("ignite's own tests")
+        for line in lines:
+            terminalreporter.line(line)
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "cuda" in getattr(r, "keywords", {})]
+    if skipped:
+        terminalreporter.write_line(
+            f"cuda tier: {len(skipped)} test(s) not run (no GPU, or too few): run `{GPU_COMMAND}` on a GPU "
+            "machine (docs/benchmarks.md, 'On a GPU machine')."
+        )

@@ -10,9 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-GPU_COMMAND = "python benchmarks/gpu.py"
-"""Runs this tier and the GPU benchmarks on a GPU machine (docs/benchmarks.md, "On a GPU machine")."""
-
 
 def _gpus_needed(item: pytest.Item) -> int:
     return max((int(m.kwargs.get("gpus", 1)) for m in item.iter_markers("cuda")), default=0)
@@ -36,12 +33,3 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         reason = _missing(needed)
         if reason is not None:
             pytest.skip(f"cuda tier: {reason}")
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "cuda" in getattr(r, "keywords", {})]
-    if skipped:
-        terminalreporter.write_line(
-            f"cuda tier: {len(skipped)} test(s) not run (no GPU, or too few): run `{GPU_COMMAND}` on a GPU "
-            "machine (docs/benchmarks.md, 'On a GPU machine')."
-        )

@@ -1,12 +1,11 @@
-"""The ignite suite's place in ours: its metric run left out unless asked for, and the count
-of ignite's tests that passed printed in the summary."""
+"""The ignite suite's place in ours: its metric run left out unless asked for. (The count of
+ignite's tests that passed is printed by tests/conftest.py, which the controller of a run
+split over pytest-xdist workers loads too.)"""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from run_ignite_suite import METRICS_MARK, SUMMARY_KEY
+from run_ignite_suite import METRICS_MARK
 
 # The plugins of the child pytest are not for this one (--doctest-modules would import them).
 collect_ignore = ["unison_ignite_plugin.py", "ignite_run_plugin.py"]
@@ -27,18 +26,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = [item for item in items if not item.get_closest_marker(METRICS_MARK)]
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    lines = [
-        value
-        for outcome in ("passed", "failed")
-        for report in terminalreporter.stats.get(outcome, [])
-        if getattr(report, "when", "call") == "call"
-        for key, value in getattr(report, "user_properties", [])
-        if key == SUMMARY_KEY
-    ]
-    if lines:
-        terminalreporter.section("ignite's own tests")
-        for line in lines:
-            terminalreporter.line(line)
