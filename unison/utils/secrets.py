@@ -1,0 +1,103 @@
+"""Credentials out of everything a run writes or prints: URLs with their passwords masked.
+
+A store's URL (``logging.mlflow.tracking_uri``, ``tuning.storage``) may carry a password:
+``postgresql://user:PASSWORD@host/db``. The code that opens the store uses the URL as
+written; every copy of it that leaves the process (a saved config, an MLflow parameter or
+tag, a record file, a log line, a summary, an error message) goes through :func:`redact`
+first. What is masked, with :data:`MASK`:
+
+- the password of a URL's user information: ``scheme://user:PASSWORD@host``, and
+  ``scheme://:PASSWORD@host``; the user, the host, the port and the path stay, for diagnosis;
+- for web URLs (``http``, ``https``, ``ws``, ``wss``, ``ftp``, ``git+https``...), a user
+  information without a password too: ``https://TOKEN@host`` is how those carry a token;
+- the value of a query parameter whose name says it holds a secret (``?password=``,
+  ``token=``, ``access_token=``, ``api_key=``, ``secret=``, ``sig=``...), in any text.
+
+Nothing is looked up in the environment and nothing is interpolated: a password kept out of
+the config (``MLFLOW_TRACKING_PASSWORD``, ``PGPASSWORD``) never reaches these strings at all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+__all__ = ["MASK", "redact", "redact_url"]
+
+MASK = "***"
+"""What a masked secret reads as."""
+
+_T = TypeVar("_T")
+
+# scheme://user[:password]@ ; the password runs to the token's last "@" (a password may hold
+# "/" or ":"), the user stops at the first ":" "/" "?" "#" or "@".
+_USERINFO = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
+    r"(?P<user>[^\s:/?#@'\"<>]*)"
+    r"(?::(?P<password>[^\s'\"<>]*))?"
+    r"@"
+)
+_SECRET_PARAM = re.compile(
+    r"(?P<name>(?:^|(?<=[?&;]))(?:sig=|[\w.\-]*"
+    r"(?:password|passwd|pwd|passphrase|secret|token|api[_-]?key|apikey|access[_-]?key|credential|signature)"
+    r"[\w.\-]*=))"
+    r"(?P<value>[^&;#\s'\"<>]+)",
+    re.IGNORECASE,
+)
+_WEB = ("http", "https", "ws", "wss", "ftp", "ftps")
+
+
+def _userinfo(match: re.Match[str]) -> str:
+    scheme, user, password = match["scheme"], match["user"], match["password"]
+    if password is not None:
+        return f"{scheme}{user}:{MASK}@"
+    base = scheme[:-3].lower().rsplit("+", 1)[-1]
+    if user and base in _WEB:  # https://TOKEN@host
+        return f"{scheme}{MASK}@"
+    return match[0]
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the credentials of every URL in it masked (see the module's notes); the
+    rest kept as it is. Works on a URL alone or on any text holding URLs.
+
+    Example:
+        >>> redact_url("postgresql://mlflow:s3cret@db.example.org:5432/runs")
+        'postgresql://mlflow:***@db.example.org:5432/runs'
+        >>> redact_url("could not open redis://:hunter2@cache:6379/0")
+        'could not open redis://:***@cache:6379/0'
+        >>> redact_url("https://ghp_abc123@git.example.org/x.git")
+        'https://***@git.example.org/x.git'
+        >>> redact_url("mysql://u@h/db?ssl=true&password=pw")
+        'mysql://u@h/db?ssl=true&password=***'
+        >>> redact_url("sqlite:////runs/mlflow.db")
+        'sqlite:////runs/mlflow.db'
+    """
+    if "@" in text:
+        text = _USERINFO.sub(_userinfo, text)
+    if "=" in text:
+        text = _SECRET_PARAM.sub(lambda m: m["name"] + MASK, text)
+    return text
+
+
+def redact(obj: _T) -> _T:
+    """A copy of ``obj`` with :func:`redact_url` applied to every string in it, walking
+    mappings (values only), lists and tuples; anything else is returned as it is.
+
+    Example:
+        >>> redact({"tuning": {"storage": "postgresql://u:pw@h/db"}, "lr": 0.1, "tags": ["a"]})
+        {'tuning': {'storage': 'postgresql://u:***@h/db'}, 'lr': 0.1, 'tags': ['a']}
+    """
+    out: Any
+    if isinstance(obj, str):
+        out = redact_url(obj)
+    elif isinstance(obj, Mapping):
+        out = {k: redact(v) for k, v in obj.items()}
+    elif isinstance(obj, list):
+        out = [redact(v) for v in obj]
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        out = tuple(redact(v) for v in obj)
+    else:
+        out = obj
+    return out
