@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
+import json
 import math
 
 import pytest
@@ -207,3 +209,34 @@ def test_option_messages_name_the_caller():
 def test_a_new_entry_records_only_finite_scores(score, recorded):
     entry = entry_for({"epoch": 2, "iteration": 7, "score": score}, "run")
     assert entry == Entry(file=checkpoint_name("run", 2, 7), epoch=2, iteration=7, score=recorded)
+
+
+# --- entry equality: what a checkpoint is, never float equality ----------------------------------
+
+
+def _nan_entry(**changes) -> Entry:
+    fields = {"file": "a.pt", "epoch": 1, "iteration": 5, "score": float("nan"), "saved_at": 2.5, "size": 9}
+    return Entry(**{**fields, **changes})
+
+
+def test_entries_with_a_nan_score_equal_each_other_whatever_the_python():
+    """Two records of one checkpoint are equal though NaN != NaN: each ``float("nan")`` is a
+    new object, as after a JSON round trip, so neither identity (what dataclass equality
+    relied on up to Python 3.12) nor ``==`` (field by field, from 3.13) can make them so."""
+    a, b = _nan_entry(), _nan_entry()
+    assert a.score is not b.score
+    assert a == b and not a != b
+    again = Entry(**json.loads(json.dumps(dataclasses.asdict(a))))
+    assert again == a and [again] == [a] and again in [a]
+    assert copy.deepcopy([a]) == [a]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"score": 0.5}, {"score": None}, {"file": "b.pt"}, {"epoch": 2}, {"iteration": 6}, {"saved_at": 3.0},
+     {"size": 10}, {"sequence": 4}],
+)
+def test_entries_that_differ_in_any_field_are_not_equal(change):
+    assert _nan_entry() != _nan_entry(**change) and _nan_entry(**change) != _nan_entry()
+    assert _nan_entry(score=0.25) == _nan_entry(score=0.25) and _nan_entry(score=None) == _nan_entry(score=None)
+    assert _nan_entry() != "a.pt"

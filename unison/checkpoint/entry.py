@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from unison.checkpoint.io import CheckpointError
 
 
-@dataclass
+@dataclass(eq=False)
 class Entry:
     """One durable checkpoint.
+
+    Two entries are equal when every field is: a NaN score equals a NaN score, so that
+    two records of one checkpoint (one read back from ``manifest.json``) are equal on
+    every Python, whatever the float objects they hold.
 
     Attributes:
         file: the file name, inside the checkpoint folder.
@@ -33,6 +37,16 @@ class Entry:
     saved_at: float = 0.0
     size: int = 0
     sequence: int | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Entry):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def _identity(self) -> tuple[Any, ...]:
+        """Every field's value, a NaN as a marker that equals itself (NaN != NaN)."""
+        values = (getattr(self, f.name) for f in fields(self))
+        return tuple(("nan",) if isinstance(v, float) and math.isnan(v) else v for v in values)
 
 
 def checkpoint_name(prefix: str, epoch: int, iteration: int) -> str:
