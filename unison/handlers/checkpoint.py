@@ -42,6 +42,7 @@ from unison.checkpoint.state import (
 from unison.checkpoint.verify import raise_refusal, skip_message, to_plain
 from unison.checkpoint.writer import CheckpointWriter
 from unison.distributed.primitives import get_rank, get_world_size
+from unison.distributed.replicated import agree_replicated
 from unison.distributed.sync import require_sync_point
 from unison.utils.logging import get_logger
 
@@ -283,6 +284,8 @@ class Checkpoint:
         start = time.perf_counter()
         names = sharded_names(self._objects(engine))  # the same on every rank
         shards = dcp_states(self._objects(engine), names) if names else None
+        if shards is not None:  # DCP stores one copy of each buffer: every rank's is rank 0's first
+            agree_replicated(shards)
         try:
             state, problem = (self.collect(engine, sharded=names) if names else self.collect(engine)), None
         except PositionUnknown as err:  # rank 0 only, after the collective: shared below

@@ -29,6 +29,11 @@ collective. Buffers are the exception DDP makes: BatchNorm's running statistics 
 each rank's own batch between DDP's broadcasts, so each rank's average of them may differ,
 as the model's own do. The evaluator and ``predict`` broadcast rank 0's buffers first and
 checkpoints hold rank 0's, so what is evaluated, saved and resumed is rank 0's average.
+
+Under FSDP the same holds (:mod:`unison.distributed.replicated`): each rank averages its
+own buffers with no collective; the average's buffers take rank 0's values when it is
+swapped in for an evaluation or a prediction, and before every sharded save, so
+validation, the checkpoint, the test phase and ``unison export --ema`` hold one average.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from unison.distributed.fsdp import is_dtensor, is_sharded
 from unison.distributed.model import unwrap_model
+from unison.distributed.replicated import broadcast_tensors
 from unison.engine.events import UpdateEvents
 
 _Tensors = tuple[torch.Tensor, ...] | list[torch.Tensor]
@@ -108,7 +114,9 @@ class EMA:
         2
 
     Distributed:
-        Build and attach it on every rank; it issues no collective.
+        Build and attach it on every rank; its updates issue no collective. Under FSDP,
+        evaluating :attr:`module` agrees the average's buffers first (rank 0's), as the
+        evaluator and ``predict`` do on every rank together.
     """
 
     def __init__(self, model: nn.Module, decay: float = 0.999, *, every: int = 1, warmup: int = 0) -> None:
@@ -257,10 +265,19 @@ class ShardedAverage:
                 out[name] = mine
         return out
 
+    def replicated(self) -> list[torch.Tensor]:
+        """The average's tensors that every rank holds whole (its buffers), not shards."""
+        return [mine for live, mine in zip(self._live(), self.tensors, strict=True) if not is_dtensor(live)]
+
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
         """Inside, the model's own shards hold the average; its trained weights come back on exit.
-        No collective: each rank swaps its own shards."""
+
+        Collective: enter on every rank together. The average's buffers (each rank's
+        average of its own statistics) first take rank 0's values, which checkpoints also
+        hold; then each rank swaps its own shards in.
+        """
+        broadcast_tensors(self.replicated())
         live = [_local(t) for t in self._live()]
         with torch.no_grad():
             trained = [t.clone() for t in live]
