@@ -7,14 +7,12 @@ without them. :class:`CheckpointReader` reads either into plain values (contiguo
 tensors, no ``DTensor``), whatever world size wrote the shards; :func:`full_objects` and
 :func:`model_weights` are its one-call forms. Nothing here runs code from a checkpoint:
 files load with ``torch.load(weights_only=True)``, ``.metadata`` unpickles with only DCP's
-metadata classes allowed, and each non-tensor value of the shards must load with
-``weights_only=True``.
+metadata classes allowed, and the shards are read through the one safe reader
+(:mod:`unison.checkpoint.safe_dcp`): each non-tensor value must load with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
-import io
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 
 from unison.checkpoint.io import CheckpointError, is_complete, load_checkpoint
+from unison.checkpoint.safe_dcp import safe_load
 from unison.checkpoint.sharded import REST
 from unison.checkpoint.sharded_check import read_metadata, sharded_problem
 
@@ -44,8 +43,6 @@ EMA_OBJECT = "handler:EMA"
 """The name under which a checkpoint holds an attached :class:`~unison.handlers.EMA`'s state."""
 
 _WRAPPERS = ("module.", "_orig_mod.")
-_DCP = "torch.distributed.checkpoint"
-_NO_GROUP_WARNING = r"torch\.distributed is (disabled, )?(unavailable|uninitialized)"
 
 
 def checkpoint_problem(path: str | Path) -> str | None:
@@ -63,20 +60,6 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if path.is_file():
         return None if is_complete(path) else "it is truncated or corrupt (its checksums do not match)"
     return sharded_problem(path, require_checksums=False)
-
-
-def _load_planner(names: set[str]) -> Any:
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-
-    class Planner(_EmptyStateDictLoadPlanner):
-        """Builds the state from the metadata; refuses a non-tensor value beyond plain data."""
-
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            data = value.read()
-            torch.load(io.BytesIO(data), weights_only=True)  # raises for anything but plain data
-            super().load_bytes(read_item, io.BytesIO(data))  # the same bytes: plain data only
-
-    return Planner(keys=names)
 
 
 def _plain(value: Any) -> Any:
@@ -187,27 +170,8 @@ class CheckpointReader:
         return {name: _plain(found[name]) for name in wanted}
 
     def _read_shards(self, names: list[str]) -> dict[str, Any]:
-        from torch.distributed.checkpoint import CheckpointException, FileSystemReader
-
-        # state_dict_loader._load_state_dict is what torch's own dcp_to_torch_save calls: it
-        # loads into an empty dict built from the metadata, in this process alone.
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
         state: dict[str, Any] = {}
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_NO_GROUP_WARNING)
-                _load_state_dict(
-                    state,
-                    storage_reader=FileSystemReader(self.path),
-                    planner=_load_planner(set(names)),
-                    no_dist=True,
-                )
-        except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps a rank's error
-            raise CheckpointError(
-                f"Checkpoint {self.path}: its shards of {', '.join(names)} do not read ({type(err).__name__}: "
-                f"{err}). The folder is damaged or was written by other code; export another checkpoint."
-            ) from err
+        safe_load(state, self.path, keys=set(names), no_dist=True)
         return {name: state[name] for name in names if name in state}
 
     def ema_name(self) -> str:

@@ -127,13 +127,15 @@ def load_dcp_states(folder: Path, to_save: Mapping[str, Any], names: list[str]) 
     """Collective: loads the DCP of ``folder`` into the objects ``names`` of ``to_save``, on every rank.
 
     Works at any world size and for sharded or plain models alike: DCP reads the pieces
-    each rank's tensors need.
+    each rank's tensors need, through the safe reader (:func:`~unison.checkpoint.safe_dcp.safe_load`):
+    nothing stored in the folder can run code.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    from unison.checkpoint.safe_dcp import safe_load
+
     states = dcp_states(to_save, names)
-    dcp.load(states, checkpoint_id=str(folder), no_dist=not torch.distributed.is_initialized())
+    safe_load(states, folder, no_dist=not torch.distributed.is_initialized())
     for name in names:
         obj = to_save[name]
         if isinstance(obj, nn.Module):

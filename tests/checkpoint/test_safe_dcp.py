@@ -1,0 +1,125 @@
+"""unison.checkpoint.safe_dcp: every load of a sharded folder (resume, export) runs no code from it.
+
+A folder's non-tensor values (an optimizer's ``lr``) are stored as ``torch.save`` bytes that
+torch's default planners load with a full unpickler. The truth is a marker file: a value
+whose unpickling would create it is refused, and the marker never appears. A torch that
+stops calling the safe hooks makes every load fail, naming what changed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from unison.checkpoint.consolidate import full_objects, model_weights
+from unison.checkpoint.io import CheckpointError
+from unison.checkpoint.safe_dcp import HookError, UnsafeValueError, check_hooks, safe_load
+from unison.checkpoint.sharded import dcp_states, load_dcp_states
+
+MARKER = "pwned"
+
+
+class Payload:
+    """A value whose unpickling creates the marker file: never a part of a checkpoint."""
+
+    def __reduce__(self):
+        return (Path.touch, (Path(MARKER),))
+
+
+def _objects(seed: int = 0) -> dict:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = nn.Linear(3, 2)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+
+
+def _write(folder: Path, *, lr: object = 0.1) -> Path:
+    """A DCP of a model and its optimizer, as a sharded save stores them, with ``lr`` as the stored lr."""
+    states = dcp_states(_objects(), ["model", "optimizer"])
+    states["optimizer"]["param_groups"][0]["lr"] = lr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists
+        dcp.save(states, checkpoint_id=folder, no_dist=True)
+    torch.save({"meta": {"epoch": 1, "iteration": 4, "sharded": ["model", "optimizer"]}, "objects": {}}, folder / "rest.pt")
+    return folder
+
+
+def test_a_plain_folder_loads_through_the_safe_reader(tmp_path):
+    folder = _write(tmp_path / "c.dcp", lr=0.25)
+    objects = _objects(seed=1)
+    load_dcp_states(folder, objects, ["model", "optimizer"])
+    assert objects["optimizer"].param_groups[0]["lr"] == 0.25
+    assert torch.equal(objects["model"].weight, _objects()["model"].weight)
+    assert full_objects(folder, ["optimizer"])["optimizer"]["param_groups"][0]["lr"] == 0.25
+
+
+def test_resume_refuses_a_stored_value_that_would_run_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = _write(tmp_path / "c.dcp", lr=Payload())
+    assert not (tmp_path / MARKER).exists()
+    with pytest.raises(UnsafeValueError, match=rf"{folder}: its value optimizer\.param_groups\.0\.lr holds Python"):
+        load_dcp_states(folder, _objects(), ["model", "optimizer"])
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_export_refuses_the_same_value(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = _write(tmp_path / "c.dcp", lr=Payload())
+    assert sorted(model_weights(folder)) == ["bias", "weight"]  # the model alone holds no such value
+    with pytest.raises(UnsafeValueError, match=r"optimizer\.param_groups\.0\.lr .*refused"):
+        full_objects(folder, ["optimizer"])
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_the_metadata_is_read_by_the_safe_unpickler_at_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = _write(tmp_path / "c.dcp")
+    import pickle
+
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"pathlib\.Path\.touch, which is no part of"):
+        safe_load(dcp_states(_objects(), ["model"]), folder, no_dist=True)
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_the_hooks_of_this_torch_are_in_place():
+    check_hooks()
+
+
+@pytest.mark.parametrize("change", ["planner hook dropped", "reader bypasses the hook", "abstract hook renamed"])
+def test_a_torch_that_drops_a_hook_fails_loudly_before_reading(tmp_path, monkeypatch, change):
+    from torch.distributed.checkpoint import FileSystemReader, planner
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    monkeypatch.chdir(tmp_path)
+    folder = _write(tmp_path / "c.dcp", lr=Payload())
+    if change == "planner hook dropped":
+        monkeypatch.delattr(DefaultLoadPlanner, "load_bytes")
+        expected = "DefaultLoadPlanner no longer defines load_bytes"
+    elif change == "reader bypasses the hook":
+        monkeypatch.setattr(FileSystemReader, "read_data", lambda self, plan, planner: torch.load(plan))
+        expected = r"FileSystemReader\.read_data no longer calls planner\.load_bytes"
+    else:
+        monkeypatch.delattr(planner.LoadPlanner, "load_bytes")
+        expected = r"LoadPlanner\.load_bytes is no longer an abstract method"
+    with pytest.raises(HookError, match=rf"torch .* changed how Distributed Checkpoint reads a folder \(.*{expected}"):
+        load_dcp_states(folder, _objects(), ["model", "optimizer"])
+    with pytest.raises(HookError, match=expected):
+        full_objects(folder, ["optimizer"])
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_a_value_that_comes_in_past_the_safe_hook_fails_the_load(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from unison.checkpoint import safe_dcp
+
+    folder = _write(tmp_path / "c.dcp")
+    monkeypatch.setattr(safe_dcp._SafeBytes, "load_bytes", DefaultLoadPlanner.load_bytes)  # a path around it
+    with pytest.raises(HookError, match=r"loaded optimizer\.param_groups\.0\.\w+, .* and \d+ more without the safe"):
+        load_dcp_states(folder, _objects(), ["model", "optimizer"])
