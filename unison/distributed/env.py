@@ -120,8 +120,14 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could bind ``host:port`` now."""
+    """Whether a server could bind ``host:port`` now.
+
+    The probe binds as torch's rendezvous store does, with ``SO_REUSEADDR``: a port that only
+    a closed connection's ``TIME_WAIT`` still names (for a minute after a run ends) is free,
+    since the store binds it; a port something listens on is not.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
