@@ -62,9 +62,11 @@ from unison.cli.tune_space import (
     plan_sweep,
     suggest,
 )
+from unison.cli.tune_storage import fail_stale_trials, make_storage, optuna_quiet
 from unison.config import load_config
 from unison.distributed import detect_launcher
 from unison.utils import get_logger
+from unison.utils.secrets import redact_url
 
 _log = get_logger(__name__)
 
@@ -124,7 +126,7 @@ def open_study(plan: SweepPlan) -> Any:
     sampler, pruner = optuna_object(plan.config, "sampler"), optuna_object(plan.config, "pruner")
     try:
         study = optuna.create_study(
-            storage=plan.storage,
+            storage=make_storage(plan.storage, plan.root),
             study_name=plan.study_name,
             direction=plan.direction,
             sampler=sampler,
@@ -135,23 +137,24 @@ def open_study(plan: SweepPlan) -> Any:
         raise error_at(
             plan.config,
             ("tuning", "load_if_exists"),
-            f"the storage {plan.storage} holds a study named {plan.study_name!r} already; set load_if_exists: "
+            f"the storage {shown_storage(plan.storage)} holds a study named {plan.study_name!r} already; set load_if_exists: "
             "true to continue it, or give another tuning.study_name",
         ) from None
     except Exception as err:  # a missing driver, an unreachable server, a file that is no database
         raise error_at(
             plan.config,
             ("tuning", "storage"),
-            f"cannot open the storage {plan.storage}: {type(err).__name__}: {err}",
+            f"cannot open the storage {shown_storage(plan.storage)}: {type(err).__name__}: {err}",
         ) from None
     found = study.direction.name.lower()
     if found != plan.direction:
         raise error_at(
             plan.config,
             ("tuning", "direction"),
-            f"the study {plan.study_name!r} in {plan.storage} was made to {found}; this config says "
+            f"the study {plan.study_name!r} in {shown_storage(plan.storage)} was made to {found}; this config says "
             f"{plan.direction}. Give another tuning.study_name for a new study",
         )
+    fail_stale_trials(study)  # a killed sweep's RUNNING trials: FAIL, their values asked again
     started = len(study.get_trials(deepcopy=False))
     if started and isinstance(t.sampler_kwargs.get("seed"), int):
         # A resumed study re-seeded alike would draw its first trials' values again.
@@ -183,23 +186,31 @@ def _write_record(run_dir: Path | None, record: dict[str, Any]) -> None:
         (run_dir / "trial.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
+class _Ended(Exception):
+    """Carries a ``SystemExit`` (the ranks' exit code) through Optuna's loop, which marks the trial FAIL
+    for an ``Exception`` only; re-raised as it was once the loop has ended."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+        super().__init__(_why(cause))
+
+
 def run_trial(
-    study: Any, plan: SweepPlan, nproc: int | None, tracking: SweepRun | None = None
+    trial: Any, plan: SweepPlan, nproc: int | None, tracking: SweepRun | None = None
 ) -> dict[str, Any]:
-    """Asks the study for a trial, runs it on its ranks, and tells the study how it ended.
+    """Runs ``trial`` (asked by Optuna's loop) on its ranks, and says how it ended.
 
     With ``tracking`` (``logging.mlflow``), the trial's MLflow run is nested under the sweep's.
 
     Returns:
-        The trial's record (also written to ``<its run folder>/trial.json``).
+        The trial's record (also written to ``<its run folder>/trial.json``), its ``state``
+        PRUNED, COMPLETE (with ``value``) or FAIL (no finite value); the caller tells the study.
 
     Raises:
         BaseException: whatever ended the trial other than a finished or pruned run (a
-            signal, a failed rank, a config error), after the trial is marked FAIL.
+            signal, a failed rank, a config error), after its record is written; the study
+            marks it FAIL.
     """
-    from optuna.trial import TrialState
-
-    trial = study.ask()
     record: dict[str, Any] = {"number": trial.number, "study": plan.study_name}
     try:
         params = {key: suggest(trial, key, spec) for key, spec in plan.space.items()}
@@ -210,6 +221,7 @@ def run_trial(
             f"name=trial-{trial.number:04d}",
             f"logging.root={json.dumps(str(plan.folder))}",
             "training.path=null",
+            *TRIAL_QUIET,
             *trial_overrides(tracking, trial.number),
         ]
         config = load_config(plan.path, [*plan.overrides, *sets, *layout])
@@ -222,17 +234,11 @@ def run_trial(
             # The fork server imports torch once for all trials.
             results = launch_config(config, None, nproc, attach, start_method="forkserver")
         record["reported"] = dict(server.reported)
-        _tell(study, trial, plan, server.pruned_at, results, record)
+        _judge(trial, plan, server.pruned_at, results, record)
     except BaseException as err:
-        if record.get("state") in ("COMPLETE", "PRUNED", "FAIL"):  # told already: only the signal is left
-            raise
         record.update(state="FAIL", reason=_why(err))
         with contextlib.suppress(Exception):
             trial.set_user_attr("fail_reason", record["reason"])
-        try:
-            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
-        except Exception as tell_err:  # the storage is gone too: say so, and raise the cause
-            _log.error("could not mark trial %d FAIL in %s: %s", trial.number, plan.storage, tell_err)
         found = sorted(plan.folder.glob(f"trial-{trial.number:04d}/*/"))
         _write_record(found[-1] if found else None, record)
         _log.error("trial %d marked FAIL: %s", trial.number, record["reason"])
@@ -240,13 +246,11 @@ def run_trial(
     return record
 
 
-def _tell(
-    study: Any, trial: Any, plan: SweepPlan, pruned_at: int | None, results: list[Any], record: dict[str, Any]
+def _judge(
+    trial: Any, plan: SweepPlan, pruned_at: int | None, results: list[Any], record: dict[str, Any]
 ) -> None:
-    """Tells the study how a trial whose ranks returned ended: PRUNED, COMPLETE (its best value),
-    or FAIL without a finite value; writes ``trial.json`` into its run folder."""
-    from optuna.trial import TrialState
-
+    """How a trial whose ranks returned ended: PRUNED, COMPLETE (its best value), or FAIL without a
+    finite value, into ``record``; writes ``trial.json`` into its run folder."""
     run_dir = Path(results[0]["run_dir"])
     ranks = [
         {"rank": r, "epochs": res["epochs"], "iterations": res["iterations"]} for r, res in enumerate(results)
@@ -255,18 +259,109 @@ def _tell(
     trial.set_user_attr("run_dir", str(run_dir))
     value = _trial_value(results[0], plan)
     if pruned_at is not None:
-        study.tell(trial, state=TrialState.PRUNED)
         record.update(state="PRUNED", pruned_at_epoch=pruned_at)
         _log.info("trial %d PRUNED after epoch %d (%s)", trial.number, pruned_at, run_dir)
     elif value is None:
-        study.tell(trial, state=TrialState.FAIL)
         record.update(state="FAIL", reason=f"no finite value of {plan.metric} (a diverged run?)")
+        trial.set_user_attr("fail_reason", record["reason"])
         _log.warning("trial %d marked FAIL: %s", trial.number, record["reason"])
     else:
-        study.tell(trial, value)
         record.update(state="COMPLETE", value=value)
         _log.info("trial %d COMPLETE: %s %.6g (%s)", trial.number, plan.metric, value, run_dir)
     _write_record(run_dir, record)
+
+
+TRIAL_QUIET = ("logging.progress=false",)
+"""``--set`` items of every trial: the sweep prints one line per trial, no progress bar."""
+
+
+def _finished(by_state: dict[str, int]) -> int:
+    return by_state.get("COMPLETE", 0) + by_state.get("PRUNED", 0)
+
+
+def shown_storage(storage: str) -> str:
+    """``storage`` as printed: a URL's password is masked."""
+    return redact_url(storage)
+
+
+def _used_up(study: Any) -> bool:
+    """Whether the study's sampler has nothing left to draw (a grid whose every point has run)."""
+    exhausted = getattr(study.sampler, "is_exhausted", None)
+    return bool(exhausted(study)) if callable(exhausted) else False
+
+
+class _Loop:
+    """Optuna's own loop (``study.optimize``), stopped when the study holds ``trials`` finished trials.
+
+    The count is read from the storage after every trial (Optuna's ``MaxTrialsCallback`` over the
+    COMPLETE and PRUNED states), so several ``unison tune`` processes on one study stop together; a
+    FAIL trial is replaced, and after ``trials`` FAIL trials in one call the sweep gives up. A sampler
+    that runs out of values (``GridSampler``, ``BruteForceSampler``) ends the loop from inside it.
+    """
+
+    def __init__(self, trials: int) -> None:
+        self.trials = trials
+        self.failed = 0
+        self.counted = False
+
+    def run(
+        self,
+        study: Any,
+        plan: SweepPlan,
+        nproc: int | None,
+        tracking: SweepRun | None,
+        records: list[dict[str, Any]],
+    ) -> None:
+        optuna = import_optuna()
+        from optuna.trial import TrialState
+
+        def objective(trial: Any) -> float:
+            try:
+                record = run_trial(trial, plan, nproc, tracking)
+            except (Exception, KeyboardInterrupt):
+                raise  # Optuna marks the trial FAIL and raises it on
+            except BaseException as err:  # SystemExit: the ranks' exit code
+                raise _Ended(err) from None
+            records.append(record)
+            if record["state"] == "PRUNED":
+                raise optuna.TrialPruned(f"pruned after epoch {record['pruned_at_epoch']}")
+            return float(record["value"]) if record["state"] == "COMPLETE" else math.nan  # nan: FAIL
+
+        enough = optuna.study.MaxTrialsCallback(self.trials, states=(TrialState.COMPLETE, TrialState.PRUNED))
+
+        def count(study: Any, trial: Any) -> None:
+            self.failed += trial.state == TrialState.FAIL
+            if self.failed >= self.trials:
+                self.counted = True
+                study.stop()
+            enough(study, trial)
+
+        try:
+            with optuna_quiet():
+                study.optimize(objective, callbacks=[count], gc_after_trial=False)
+        except _Ended as ended:
+            raise ended.cause from None
+
+
+def _short(study: Any, trials: int, loop: _Loop) -> str | None:
+    """Why the study holds fewer than ``trials`` finished trials after this sweep, or None."""
+    found = counts(study)
+    if _finished(found) >= trials:
+        return None
+    if loop.counted:
+        return (
+            f"{loop.failed} trials failed in this sweep; the study holds {_finished(found)} finished trials of "
+            f"--trials {trials}. See the trials' trial.json and logs; unison tune again runs the rest"
+        )
+    if _used_up(study) or not loop.failed:
+        _log.warning(
+            "the sampler %s has no values left to draw: the study holds %d finished trials of --trials %d",
+            type(study.sampler).__name__,
+            _finished(found),
+            trials,
+        )
+        return None
+    return f"the study holds {_finished(found)} finished trials of --trials {trials}"
 
 
 def tune(
@@ -287,7 +382,8 @@ def tune(
 
     Returns:
         The study's name, storage and folder, its trials by state, this call's trial records,
-        and the best trial (``None`` without a complete one) with its ``best.yaml``.
+        the best trial (``None`` without a complete one) with its ``best.yaml``, and ``short``:
+        why the study holds fewer than ``trials`` finished trials, or None.
 
     Raises:
         ConfigError: before anything is spawned, for any problem of the config.
@@ -309,22 +405,24 @@ def tune(
     plan.folder.mkdir(parents=True, exist_ok=True)
     study = open_study(plan)
     before = counts(study)
-    finished = before.get("COMPLETE", 0) + before.get("PRUNED", 0)
+    finished = _finished(before)
     todo = max(0, trials - finished)
     _log.info(
         "study %r in %s: %d finished trials (%s); running %d more to reach --trials %d "
         "(COMPLETE and PRUNED trials count; FAIL ones do not)",
         plan.study_name,
-        plan.storage,
+        shown_storage(plan.storage),
         finished,
         ", ".join(f"{v} {k}" for k, v in sorted(before.items())) or "none yet",
         todo,
         trials,
     )
-    records = []
+    records: list[dict[str, Any]] = []
+    loop = _Loop(trials)
     with sweep_tracking(plan) as tracking, _signals_stop_the_sweep():  # logging.mlflow: the sweep's run
-        for _ in range(todo):
-            records.append(run_trial(study, plan, nproc, tracking))
+        if todo and not _used_up(study):
+            loop.run(study, plan, nproc, tracking, records)
+    short = _short(study, trials, loop)
     best_yaml = write_best(study, plan, nproc)
     best = None
     if best_yaml is not None:
@@ -339,11 +437,12 @@ def tune(
         }
     return {
         "study": plan.study_name,
-        "storage": plan.storage,
+        "storage": shown_storage(plan.storage),
         "folder": str(plan.folder),
         "metric": plan.metric,
         "direction": plan.direction,
         "counts": counts(study),
         "trials": records,
         "best": best,
+        "short": short,
     }

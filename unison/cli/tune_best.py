@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from unison.cli.tune_space import SweepPlan, as_overrides
+from unison.cli.tune_space import SweepPlan, as_overrides, error_at
 from unison.config import dump_config, load_config
 from unison.utils import get_logger
 
@@ -16,6 +16,46 @@ _log = get_logger("unison.cli.tune")
 def run_command(config: Path, nproc: int | None) -> str:
     """The ``unison run`` command that trains ``config`` as the sweep trained its trials."""
     return f"unison run {config}" + (f" --nproc {nproc}" if nproc is not None else "")
+
+
+def _drawable(value: Any, spec: dict[str, Any]) -> bool:
+    """Whether the search-space entry ``spec`` can draw ``value``."""
+    if spec["type"] == "categorical":
+        return any(type(value) is type(c) and value == c for c in spec["choices"])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if spec["type"] == "int" and not isinstance(value, int):
+        return False
+    return bool(spec["low"] <= value <= spec["high"])
+
+
+def best_values(params: dict[str, Any], plan: SweepPlan) -> dict[str, Any]:
+    """The best trial's values to apply: the keys of the search space only, each a value its entry
+    can draw. A study is data from a storage (shared, or written by an older config): a name
+    outside the search space (``training.path``, a key with ``=`` or a newline) is left out with a
+    warning, and a value the entry cannot draw is refused.
+
+    Raises:
+        ConfigError: naming ``tuning.search_space.<key>``, the value, and the trial.
+    """
+    out = {}
+    for key, value in params.items():
+        spec = plan.space.get(key)
+        if spec is None:
+            _log.warning(
+                "best.yaml: the best trial holds a value of %r, which is not a key of the search space; left out",
+                key,
+            )
+            continue
+        if not _drawable(value, spec):
+            raise error_at(
+                plan.config,
+                ("tuning", "search_space", key),
+                f"the study's best trial holds {key} = {value!r}, which this search space cannot draw ({spec}); "
+                "was the study made with another config? Give another tuning.study_name for this search space",
+            )
+        out[key] = value
+    return out
 
 
 def write_best(study: Any, plan: SweepPlan, nproc: int | None = None) -> Path | None:
@@ -29,7 +69,7 @@ def write_best(study: Any, plan: SweepPlan, nproc: int | None = None) -> Path | 
         best = study.best_trial
     except ValueError:
         return None
-    sets = as_overrides({k: v for k, v in best.params.items()})
+    sets = as_overrides(best_values(best.params, plan))
     config = load_config(plan.path, [*plan.overrides, *sets])
     header = [
         f"# The best trial of study {plan.study_name!r} (trial {best.number}: {plan.metric} {best.value:.6g}, "

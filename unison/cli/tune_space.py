@@ -136,6 +136,8 @@ class SweepPlan:
     metric: str
     direction: str
     space: dict[str, dict[str, Any]] = field(default_factory=dict)
+    root: Path = Path(".")
+    """The output root (``training.path`` or ``logging.root``), absolute: a study's file is inside it."""
 
 
 def check_space(plan: SweepPlan) -> None:
@@ -176,11 +178,12 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str]) -> SweepPlan:
     optuna_object(config, "pruner")
     preflight(config, resolve(config))
     study_name = t.study_name or config.name
+    root = Path(config.training.path or config.logging.root).resolve()
     folder = Path(config.training.path or config.logging.root) / config.name / f"tune-{study_name}"
-    storage = t.storage or f"sqlite:///{folder.resolve() / 'study.db'}"
+    storage = (t.storage or "").strip() or f"sqlite:///{folder.resolve() / 'study.db'}"
     plan = SweepPlan(
         str(path), list(overrides), config, folder, storage, study_name, t.metric, str(t.direction),
-        {str(k): v for k, v in t.search_space.items()},
+        {str(k): v for k, v in t.search_space.items()}, root,
     )  # fmt: skip
     check_space(plan)
     return plan

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any, Union
 
 from unison.config.loader import KeyPath, PyObjectRef, RawConfig
 from unison.config.schema import Config, _hints, _is_section, _type_name
+from unison.utils.confine import ConfinementError, confined_path, decoded
 
 SPACE_FIELDS = {
     "float": ("type", "low", "high", "log", "step"),
@@ -63,7 +66,7 @@ def tunable_key(dotted: str) -> tuple[Any, str | None]:
     """The schema type of the config key ``dotted`` (``Any`` inside a mapping such as
     ``model.kwargs``), and None; or None and why the key cannot be drawn by a search space."""
     parts = dotted.split(".")
-    if any(not p for p in parts):
+    if any(not p.isidentifier() for p in parts):
         return None, f"{dotted!r} is not a dotted config key like training.lr or model.kwargs.channels"
     for i in range(1, len(parts) + 1):
         why = NOT_TUNABLE.get(".".join(parts[:i]))
@@ -268,22 +271,84 @@ def _check_optuna_names(config: Config, raw: RawConfig) -> None:
                 )
 
 
+RDB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "oracle")
+"""Database URLs (``scheme://`` or ``scheme+driver://``) Optuna opens as an ``RDBStorage``."""
+REDIS_SCHEMES = ("redis", "rediss")
+"""URLs of a Redis server: Optuna's journal in Redis (``JournalRedisBackend``), as its CLI maps them."""
+_SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+
+
+def storage_kind(storage: str) -> str:
+    """What ``tuning.storage`` names, the way Optuna's own CLI reads a storage: ``"redis"`` (a
+    ``redis://`` URL: a journal in Redis), ``"rdb"`` (a database URL), or ``"journal"`` (a file
+    path: Optuna's journal file)."""
+    scheme = storage.split("://", 1)[0].split("+", 1)[0].lower() if _URL.match(storage) else ""
+    if scheme in REDIS_SCHEMES:
+        return "redis"
+    return "rdb" if scheme else "journal"
+
+
+def storage_file(storage: str, root: Path) -> Path | None:
+    """The file a ``sqlite:///`` URL or a journal path names, resolved, if it stays inside ``root``
+    whichever way it is read (:func:`~unison.utils.confine.confined_path`: percent-encoding as
+    SQLAlchemy decodes it, ``..``, links); None for a server.
+
+    Raises:
+        ConfinementError: the file is outside ``root``, or written so that readers differ.
+    """
+    if storage_kind(storage) == "journal":
+        text = storage
+    elif storage.lower().startswith("sqlite:///"):
+        text = storage[len("sqlite:///") :]
+    else:
+        return None
+    if not text or text == ":memory:":
+        raise ConfinementError(f"{storage!r} names no file")
+    if Path(decoded(text)).is_absolute():
+        within = os.path.relpath(text, root)
+        if within == os.curdir or within.split(os.sep)[0] == os.pardir:
+            raise ConfinementError(f"{storage!r} names a file outside {root}")
+        text = within
+    return confined_path(text, root)
+
+
 def _check_storage(config: Config, raw: RawConfig) -> None:
+    """``tuning.storage``: a journal file or a SQLite file inside the output root (the text is read
+    as SQLAlchemy reads it: percent-decoded), a database server, or a Redis server."""
     t = config.tuning
+    here: KeyPath = ("tuning", "storage")
+    root = Path(config.training.path or config.logging.root).resolve()
     if t.storage is not None:
         url = t.storage.strip()
-        if not _URL.match(url):
+        kind = storage_kind(url)
+        scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
+        if kind == "rdb" and scheme not in RDB_SCHEMES:
             raise raw.error_at(
-                ("tuning", "storage"),
-                f"expected an Optuna storage URL like sqlite:///sweep.db or postgresql://user@host/db, got "
-                f"{t.storage!r}; leave it out for a SQLite file in the sweep folder",
+                here,
+                f"{t.storage!r}: not a storage Optuna opens; give a journal file path (study.log, inside {root}), "
+                f"a database URL ({', '.join(RDB_SCHEMES)}), or a Redis URL (redis://host:6379)",
             )
         if url in ("sqlite://", "sqlite:///:memory:"):
             raise raw.error_at(
-                ("tuning", "storage"),
+                here,
                 "an in-memory SQLite database keeps nothing to resume, and only one thread can read it; "
-                "give a file (sqlite:///sweep.db) or leave storage out",
+                "give a file (sqlite:///sweep.db, in the output root) or leave storage out",
             )
+        if kind == "journal" and url.lower().endswith(_SQLITE_SUFFIXES):
+            raise raw.error_at(
+                here,
+                f"{t.storage!r} is a path, which names an Optuna journal file; for a SQLite database write a "
+                f"URL, sqlite:///{url} (in the output root), or a name like study.log for a journal file",
+            )
+        try:
+            storage_file(url, root)
+        except ConfinementError as err:
+            raise raw.error_at(
+                here,
+                f"{err}. A study's file stays inside the output root {root} (training.path or logging.root), "
+                "as every file a config names: write sqlite:///<a file in it> or a journal file path like "
+                "study.log; for a study shared by sweeps elsewhere use a database or Redis server",
+            ) from None
     name = t.study_name
     if name is not None and (
         not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
