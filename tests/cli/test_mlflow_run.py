@@ -135,6 +135,8 @@ def test_the_store_is_the_root_sqlite_file_a_path_inside_it_or_a_url(
     ("uri", "says"),
     [
         ("../elsewhere.db", "outside the output root"),
+        ("%2F..%2F..%2Felsewhere.db", "percent-encoded"),  # SQLAlchemy decodes it: /../../elsewhere.db
+        ("%252E%252E/elsewhere.db", "percent-encoded"),
         ("/tmp/elsewhere.db", "outside the output root"),
         ("sqlite:///relative.db", "absolute file"),
         ("sqlite://", "absolute file"),

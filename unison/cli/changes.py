@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.config import Config, ConfigError, load_config, to_plain
+from unison.utils.secrets import redact
 
 NOT_RESUMABLE = (
     "model",
@@ -55,7 +56,8 @@ def config_changes(old: Config, new: Config) -> list[Change]:
         >>> [str(c) for c in config_changes(old, new)]
         ['training.max_epochs 10 -> 15']
     """
-    before, after = _flatten(to_plain(old)), _flatten(to_plain(new))
+    # Compared as saved: a saved config.yaml holds URLs with their credentials masked.
+    before, after = _flatten(redact(to_plain(old))), _flatten(redact(to_plain(new)))
     missing = object()
     return [
         Change(key, before.get(key), after.get(key))

@@ -49,6 +49,7 @@ from unison.distributed import (
 from unison.engine import create_evaluator
 from unison.engine.predict import predict
 from unison.utils import get_logger
+from unison.utils.secrets import RedactingFilter, redact_url
 
 _log = get_logger(__name__)
 
@@ -158,6 +159,7 @@ def _file_logging(run_dir: Path) -> logging.Handler:
     handler.setFormatter(
         logging.Formatter(f"[rank {get_rank()}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    handler.addFilter(RedactingFilter())
     logging.getLogger("unison").addHandler(handler)
     return handler
 
@@ -180,7 +182,7 @@ def train_from_config(
         (run_dir / RUN_MARKER).touch()
         if resume_from is not None:
             _record_changes(config, run_dir)
-        (run_dir / "config.yaml").write_text(dump_config(config))
+        (run_dir / "config.yaml").write_text(redact_url(dump_config(config)))  # URL credentials masked
     barrier()  # the folder exists before any rank writes into it
     log_file = _file_logging(run_dir)
     try:
@@ -298,7 +300,7 @@ def finish_run(
 def _write_metrics(run_dir: Path, results: dict[str, Any]) -> None:
     """Rank 0 writes ``run_dir/metrics.json``."""
     if get_rank() == 0:
-        (run_dir / "metrics.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        (run_dir / "metrics.json").write_text(redact_url(json.dumps(results, indent=2, default=str)) + "\n")
 
 
 def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> dict[str, float]:

@@ -7,7 +7,8 @@
   nothing to start, and one store (one ``mlflow ui``) for every run under that root. MLflow 3
   keeps its plain-folder store (``file:``) in maintenance mode and refuses it by default, so
   the local store is SQLite. A path given there stays inside the root (a config never reaches
-  outside its folder); a URL (``https://``, ``databricks``, ``sqlite:////absolute/path``, a
+  outside its folder; :func:`~unison.utils.confine.confined_path` checks it as SQLite will read
+  it, percent-decoded); a URL (``https://``, ``databricks``, ``sqlite:////absolute/path``, a
   database) is the user's own choice and is taken as it is.
 - :func:`attach_tracking`, on every rank: an :class:`~unison.handlers.mlflow.MLflowLogger`
   with the resolved config as parameters (:func:`params_of`) and the run's tags
@@ -45,6 +46,8 @@ from unison.handlers.mlflow_store import (
 )
 from unison.handlers.mlflow_store import key as metric_key
 from unison.utils import get_logger
+from unison.utils.confine import ConfinementError, confined_path
+from unison.utils.secrets import MASK, redact_url
 from unison.utils.version import __version__
 
 if TYPE_CHECKING:
@@ -117,6 +120,15 @@ def store(config: Config) -> tuple[str, str | None]:
     m = config.logging.mlflow
     uri = None if m is None else m.tracking_uri
     root, key = output_root(config), "logging.mlflow.tracking_uri"
+    if uri is not None and f":{MASK}@" in uri:
+        raise _error(
+            config,
+            key,
+            f"{redact_url(uri)!r}: the password reads {MASK}, as unison writes it into every saved config.yaml "
+            "and record; give the store's real URL in your own config, or keep the password out of the config "
+            "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for a server, the database driver's own "
+            "variable such as PGPASSWORD for a database)",
+        )
     if uri is None:
         db = root / "mlflow.db"
     elif uri == "databricks" or urlsplit(uri).scheme in URL_SCHEMES:
@@ -138,14 +150,16 @@ def store(config: Config) -> tuple[str, str | None]:
             f"or a tracking server's URL ({', '.join(URL_SCHEMES)}). MLflow 3 refuses folder (file:) stores",
         )
     else:
-        db = (root / uri).resolve()
-        if Path(uri).is_absolute() or not db.is_relative_to(root):
+        try:
+            db = confined_path(uri, root)
+        except ConfinementError as err:
             raise _error(
                 config,
                 key,
-                f"{uri!r} is outside the output root {root}: a path here stays inside it (e.g. mlflow.db); "
-                "for a store elsewhere write a URL, sqlite:////abs/path/mlflow.db",
-            )
+                f"{err}: refused as a path outside the output root would be. A path here stays inside "
+                f"{root}, written plainly (e.g. mlflow.db); for a store elsewhere write a URL, "
+                "sqlite:////abs/path/mlflow.db",
+            ) from None
     return f"sqlite:///{db}", artifacts_beside(f"sqlite:///{db}")
 
 
@@ -358,7 +372,7 @@ def sweep_tracking(plan: SweepPlan) -> Iterator[SweepRun | None]:
         record_run(record, run_id, uri)
     else:
         client.update_run(run_id, status="RUNNING")
-    _log.info("MLflow: sweep run %s in experiment %r at %s", run_id, experiment, uri)
+    _log.info("MLflow: sweep run %s in experiment %r at %s", run_id, experiment, redact_url(uri))
     status = "FAILED"
     try:
         yield SweepRun(uri, experiment, run_id)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from unison.utils.secrets import redact_url
+
 
 class ConfigError(ValueError):
-    """A config that cannot be used. The message reads ``file:line: key.path: problem``.
+    """A config that cannot be used. The message reads ``file:line: key.path: problem``; a URL's
+    credentials quoted in it are masked (:func:`~unison.utils.secrets.redact_url`).
 
     Attributes:
         file: the config file.
@@ -20,7 +23,7 @@ class ConfigError(ValueError):
         self.file = file
         self.line = line
         self.key_path = ".".join(key)
-        self.problem = message
+        self.problem = message = redact_url(message)
         where = file or "<config>"
         if line is not None:
             where += f":{line}"

@@ -13,6 +13,7 @@ from ignite.engine import Engine, Events
 from unison.distributed.primitives import get_rank
 from unison.utils.events import event_files
 from unison.utils.logging import get_logger
+from unison.utils.secrets import redact_url
 
 _log = get_logger(__name__)
 
@@ -48,7 +49,8 @@ class HParamsLogger:
     Args:
         log_dir: the run's TensorBoard folder (where its scalars are).
         hparams: name -> number, bool or str. ``None`` values are left out; NaN and
-            infinities are written as strings (TensorBoard's numbers are finite).
+            infinities are written as strings (TensorBoard's numbers are finite); a URL's
+            credentials in a string are masked (:func:`~unison.utils.secrets.redact_url`).
         trainer: the training engine.
 
     Example:
@@ -96,7 +98,7 @@ class HParamsLogger:
                     f"HParamsLogger(hparams={{{name!r}: {value!r}}}): a value must be a number, bool or str "
                     f"(TensorBoard's hparam types), got {type(value).__name__}; pass str(value) to show it."
                 )
-            kept[name] = value
+            kept[name] = redact_url(value) if isinstance(value, str) else value  # no URL credentials
         self.log_dir = Path(log_dir)
         self.hparams = kept
         self.trainer = trainer

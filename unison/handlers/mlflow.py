@@ -25,6 +25,7 @@ from unison.handlers.mlflow_store import (
     recorded_run,
 )
 from unison.utils import get_logger
+from unison.utils.secrets import redact_url
 
 _log = get_logger(__name__)
 
@@ -60,7 +61,9 @@ class MLflowLogger:
 
     Opening the run, at ``STARTED``, fails loudly (a wrong URI, a deleted experiment); once
     it is open, a store that cannot be reached costs a warning, and the points are sent with
-    the next batch.
+    the next batch. The URI is used as given, and shown only with its credentials masked
+    (:func:`~unison.utils.secrets.redact_url`): in log lines, errors, ``run_file``, and the
+    parameters and tags.
 
     Args:
         tracking_uri: where the store is (``sqlite:////abs/mlflow.db``, ``https://...``).
@@ -194,8 +197,19 @@ class MLflowLogger:
     # -- event handlers ---------------------------------------------------------------------
 
     def _started(self, engine: Engine) -> None:
-        if get_rank() == 0:
+        if get_rank() != 0:
+            return
+        try:
             self._open()
+        except Exception as err:
+            shown = redact_url(self.tracking_uri)
+            if shown == self.tracking_uri:
+                raise
+            # The store's own error may quote its URL: raised again with the credentials masked,
+            # without the original (whose message and frames' values hold them).
+            raise RuntimeError(
+                f"MLflow: cannot open the run at {shown}: {type(err).__name__}: {redact_url(str(err))}"
+            ) from None
 
     def _epoch_started(self, engine: Engine) -> None:
         self._window = (0.0, 0.0)
@@ -259,7 +273,7 @@ class MLflowLogger:
             tags=[RunTag(k, v) for k, v in limited(tags, True).items()],
         )
         self._writer = StoreWriter(client, run_id)
-        _log.info("MLflow: run %s in experiment %r at %s", run_id, self.experiment, self.tracking_uri)
+        _log.info("MLflow: run %s in experiment %r at %s", run_id, self.experiment, redact_url(self.tracking_uri))
 
     def _log_metrics(self, values: Mapping[str, float], step: int) -> None:
         if not values or self._writer is None:  # rank 0 with its run open only

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.utils import get_logger
+from unison.utils.secrets import redact_url
 
 _log = get_logger("unison.handlers.mlflow")
 
@@ -91,7 +92,7 @@ class StoreWriter:
                 _log.warning(
                     "MLflow: metric points not written yet, kept for the next try: %s: %s",
                     type(err).__name__,
-                    err,
+                    redact_url(str(err)),
                 )
             self._warned = True
             return
@@ -108,11 +109,13 @@ class StoreWriter:
                 elif path.is_file():
                     self.client.log_artifact(self.run_id, str(path), folder)
             except Exception as err:
-                _log.warning("MLflow: %s was not logged: %s: %s", path, type(err).__name__, err)
+                _log.warning("MLflow: %s was not logged: %s: %s", path, type(err).__name__, redact_url(str(err)))
         try:
             self.client.set_terminated(self.run_id, status)
         except Exception as err:
-            _log.warning("MLflow: run %s not marked %s: %s: %s", self.run_id, status, type(err).__name__, err)
+            _log.warning(
+                "MLflow: run %s not marked %s: %s: %s", self.run_id, status, type(err).__name__, redact_url(str(err))
+            )
 
 
 def make_client(tracking_uri: str) -> Any:
@@ -150,7 +153,7 @@ def open_experiment(client: Any, name: str, artifact_location: str | None = None
                 raise
     if found.lifecycle_stage == "deleted":
         raise ValueError(
-            f"the MLflow experiment {name!r} at {client.tracking_uri} is deleted; restore it (mlflow "
+            f"the MLflow experiment {name!r} at {redact_url(client.tracking_uri)} is deleted; restore it (mlflow "
             "experiments restore) or give another experiment name."
         )
     return str(found.experiment_id)
@@ -158,10 +161,11 @@ def open_experiment(client: Any, name: str, artifact_location: str | None = None
 
 def recorded_run(client: Any, run_file: Path) -> str | None:
     """The run recorded in ``run_file`` (:func:`record_run`) if it is in ``client``'s store and
-    not deleted; else None."""
+    not deleted; else None. The record names the store with its credentials masked, and so is
+    compared with the client's URI masked alike."""
     try:
         record = json.loads(run_file.read_text())
-        if record.get("tracking_uri") != client.tracking_uri:
+        if redact_url(str(record.get("tracking_uri"))) != redact_url(client.tracking_uri):
             return None
         run = client.get_run(str(record["run_id"]))
     except Exception:  # no record, an unreadable one, or no such run in this store
@@ -170,10 +174,11 @@ def recorded_run(client: Any, run_file: Path) -> str | None:
 
 
 def record_run(run_file: Path, run_id: str, tracking_uri: str) -> None:
-    """Writes ``run_file`` (atomically): the run's id and its store."""
+    """Writes ``run_file`` (atomically): the run's id and its store, the store's URL with its
+    credentials masked (:func:`~unison.utils.secrets.redact_url`)."""
     run_file.parent.mkdir(parents=True, exist_ok=True)
     temp = run_file.with_name(run_file.name + ".tmp")
-    temp.write_text(json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}) + "\n")
+    temp.write_text(json.dumps({"run_id": run_id, "tracking_uri": redact_url(tracking_uri)}) + "\n")
     os.replace(temp, run_file)
 
 
@@ -183,12 +188,13 @@ def key(name: str) -> str:
 
 
 def limited(values: Mapping[str, str], tag: bool = False) -> dict[str, str]:
-    """Keys MLflow accepts, and values cut to its limits (ending with :data:`TRUNCATED`)."""
+    """Keys MLflow accepts, and values cut to its limits (ending with :data:`TRUNCATED`), a URL's
+    credentials in a value masked (:func:`~unison.utils.secrets.redact_url`): every parameter and
+    tag a run or a sweep logs goes through here."""
     try:
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH
     except ImportError:  # pragma: no cover - the limits of MLflow 2 and 3
         MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH = 6000, 8000
     limit = MAX_TAG_VAL_LENGTH if tag else MAX_PARAM_VAL_LENGTH
-    return {
-        key(k): v if len(v) <= limit else v[: limit - len(TRUNCATED)] + TRUNCATED for k, v in values.items()
-    }
+    masked = {key(k): redact_url(v) for k, v in values.items()}
+    return {k: v if len(v) <= limit else v[: limit - len(TRUNCATED)] + TRUNCATED for k, v in masked.items()}

@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from unison.utils.secrets import RedactingFilter
+
 _ROOT = "unison"
 _HANDLER_NAME = "unison-console"
 
@@ -55,7 +57,8 @@ def ignite_logger(name: str) -> logging.Logger:
 
 
 def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) -> logging.Logger:
-    """Sends unison's log records to stderr, each prefixed with the rank that wrote it.
+    """Sends unison's log records to stderr, each prefixed with the rank that wrote it, a URL's
+    credentials masked (:class:`~unison.utils.secrets.RedactingFilter`).
 
     Rank 0 logs at INFO; the other ranks at WARNING, so a job of 64 ranks prints each
     progress line once while a warning or error on any rank still shows. Calling it again
@@ -75,6 +78,7 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) 
             logger.removeHandler(handler)
     handler = _ConsoleHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
+    handler.addFilter(RedactingFilter())  # no URL credentials on screen
     prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
     handler.setFormatter(
         logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")

@@ -19,11 +19,13 @@ the config (``MLFLOW_TRACKING_PASSWORD``, ``PGPASSWORD``) never reaches these st
 
 from __future__ import annotations
 
+import logging
 import re
+import traceback
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-__all__ = ["MASK", "redact", "redact_url"]
+__all__ = ["MASK", "RedactingFilter", "redact", "redact_url"]
 
 MASK = "***"
 """What a masked secret reads as."""
@@ -101,3 +103,30 @@ def redact(obj: _T) -> _T:
     else:
         out = obj
     return out
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter for a handler: each record's message and traceback go out with
+    :func:`redact_url` applied. unison's console handler (:func:`~unison.utils.setup_logging`)
+    and a run's log files carry it.
+
+    Example:
+        >>> import logging
+        >>> record = logging.LogRecord("x", logging.INFO, __file__, 1, "store at %s", ("mysql://u:pw@h/db",), None)
+        >>> RedactingFilter().filter(record), record.getMessage()
+        (True, 'store at mysql://u:***@h/db')
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: left to the handler, which reports it
+            return True
+        masked = redact_url(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_url("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+        elif record.exc_text:
+            record.exc_text = redact_url(record.exc_text)
+        return True
