@@ -45,7 +45,10 @@ def _write(folder: Path, *, lr: object = 0.1) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that no process group exists
         dcp.save(states, checkpoint_id=folder, no_dist=True)
-    torch.save({"meta": {"epoch": 1, "iteration": 4, "sharded": ["model", "optimizer"]}, "objects": {}}, folder / "rest.pt")
+    torch.save(
+        {"meta": {"epoch": 1, "iteration": 4, "sharded": ["model", "optimizer"]}, "objects": {}},
+        folder / "rest.pt",
+    )
     return folder
 
 
@@ -62,7 +65,9 @@ def test_resume_refuses_a_stored_value_that_would_run_code(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     folder = _write(tmp_path / "c.dcp", lr=Payload())
     assert not (tmp_path / MARKER).exists()
-    with pytest.raises(UnsafeValueError, match=rf"{folder}: its value optimizer\.param_groups\.0\.lr holds Python"):
+    with pytest.raises(
+        UnsafeValueError, match=rf"{folder}: its value optimizer\.param_groups\.0\.lr holds Python"
+    ):
         load_dcp_states(folder, _objects(), ["model", "optimizer"])
     assert not (tmp_path / MARKER).exists()
 
@@ -91,7 +96,9 @@ def test_the_hooks_of_this_torch_are_in_place():
     check_hooks()
 
 
-@pytest.mark.parametrize("change", ["planner hook dropped", "reader bypasses the hook", "abstract hook renamed"])
+@pytest.mark.parametrize(
+    "change", ["planner hook dropped", "reader bypasses the hook", "abstract hook renamed"]
+)
 def test_a_torch_that_drops_a_hook_fails_loudly_before_reading(tmp_path, monkeypatch, change):
     from torch.distributed.checkpoint import FileSystemReader, planner
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -107,7 +114,9 @@ def test_a_torch_that_drops_a_hook_fails_loudly_before_reading(tmp_path, monkeyp
     else:
         monkeypatch.delattr(planner.LoadPlanner, "load_bytes")
         expected = r"LoadPlanner\.load_bytes is no longer an abstract method"
-    with pytest.raises(HookError, match=rf"torch .* changed how Distributed Checkpoint reads a folder \(.*{expected}"):
+    with pytest.raises(
+        HookError, match=rf"torch .* changed how Distributed Checkpoint reads a folder \(.*{expected}"
+    ):
         load_dcp_states(folder, _objects(), ["model", "optimizer"])
     with pytest.raises(HookError, match=expected):
         full_objects(folder, ["optimizer"])
@@ -121,5 +130,7 @@ def test_a_value_that_comes_in_past_the_safe_hook_fails_the_load(tmp_path, monke
 
     folder = _write(tmp_path / "c.dcp")
     monkeypatch.setattr(safe_dcp._SafeBytes, "load_bytes", DefaultLoadPlanner.load_bytes)  # a path around it
-    with pytest.raises(HookError, match=r"loaded optimizer\.param_groups\.0\.\w+, .* and \d+ more without the safe"):
+    with pytest.raises(
+        HookError, match=r"loaded optimizer\.param_groups\.0\.\w+, .* and \d+ more without the safe"
+    ):
         load_dcp_states(folder, _objects(), ["model", "optimizer"])

@@ -76,7 +76,9 @@ def check_hooks() -> None:
     if "load_bytes" not in _names_used(getattr(FileSystemReader, "read_data", lambda: None)):
         changed.append("FileSystemReader.read_data no longer calls planner.load_bytes")
     if "read_metadata" not in _names_used(getattr(state_dict_loader, "_load_state_dict", lambda: None)):
-        changed.append("torch.distributed.checkpoint.state_dict_loader._load_state_dict no longer calls read_metadata")
+        changed.append(
+            "torch.distributed.checkpoint.state_dict_loader._load_state_dict no longer calls read_metadata"
+        )
     if changed:
         raise HookError(
             f"torch {torch.__version__} changed how Distributed Checkpoint reads a folder ({'; '.join(changed)}). "
@@ -144,7 +146,9 @@ def _reader(folder: Path) -> Any:
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("rank") is not None:
-                raise CheckpointError(f"{folder}: unison reads only the folder's one .metadata, not a rank's own.")
+                raise CheckpointError(
+                    f"{folder}: unison reads only the folder's one .metadata, not a rank's own."
+                )
             metadata = read_metadata(folder)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -164,7 +168,9 @@ def _first_failure(err: BaseException) -> BaseException:
     return err
 
 
-def safe_load(state: dict[str, Any], folder: str | Path, *, keys: set[str] | None = None, no_dist: bool) -> None:
+def safe_load(
+    state: dict[str, Any], folder: str | Path, *, keys: set[str] | None = None, no_dist: bool
+) -> None:
     """Loads a DCP folder into ``state`` through the safe hooks; raises :class:`CheckpointError` naming it.
 
     Args:

@@ -3,7 +3,14 @@
 A folder from elsewhere (a copied run, a shared filesystem) is read only after every file
 it recorded has its size and CRC-32, and its DCP ``.metadata`` is unpickled with only
 DCP's own classes allowed: torch's own reader would unpickle anything, so a hostile
-folder could run code.
+folder could run code. What ``.metadata`` declares is then checked
+(:mod:`unison.checkpoint.sharded_layout`): every tensor covered exactly by stored pieces.
+
+A problem is one of two kinds (:class:`Problem`): the folder is *damaged* (a save cut
+short, a file missing or altered on disk: a resume passes over it to an older one), or it
+was written whole but this software *cannot read* it (a class the allow-list refuses, a
+field of another type, a layout that does not add up): a resume stops there, since the
+checkpoint is probably sound and the software is what changed.
 """
 
 from __future__ import annotations
@@ -12,17 +19,32 @@ import json
 import os
 import pathlib
 import pickle
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from unison.checkpoint.entry import file_in
 from unison.checkpoint.io import CheckpointError, is_complete
 from unison.checkpoint.sharded import CHECKSUMS, REST, file_checksum
+from unison.checkpoint.sharded_layout import layout_problem, storage_problem
 
 _DCP = "torch.distributed.checkpoint"
+_DCP_MODULES = (f"{_DCP}.metadata", f"{_DCP}.filesystem")
+_PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+_PATH_MODULES = ("pathlib", "pathlib._local")  # pathlib's classes live in pathlib._local from Python 3.13
+
+
+class Refused(pickle.UnpicklingError):
+    """A ``.metadata`` that refers to something no Distributed Checkpoint's metadata holds."""
+
+
+class Problem(NamedTuple):
+    """What is wrong with a checkpoint, and whether it is damaged or beyond this software."""
+
+    text: str
+    unreadable: bool = False
+    """Written whole, but this software cannot read it (not a save cut short)."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -31,24 +53,27 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = None if "." in name else _metadata_global(module, name)
         if found is None:
-            raise pickle.UnpicklingError(
+            raise Refused(
                 f"it refers to {module}.{name}, which is no part of a Distributed Checkpoint's metadata"
             )
         return found
 
 
 def _metadata_global(module: str, name: str) -> Any:
-    if module in (f"{_DCP}.metadata", f"{_DCP}.filesystem"):
+    """The class or value ``module.name`` names in a ``.metadata``, where it lives in this Python and torch;
+    None for anything else. A DCP class moved between DCP's two metadata modules is found at either;
+    pathlib's classes under ``pathlib`` and ``pathlib._local`` (Python 3.13) alike."""
+    if module in _DCP_MODULES:
         import importlib
 
         found = getattr(importlib.import_module(module), name, None)
-        return found if isinstance(found, type) and found.__module__ == module else None
+        return found if isinstance(found, type) and found.__module__ in _DCP_MODULES else None
     if module == "torch":
         found = getattr(torch, name, None)
         return found if isinstance(found, torch.dtype) or found is torch.Size else None
     if (module, name) == ("torch.serialization", "_get_layout"):
         return torch.serialization._get_layout  # maps a layout's name to the layout
-    if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+    if module in _PATH_MODULES and name in _PATHS:
         return getattr(pathlib, name)
     return None
 
@@ -61,70 +86,94 @@ def read_metadata(folder: Path) -> Any:
 
 
 def sharded_problem(folder: Path, *, require_checksums: bool = True) -> str | None:
-    """What is wrong with a sharded checkpoint folder, as a phrase, or None when it is whole.
+    """What is wrong with a sharded checkpoint folder, as a phrase, or None when it is whole
+    (:func:`sharded_verdict`, without its kind)."""
+    problem = sharded_verdict(folder, require_checksums=require_checksums)
+    return None if problem is None else problem.text
+
+
+def sharded_verdict(folder: Path, *, require_checksums: bool = True) -> Problem | None:
+    """What is wrong with a sharded checkpoint folder, and of which kind; None when it is whole.
 
     Checks every file's size and CRC-32 against ``checksums.json`` (written last, so its
     absence means the save did not finish; ``require_checksums=False`` accepts a folder
     written without one, by DCP alone), that ``.metadata`` reads (with only DCP's own
-    classes: nothing in it can run code) and names files present at their recorded
-    lengths, and that ``rest.pt`` is whole.
+    classes: nothing in it can run code), that what it declares is sound (every tensor
+    covered exactly by stored pieces; :mod:`~unison.checkpoint.sharded_layout`) and names
+    files present at their recorded lengths, and that ``rest.pt`` is whole.
     """
     if not folder.is_dir():
-        return "it is not a folder"
+        return Problem("it is not a folder")
     try:
         problem = _checksum_problem(folder, require_checksums)
         if problem is None:
-            problem = _metadata_problem(folder)
+            problem = _metadata_problem(folder, whole=(folder / CHECKSUMS).is_file())
     except CheckpointError as err:  # a file named outside the folder
-        return str(err)
+        return Problem(str(err), unreadable=True)
     if problem is not None:
         return problem
     if not file_in(folder, REST).is_file():
-        return f"it holds no {REST} (the meta record and the objects not stored sharded)"
-    return None if is_complete(folder / REST) else f"its {REST} is truncated or corrupt"
+        return Problem(f"it holds no {REST} (the meta record and the objects not stored sharded)")
+    return None if is_complete(folder / REST) else Problem(f"its {REST} is truncated or corrupt")
 
 
-def _checksum_problem(folder: Path, required: bool) -> str | None:
+def _checksum_problem(folder: Path, required: bool) -> Problem | None:
     listed = folder / CHECKSUMS
     if not listed.is_file():
-        return f"its {CHECKSUMS} is missing (the save did not finish)" if required else None
+        return Problem(f"its {CHECKSUMS} is missing (the save did not finish)") if required else None
     try:
         files = json.loads(listed.read_text())["files"]
         recorded = {n: (int(v["size"]), int(v["crc32"])) for n, v in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        return f"its {CHECKSUMS} does not read ({type(err).__name__}: {err})"
+        return Problem(f"its {CHECKSUMS} does not read ({type(err).__name__}: {err})")
     for name, (size, crc) in sorted(recorded.items()):
         path = file_in(folder, name, source=str(listed))
         if not path.is_file():
-            return f"its file {name}, listed in {CHECKSUMS}, is missing"
+            return Problem(f"its file {name}, listed in {CHECKSUMS}, is missing")
         if path.stat().st_size != size:
-            return f"its file {name} holds {path.stat().st_size} bytes where {size} were written"
+            return Problem(f"its file {name} holds {path.stat().st_size} bytes where {size} were written")
         if file_checksum(path)[1] != crc:
-            return f"its file {name} is corrupt (its CRC-32 differs from the one recorded in {CHECKSUMS})"
+            return Problem(
+                f"its file {name} is corrupt (its CRC-32 differs from the one recorded in {CHECKSUMS})"
+            )
     return None
 
 
-def _metadata_problem(folder: Path) -> str | None:
+def _metadata_problem(folder: Path, *, whole: bool) -> Problem | None:
+    """``whole``: the folder's checksums matched, so ``.metadata`` holds the bytes its save wrote."""
     if not (folder / ".metadata").is_file():
-        return "it has no .metadata: not a sharded checkpoint, or one whose save did not finish"
+        return Problem("it has no .metadata: not a sharded checkpoint, or one whose save did not finish")
     try:
         metadata = read_metadata(folder)
     except Exception as err:  # a damaged or hostile pickle raises many kinds
-        return f"its .metadata does not read ({type(err).__name__}: {err})"
-    storage = getattr(metadata, "storage_data", None)
-    if not isinstance(storage, Mapping):
-        return "its .metadata lists no shard files (not a checkpoint written to a folder)"
+        refused = f"its .metadata does not read ({type(err).__name__}: {err})"
+        return Problem(refused, unreadable=whole or isinstance(err, Refused))
+    storage: Any = getattr(metadata, "storage_data", None)
+    unsound = storage_problem(storage) or layout_problem(metadata)
+    if unsound is not None:
+        return Problem(unsound, unreadable=True)
     needed: dict[str, int] = {}
     for info in storage.values():
-        name = str(getattr(info, "relative_path", ""))
-        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(needed.items()):
         path = file_in(folder, name, source=str(folder / ".metadata"))
         if not path.is_file():
-            return f"its shard file {name}, listed in .metadata, is missing"
+            return Problem(f"its shard file {name}, listed in .metadata, is missing")
         if path.stat().st_size < end:
-            return f"its shard file {name} holds {path.stat().st_size} bytes where .metadata records {end} (truncated)"
+            return Problem(
+                f"its shard file {name} holds {path.stat().st_size} bytes where .metadata records {end} (truncated)"
+            )
     return None
+
+
+def checkpoint_verdict(path: Path) -> Problem | None:
+    """What is wrong with a checkpoint file or sharded folder (:func:`sharded_verdict`); None when whole.
+
+    A file that is not a whole ``torch.save`` archive is damaged.
+    """
+    if path.is_dir():
+        return sharded_verdict(path)
+    return None if is_complete(path) else Problem("it is truncated or corrupt (its checksums do not match)")
 
 
 def sharded_complete(folder: str | os.PathLike[str]) -> bool:
