@@ -126,3 +126,34 @@ def test_the_judge_travels_to_the_ranks_without_its_connection() -> None:
         assert judge(0.5, 1) is None
         copy = pickle.loads(pickle.dumps(judge))
         assert copy._conn is None and copy.address == server.address and copy(0.25, 2) is None
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_ends_when_the_sweep_process_is_killed_outright() -> None:
+    """A rank is no child of the sweep process (the fork server stands between them, and outlives
+    it): SIGKILL the sweep, and the rank ends within seconds, not after its epoch."""
+    import signal
+    import subprocess
+    import sys
+
+    sweep = subprocess.Popen(["sleep", "120"])
+    code = (
+        "import sys, time\n"
+        "from unison.cli.tune_server import die_with_sweep\n"
+        f"die_with_sweep({sweep.pid})\n"
+        "print('watching', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "watching"
+        sweep.kill()
+        sweep.wait(timeout=10)
+        start = time.monotonic()
+        assert rank.wait(timeout=20) == -signal.SIGKILL
+        assert time.monotonic() - start < 10
+    finally:
+        for proc in (sweep, rank):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)

@@ -14,14 +14,19 @@ then votes in the trainer's sync point, and every rank stops, or goes on, togeth
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import hmac
 import math
 import os
 import secrets
+import select
+import signal
 import socket
+import sys
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -253,13 +258,63 @@ class AskSweep:
         return detail if verdict == "prune" else None
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _end_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch(pid: int) -> None:
+    """Waits for process ``pid`` to end (a pidfd where Linux has one, else a look every second), then
+    ends this process."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                _end_self()
+            except PermissionError:
+                pass
+    select.select([fd], [], [])
+    _end_self()
+
+
+def die_with_sweep(sweep_pid: int) -> None:
+    """Ends this rank (SIGKILL) when the sweep process ``sweep_pid`` ends, however it ends.
+
+    A sweep killed outright (SIGKILL, the OOM killer) cannot stop its ranks, and a rank started by
+    the fork server outlives it: the fork server lives as long as a process it started, and so no
+    parent-death signal reaches the ranks through it. Each rank therefore asks for Linux's
+    parent-death signal (``prctl(PR_SET_PDEATHSIG)``, for a rank the sweep started itself) and
+    watches the sweep process from a daemon thread. The trial it leaves RUNNING is marked FAIL by
+    the next ``unison tune`` (a database storage's heartbeat).
+    """
+    if sys.platform.startswith("linux") and os.getppid() == sweep_pid:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    try:
+        os.kill(sweep_pid, 0)
+    except ProcessLookupError:
+        _end_self()
+    except PermissionError:
+        pass
+    threading.Thread(target=_watch, args=(sweep_pid,), name="unison-tune-sweep-watch", daemon=True).start()
+
+
 @dataclass(frozen=True)
 class AttachPruning:
     """``attach`` of :func:`~unison.cli.run.train_from_config`: every rank attaches
-    :class:`~unison.handlers.pruning.AgreedPruning` to its evaluator; rank 0's judge asks the sweep."""
+    :class:`~unison.handlers.pruning.AgreedPruning` to its evaluator; rank 0's judge asks the sweep.
+    Every rank also ends with the sweep process (:func:`die_with_sweep`)."""
 
     metric: str
     judge: AskSweep
+    sweep_pid: int = field(default_factory=os.getpid)
 
     def __call__(self, parts: RunParts) -> None:
+        die_with_sweep(self.sweep_pid)
         AgreedPruning(parts.trainer, self.metric, self.judge).attach(parts.evaluator)
