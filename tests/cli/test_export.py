@@ -317,3 +317,58 @@ def test_the_command_is_listed(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "export" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["inside a checkpoint", "through a link", "another run's checkpoints"])
+def test_an_output_anywhere_inside_checkpoints_is_refused_and_nothing_changes(tmp_path, capsys, where):
+    run = make_run(tmp_path, SAVES)
+    sharded = run / "checkpoints" / checkpoint_name("ckpt", 2, 20).replace(".pt", ".dcp")
+    before = {p.name: p.read_bytes() for p in sharded.iterdir()}
+    if where == "inside a checkpoint":
+        out = sharded / "rest.pt"
+    elif where == "through a link":
+        (tmp_path / "link").symlink_to(sharded)
+        out = tmp_path / "link" / "rest.pt"
+    else:
+        other = make_run(tmp_path / "other", SAVES)
+        out = other / "checkpoints" / "sub" / "model.pt"
+    assert export(run, "--checkpoint", sharded.name, "--out", out, "--force") == 2
+    assert "this is inside the run's checkpoints/ folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in sharded.iterdir()} == before
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        ({"score": "0.5"}, "checkpoints[0].score is '0.5', expected a number or null"),
+        ({"epoch": "abc"}, "checkpoints[0].epoch is 'abc', expected an integer >= 0"),
+        ({"iteration": [1]}, "checkpoints[0].iteration is [1], expected an integer >= 0"),
+        ({"colour": 1}, "checkpoints[0].colour is 1, expected one of the fields file, epoch"),
+    ],
+)
+def test_a_manifest_field_of_another_type_is_named_and_the_folder_read_instead(
+    tmp_path, caplog, record, expected
+):
+    import json
+
+    run = make_run(tmp_path, SAVES)
+    manifest = run / "checkpoints" / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    whole = [
+        r["file"] for r in raw["checkpoints"] if r["file"].endswith(".pt")
+    ]  # these folders hold no checksums
+    raw["checkpoints"][0].update(record)
+    manifest.write_text(json.dumps(raw))
+    with caplog.at_level("WARNING", logger="unison"):
+        assert export(run, "--checkpoint", "last", "--out", tmp_path / "w.pt") == 0
+    assert f"{manifest}: {expected}" in caplog.text
+    exported(tmp_path / "w.pt", make_model(3))
+    with caplog.at_level("WARNING", logger="unison"):
+        assert _rebuilt(run) == whole  # rebuilt from the files
+    raw["checkpoints"] = {"not": "a list"}
+    manifest.write_text(json.dumps(raw))
+    assert _rebuilt(run) == whole
+
+
+def _rebuilt(run: Path) -> list[str]:
+    return [e.file for e in Manifest(run / "checkpoints").rebuild().entries]

@@ -10,17 +10,57 @@ from pathlib import Path
 from typing import Any
 
 from unison.checkpoint.entry import Entry, checkpoint_name, entry_for, file_in
-from unison.checkpoint.io import atomic_write_json, is_complete, load_checkpoint
+from unison.checkpoint.io import CheckpointError, atomic_write_json, is_complete, load_checkpoint
 from unison.checkpoint.retention import oldest_first
 from unison.checkpoint.sharded import folder_size, remove
+from unison.checkpoint.sharded_check import checkpoint_verdict
 from unison.utils.logging import get_logger
 
-__all__ = ["MANIFEST", "Entry", "Manifest", "checkpoint_name", "entry_for"]
+__all__ = ["MANIFEST", "Entry", "Manifest", "checkpoint_name", "entry_for", "read_entries"]
 
 _log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^(?P<prefix>.+)-e(?P<epoch>\d+)-i(?P<iteration>\d+)\.(pt|dcp)$")
+
+
+_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "file": ((str,), "a file name"),
+    "epoch": ((int,), "an integer >= 0"),
+    "iteration": ((int,), "an integer >= 0"),
+    "score": ((int, float, type(None)), "a number or null"),
+    "saved_at": ((int, float), "a number"),
+    "size": ((int,), "an integer >= 0"),
+    "sequence": ((int, type(None)), "an integer >= 0 or null"),
+}
+_COUNTS = ("epoch", "iteration", "size", "sequence")
+
+
+def read_entries(path: Path) -> list[Entry]:
+    """The entries of a ``manifest.json``, every field checked for its type.
+
+    Raises:
+        ValueError: naming the file, the entry, the field, the value and what was expected
+            (JSON that does not parse, a list where a dict belongs, ``"score": "0.5"``...).
+    """
+    raw = json.loads(path.read_text())
+    listed = raw.get("checkpoints", []) if isinstance(raw, dict) else raw
+    if not isinstance(listed, list):
+        raise ValueError(f"{path}: 'checkpoints' is {listed!r}, expected a list of checkpoint records")
+    entries = []
+    for n, item in enumerate(listed):
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: checkpoints[{n}] is {item!r}, expected a record (a dict)")
+        for key, value in item.items():
+            types, expected = _FIELDS.get(key, ((), f"one of the fields {', '.join(_FIELDS)}"))
+            plain = isinstance(value, types) and not isinstance(value, bool)
+            if not plain or (key in _COUNTS and value is not None and value < 0):
+                raise ValueError(f"{path}: checkpoints[{n}].{key} is {value!r}, expected {expected}")
+        missing = [key for key in ("file", "epoch", "iteration") if key not in item]
+        if missing:
+            raise ValueError(f"{path}: checkpoints[{n}] has no {', '.join(missing)}")
+        entries.append(Entry(**item))
+    return entries
 
 
 class Manifest:
@@ -45,9 +85,8 @@ class Manifest:
         if not self.path.exists():
             return []
         try:
-            raw = json.loads(self.path.read_text())
-            entries = [Entry(**item) for item in raw.get("checkpoints", [])]
-        except (ValueError, TypeError, KeyError) as err:
+            entries = read_entries(self.path)
+        except (OSError, ValueError) as err:
             _log.warning("%s is unreadable (%s); rebuilding it from the folder.", self.path, err)
             return []
         for entry in entries:  # a manifest may have been edited: it never names a file elsewhere
@@ -114,15 +153,41 @@ class Manifest:
         return list(reversed(oldest_first(self.entries)))
 
     def newest_complete(self) -> Path | None:
-        """The newest recorded file that is whole, warning of each damaged newer one; None if none is."""
-        for entry in self.newest():
+        """The newest recorded checkpoint that is whole, warning of each damaged newer one; None if none is.
+
+        A damaged checkpoint (a save cut short, a file altered on disk) is passed over. One
+        that was written whole but that this software cannot read (a class the ``.metadata``
+        allow-list refuses, a field of another type) stops the search: going on would resume
+        from an older checkpoint, or start afresh, over checkpoints that are probably sound.
+
+        Raises:
+            CheckpointError: naming every checkpoint of the folder this software cannot read,
+                and why.
+        """
+        entries = self.newest()
+        for n, entry in enumerate(entries):
             path = file_in(self.folder, entry.file, source=str(self.path))
-            if is_complete(path):
+            problem = checkpoint_verdict(path)
+            if problem is None:
                 return path
-            _log.warning(
-                "Checkpoint %s is damaged (truncated or corrupt); falling back to an older one.", path
-            )
+            if problem.unreadable:
+                raise CheckpointError(self._unreadable(path, problem.text, entries[n + 1 :]))
+            _log.warning("Checkpoint %s is damaged (%s); falling back to an older one.", path, problem.text)
         return None
+
+    def _unreadable(self, path: Path, why: str, older: list[Entry]) -> str:
+        others = []
+        for entry in older:
+            problem = checkpoint_verdict(file_in(self.folder, entry.file, source=str(self.path)))
+            if problem is not None and problem.unreadable:
+                others.append(f"{entry.file} ({problem.text})")
+        listed = f"; older ones this software cannot read either: {'; '.join(others)}" if others else ""
+        return (
+            f"Checkpoint {path} was written whole but cannot be read by this software: {why}{listed}. Nothing "
+            "was resumed, and nothing in the folder was changed. Resume with the software that wrote it (a "
+            "torch or Python version change moves the classes a checkpoint names; `unison doctor` lists the "
+            "versions), or resume from a checkpoint by its path."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoints": [asdict(e) for e in self.entries]}

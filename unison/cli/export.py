@@ -12,7 +12,6 @@ a run that is still training can be exported.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import torch
 from unison.checkpoint.consolidate import CheckpointReader, checkpoint_problem
 from unison.checkpoint.entry import Entry, file_in
 from unison.checkpoint.io import CheckpointError, atomic_save, load_checkpoint
-from unison.checkpoint.manifest import MANIFEST
+from unison.checkpoint.manifest import MANIFEST, read_entries
 from unison.checkpoint.retention import best_entry, has_score, oldest_first
 from unison.utils.logging import get_logger
 
@@ -87,8 +86,8 @@ def listed_checkpoints(folder: Path) -> list[Entry]:
     manifest = folder / MANIFEST
     if manifest.is_file():
         try:
-            recorded = [Entry(**item) for item in json.loads(manifest.read_text()).get("checkpoints", [])]
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            recorded = read_entries(manifest)
+        except (OSError, ValueError) as err:
             _log.warning(
                 "%s is unreadable (%s); looking at the checkpoints in the folder instead.", manifest, err
             )
@@ -207,7 +206,7 @@ def output_path(run: Path, out: str | None, *, ema: bool, force: bool) -> Path:
     shown = f"--out {out}" if out else f"the output {target} (the default)"
     if target.is_dir():
         raise ExportError(f"{shown}: this is a folder. Expected a file path, e.g. {target / 'model.pt'}.")
-    if target.resolve().parent == (run / "checkpoints").resolve():
+    if _in_checkpoints(target, run):
         raise ExportError(
             f"{shown}: this is inside the run's checkpoints/ folder, which holds checkpoints only (a weights file "
             f"there would be taken for one). Write it elsewhere, e.g. --out {run / target.name}."
@@ -215,6 +214,16 @@ def output_path(run: Path, out: str | None, *, ema: bool, force: bool) -> Path:
     if target.exists() and not force:
         raise ExportError(f"{shown}: the file exists. Give --force to replace it, or another --out.")
     return target
+
+
+def _in_checkpoints(target: Path, run: Path) -> bool:
+    """Whether ``target`` (symbolic links resolved) lies anywhere inside ``run``'s ``checkpoints/``, or inside
+    the ``checkpoints/`` of any run folder (one holding a checkpoint manifest): inside a checkpoint's own folder
+    included."""
+    resolved = target.resolve()
+    if resolved.is_relative_to((run / "checkpoints").resolve()):
+        return True
+    return any(folder.name == "checkpoints" and (folder / MANIFEST).is_file() for folder in resolved.parents)
 
 
 def export_weights(
