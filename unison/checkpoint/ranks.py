@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from unison.checkpoint.io import CheckpointError
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.sharded import local_view
 from unison.checkpoint.verify import Verdict, first_non_finite, vet
@@ -49,12 +50,21 @@ def choose(manifest: Manifest, which: str | os.PathLike[str]) -> str | None:
     Args:
         manifest: the folder's manifest.
         which: ``"auto"`` for the newest complete checkpoint (None when there is none), or a path.
+
+    Raises:
+        CheckpointError: on every rank, when rank 0 finds checkpoints it cannot read.
     """
-    choice = None
+    choice, problem = None, None
     if get_rank() == 0:
-        newest = manifest.rebuild().newest_complete() if which == "auto" else which
-        choice = None if newest is None else str(newest)
-    return broadcast_object(choice)
+        try:
+            newest = manifest.rebuild().newest_complete() if which == "auto" else which
+            choice = None if newest is None else str(newest)
+        except CheckpointError as err:
+            problem = str(err)
+    choice, problem = broadcast_object((choice, problem))
+    if problem is not None:
+        raise CheckpointError(problem)
+    return choice
 
 
 def summed_over_ranks(per_rank: list[list[list[float]] | None]) -> list[list[float]] | None:
