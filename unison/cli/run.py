@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.checkpoint.sharded import is_sharded_checkpoint
 from unison.cli.accepted import report_accepted
 from unison.cli.changes import check_resume, record
 from unison.cli.ema import evaluated_model, load_best_weights
@@ -99,14 +100,16 @@ def previous_run(config: Config, resume: str | None) -> tuple[Path, str] | None:
         previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order)
         return (previous[-1].parent.parent, "auto") if previous else None
     target = Path(resume)
-    expected = "a checkpoint file (<run>/checkpoints/<name>.pt), a run folder, or 'auto'"
+    expected = (
+        "a checkpoint file or sharded checkpoint folder (<run>/checkpoints/<name>.pt or .dcp), a run folder, or 'auto'"
+    )
     if not target.exists():
         raise ResumeError(f"--resume {resume}: no such file or folder. Give {expected}.")
-    if target.is_file():
+    if target.is_file() or is_sharded_checkpoint(target):  # a file, or a sharded checkpoint's folder
         run_dir = target.parent.parent
         if target.parent.name != "checkpoints" or not is_run_dir(run_dir):
             raise ResumeError(
-                f"--resume {resume}: this file is not in a unison run folder (<run>/checkpoints/<name>.pt, the "
+                f"--resume {resume}: this checkpoint is not in a unison run folder (<run>/checkpoints/<name>, the "
                 f"run holding {RUN_MARKER} or checkpoints/manifest.json), so there is no run to continue and "
                 f"nothing may be written beside it. Give {expected}."
             )
