@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.checkpoint.disk_full import unwritten
 from unison.checkpoint.io import CheckpointError, atomic_save, atomic_write_json, fsync_dir
 from unison.distributed.fsdp import is_dtensor, is_sharded
 from unison.distributed.model import unwrap_model
@@ -202,12 +203,22 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> dict[str, tuple[int, i
     Returns:
         ``{file name: (size, crc32)}`` of the files this rank wrote (rank 0 also writes
         ``.metadata``, after every rank's files are written).
+
+    Raises:
+        CheckpointError: on every rank, for a full disk (naming the folder, the bytes needed
+            and free); any other error as DCP gives it. ``tmp`` is removed either way.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
 
-    dcp.save(dict(states), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    return own_checksums(tmp)
+    try:
+        dcp.save(dict(states), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        return own_checksums(tmp)
+    except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps every rank's error
+        if (error := unwritten(err, tmp, states)) is err:
+            raise
+        raise error from err
 
 
 def own_checksums(tmp: Path) -> dict[str, tuple[int, int]]:
@@ -235,13 +246,18 @@ def finish_folder(
 ) -> int:
     """Rank 0, after every rank's shards are durable: writes ``rest.pt`` and the checksums,
     fsyncs the folder, renames it to ``final`` and fsyncs the parent. Returns the folder's size."""
-    atomic_save(dict(rest), tmp / REST)
-    sums = dict(checksums)
-    sums[REST] = file_checksum(tmp / REST)
-    atomic_write_json(
-        {"files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(sums.items())}}, tmp / CHECKSUMS
-    )
-    fsync_dir(tmp)
+    try:
+        atomic_save(dict(rest), tmp / REST)
+        sums = dict(checksums)
+        sums[REST] = file_checksum(tmp / REST)
+        atomic_write_json(
+            {"files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(sums.items())}}, tmp / CHECKSUMS
+        )
+        fsync_dir(tmp)
+    except Exception as err:
+        if (error := unwritten(err, tmp)) is err:
+            raise
+        raise error from err
     if final.exists():  # the same position saved again (a resumed run): the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -336,7 +352,12 @@ def save_sharded(
 
     def in_background() -> None:
         done: Any = getattr(pending, "upload_completion", pending)  # a Future, or a response holding one
-        done.result()
+        try:
+            done.result()
+        except BaseException as err:
+            if (error := unwritten(err, tmp, states)) is err:
+                raise
+            raise error from err
         mine = own_checksums(tmp)
         everyone: list[Any] | None = [None] * dist.get_world_size() if get_rank() == 0 else None
         dist.gather_object(mine, everyone, dst=0, group=async_group)
