@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from unison.checkpoint.sharded import is_sharded_checkpoint
 from unison.cli.accepted import report_accepted
 from unison.cli.changes import check_resume, record
 from unison.cli.ema import evaluated_model, load_best_weights
@@ -100,12 +99,10 @@ def previous_run(config: Config, resume: str | None) -> tuple[Path, str] | None:
         previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order)
         return (previous[-1].parent.parent, "auto") if previous else None
     target = Path(resume)
-    expected = (
-        "a checkpoint file or sharded checkpoint folder (<run>/checkpoints/<name>.pt or .dcp), a run folder, or 'auto'"
-    )
+    expected = "a checkpoint (<run>/checkpoints/<name>.pt, or a sharded <name>.dcp), a run folder, or 'auto'"
     if not target.exists():
         raise ResumeError(f"--resume {resume}: no such file or folder. Give {expected}.")
-    if target.is_file() or is_sharded_checkpoint(target):  # a file, or a sharded checkpoint's folder
+    if target.is_file() or target.suffix == ".dcp":  # a checkpoint file, or a sharded checkpoint's folder
         run_dir = target.parent.parent
         if target.parent.name != "checkpoints" or not is_run_dir(run_dir):
             raise ResumeError(
