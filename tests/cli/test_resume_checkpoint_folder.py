@@ -26,5 +26,5 @@ def test_a_sharded_checkpoint_folder_names_its_run_and_itself(tmp_path: Path) ->
 def test_a_sharded_checkpoint_folder_outside_a_run_is_refused(tmp_path: Path) -> None:
     stray = tmp_path / "weights" / "ckpt-e0001-i000000010.dcp"
     stray.mkdir(parents=True)
-    with pytest.raises(ResumeError, match=r"this checkpoint is not in a unison run folder .*\.pt or \.dcp"):
+    with pytest.raises(ResumeError, match=r"this checkpoint is not in a unison run folder .*\.pt, or a sharded <name>\.dcp"):
         previous_run(config(), str(stray))
