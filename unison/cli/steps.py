@@ -46,6 +46,7 @@ from unison.handlers import (
     Watchdog,
 )
 from unison.utils import get_logger, manual_seed
+from unison.utils.secrets import redact
 
 _log = get_logger("unison.cli.run")  # the run's logger: its lines keep the name they had before the split
 
@@ -364,7 +365,7 @@ def attach_checkpoint(
         mode=ck.mode,
         metric_engine=parts.evaluator,
         async_save=ck.async_save,
-        config=to_plain(config),
+        config=redact(to_plain(config)),  # a copy for reference: URL credentials masked
     )
     checkpoint.attach()
     if ck.preemption:

@@ -23,10 +23,10 @@ class ConfigError(ValueError):
         self.file = file
         self.line = line
         self.key_path = ".".join(key)
-        self.problem = message = redact_url(message)
+        self.problem = redact_url(message)
         where = file or "<config>"
         if line is not None:
             where += f":{line}"
         if self.key_path:
             where += f": {self.key_path}"
-        super().__init__(f"{where}: {message}")
+        super().__init__(redact_url(f"{where}: {message}"))  # "where" may be a --set with its value
