@@ -126,3 +126,34 @@ def test_placement_variables_that_are_not_numbers_block_instead_of_crashing(env:
     code, text = _doctor(find_free_port(), **env)
     assert code == 1
     assert "placement variables that are not integers: RANK='abc'" in text
+
+
+def test_lists_every_private_api_as_in_use_on_the_tested_versions():
+    from unison.cli.private_apis import PRIVATE_APIS
+
+    code, text = _doctor(find_free_port())
+    assert code == 0, text
+    assert "Private APIs (torch, ignite)" in text
+    lines = [line.strip() for line in text.splitlines()]
+    for api in PRIVATE_APIS:
+        assert any(
+            line.startswith(api.name) and line.endswith(f"in use: {api.used_when}") for line in lines
+        ), api.name
+    assert "CHANGED" not in text
+
+
+@pytest.mark.parametrize("severity, blocks", [("blocks", 1), ("warning", 0)])
+def test_a_changed_private_api_is_reported_with_what_it_breaks(monkeypatch, severity, blocks):
+    import dataclasses
+
+    from unison.cli import private_apis
+
+    changed = dataclasses.replace(
+        private_apis.PRIVATE_APIS[0], severity=severity, probe=lambda: "load_bytes is never called"
+    )
+    monkeypatch.setattr(private_apis, "PRIVATE_APIS", (changed,))
+    code, text = _doctor(find_free_port())
+    assert code == blocks, text
+    assert "CHANGED: load_bytes is never called" in text
+    label = "[BLOCKS ]" if severity == "blocks" else "[warning]"
+    assert f"{label} {changed.name} changed" in text and changed.if_changed in text

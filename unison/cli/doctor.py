@@ -15,12 +15,14 @@ from typing import TextIO
 
 from unison.cli.checks import Section, check_backends, check_gpus, check_threads, check_versions
 from unison.cli.launch_checks import check_launcher, check_network, check_rendezvous
+from unison.cli.private_apis import check_private_apis
 
 CHECKS: tuple[Callable[[Mapping[str, str]], Section], ...] = (
     check_versions,
     check_gpus,
     check_backends,
     check_launcher,
+    check_private_apis,
 )
 """The checks that read only the environment, in report order; :func:`diagnose` adds the others."""
 
@@ -48,7 +50,8 @@ def run_doctor(
     Checks the versions of python, torch, ignite, unison and tensorboardX; CUDA and the
     visible GPUs; the gloo / NCCL / MPI backends; the launcher (torchrun, srun) and its
     variables; the master address and whether the master port is free here; the
-    ``NCCL_*`` / ``GLOO_*`` variables; and the CPU threads.
+    ``NCCL_*`` / ``GLOO_*`` variables; the CPU threads; and whether each private torch or
+    ignite API unison relies on still behaves as relied on (:mod:`unison.cli.private_apis`).
 
     Args:
         master_port: the rendezvous port to check; default ``MASTER_PORT``, else 29500.

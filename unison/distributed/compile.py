@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from unison.distributed.compile_hook import check_compiled_call_hook
+
 COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend")
 """The ``torch.compile`` options a compile spec may set."""
 
@@ -93,7 +95,10 @@ def compile_model(model: nn.Module, options: Mapping[str, Any] | None = None) ->
 
     Raises:
         ValueError: the model (or the module inside DDP) is already compiled.
+        CompiledCallChanged: this torch no longer honours the in-place mechanism (the
+            model would train uncompiled).
     """
+    check_compiled_call_hook()
     target = compile_target(model)
     if is_compiled(target):
         raise ValueError(

@@ -108,6 +108,7 @@ class FixedBucketsDDP(DistributedDataParallel):
     def _build_params_for_reducer(self) -> tuple[list[torch.Tensor], list[bool]]:
         """DDP's parameter list for the Reducer, in reverse definition order."""
         parameters, expect_sparse_gradient = super()._build_params_for_reducer()
+        self._reducer_order_reversed = True
         return list(reversed(parameters)), list(reversed(expect_sparse_gradient))
 
     def _fix_buckets(self) -> None:
@@ -115,14 +116,16 @@ class FixedBucketsDDP(DistributedDataParallel):
         reducer = getattr(self, "reducer", None)
         if reducer is None:  # every parameter's all-reduce is delayed: DDP made no Reducer
             return
-        try:
-            reducer._push_all_rebuilt_params()
-            rebuilt = bool(reducer._rebuild_buckets())
-        except AttributeError as error:  # a torch without these Reducer methods
-            rebuilt = False
-            reason = str(error)
+        if not getattr(self, "_reducer_order_reversed", False):  # DDP built its Reducer another way
+            rebuilt, reason = False, "DDP no longer builds the Reducer's parameters by _build_params_for_reducer()"
         else:
-            reason = "Reducer._rebuild_buckets() returned False"
+            try:
+                reducer._push_all_rebuilt_params()
+                rebuilt = bool(reducer._rebuild_buckets())
+            except AttributeError as error:  # a torch without these Reducer methods
+                rebuilt, reason = False, str(error)
+            else:
+                reason = "Reducer._rebuild_buckets() returned False"
         if rebuilt:
             self._has_rebuilt_buckets = True
             return

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from ignite.engine import State
 from ignite.engine.events import CallableEventWithFilter
 
+from unison.engine.ignite_internals import check_ignite_internals
+
 if TYPE_CHECKING:
     from ignite.engine import Engine
 
@@ -61,7 +63,13 @@ def filtered_handler(
     engine: Engine, handler: Callable[..., Any], event_name: Any, event_filter: Callable[..., bool]
 ) -> Callable[..., Any] | None:
     """The handler wrapped to fire only when ``event_filter`` passes, or None when the filter is
-    not one of ignite's (the caller then uses ignite's wrapper)."""
+    not one of ignite's (the caller then uses ignite's wrapper).
+
+    Raises:
+        IgniteInternalsChanged: the installed ignite no longer recognises a filtered handler by
+            its wrapper's ``_parent`` (checked once per process).
+    """
+    check_ignite_internals()
     found = _predicate(event_filter)
     attr = State.event_to_attr.get(event_name)
     if found is None or attr is None:

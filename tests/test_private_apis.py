@@ -1,0 +1,128 @@
+"""The private torch and ignite APIs unison relies on: each behaves as relied on in the installed
+versions, each probe notices a change, and the code that uses one refuses or warns when it
+changed instead of going on silently."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from ignite.engine import Engine as IgniteEngine
+from ignite.engine import Events
+from torch import nn
+
+from unison.cli import private_apis
+from unison.cli.private_apis import PRIVATE_APIS, probe_all
+from unison.distributed import compile_hook
+from unison.distributed.compile import compile_model, is_compiled
+from unison.engine import Engine, ignite_internals
+
+
+@pytest.fixture
+def fresh_probes():
+    """The run-time checks run once per process: forget their answers before and after."""
+    compile_hook.compiled_call_problem.cache_clear()
+    ignite_internals.ignite_internals_problem.cache_clear()
+    yield
+    compile_hook.compiled_call_problem.cache_clear()
+    ignite_internals.ignite_internals_problem.cache_clear()
+
+
+@pytest.mark.parametrize("api", PRIVATE_APIS, ids=lambda api: api.name.split(":")[0][:50])
+def test_every_private_api_behaves_as_relied_on_in_the_installed_versions(api):
+    assert api.probe() is None, f"{api.name}: {api.probe()}; {api.if_changed}"
+
+
+def test_the_registry_names_each_api_once_with_what_a_change_does():
+    names = [api.name for api in PRIVATE_APIS]
+    assert len(set(names)) == len(names)
+    for api in PRIVATE_APIS:
+        assert api.used_when and api.if_changed and api.at_run_time and api.severity in ("blocks", "warning")
+
+
+# --- a torch that no longer runs Module._compiled_call_impl ------------------------------------
+
+
+@pytest.fixture
+def call_ignores_compiled(monkeypatch, fresh_probes):
+    """``nn.Module.__call__`` that runs the module's own call, whatever ``_compiled_call_impl`` holds."""
+    monkeypatch.setattr(nn.Module, "__call__", nn.Module._call_impl)
+
+
+def test_the_compiled_call_probe_notices_a_call_that_ignores_it(call_ignores_compiled):
+    assert "no longer runs" in compile_hook.compiled_call_problem()
+
+
+def test_compile_refuses_where_the_model_would_train_uncompiled_while_reported_compiled(call_ignores_compiled):
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(compile_hook.CompiledCallChanged, match=r"training\.compile: false"):
+        compile_model(model)
+    assert not is_compiled(model)
+
+
+# --- an ignite that no longer reads a wrapper's _parent -----------------------------------------
+
+
+@pytest.fixture
+def ignite_ignores_parent(monkeypatch, fresh_probes):
+    monkeypatch.setattr(IgniteEngine, "_compare_handlers", staticmethod(lambda user, registered: user == registered))
+
+
+def test_the_ignite_probe_notices_handlers_no_longer_found_by_parent(ignite_ignores_parent):
+    assert "_parent" in ignite_internals.ignite_internals_problem()
+
+
+def test_a_filtered_handler_refuses_to_attach_on_such_an_ignite(ignite_ignores_parent):
+    engine = Engine(lambda engine, batch: None)
+    with pytest.raises(ignite_internals.IgniteInternalsChanged, match=r"pytorch-ignite>=0\.5\.5,<0\.6"):
+        engine.add_event_handler(Events.EPOCH_COMPLETED(every=2), lambda engine: None)
+
+
+def test_on_this_ignite_a_filtered_handler_is_found_and_removed_by_itself(fresh_probes):
+    engine = Engine(lambda engine, batch: None)
+    calls = []
+
+    def handler(engine):
+        calls.append(engine.state.epoch)
+
+    engine.add_event_handler(Events.EPOCH_COMPLETED(every=2), handler)
+    assert engine.has_event_handler(handler, Events.EPOCH_COMPLETED)
+    engine.run([0], max_epochs=4)
+    assert calls == [2, 4]
+    engine.remove_event_handler(handler, Events.EPOCH_COMPLETED)
+    assert not engine.has_event_handler(handler)
+
+
+# --- the other probes notice a change too -------------------------------------------------------
+
+
+def test_the_ddp_probe_notices_a_ddp_that_builds_its_reducer_another_way(monkeypatch):
+    from torch.nn.parallel import DistributedDataParallel
+
+    def init(self, module):  # builds no Reducer from _build_params_for_reducer
+        nn.Module.__init__(self)
+
+    monkeypatch.setattr(DistributedDataParallel, "__init__", init)
+    assert "_build_params_for_reducer" in private_apis._ddp_bucket_hooks()
+
+
+def test_the_metadata_probe_notices_a_class_the_allow_list_refuses(monkeypatch):
+    from unison.checkpoint import sharded_check
+
+    def refuse(folder):
+        raise pickle.UnpicklingError("it refers to pathlib._local.PosixPath")
+
+    monkeypatch.setattr(sharded_check, "read_metadata", refuse)
+    assert "pathlib._local.PosixPath" in private_apis._metadata_allow_list()
+
+
+def test_the_layout_probe_notices_a_missing_function(monkeypatch):
+    import torch.serialization
+
+    monkeypatch.delattr(torch.serialization, "_get_layout")
+    assert "ImportError" in private_apis._layout_by_name()
+
+
+def test_probe_all_reports_each_api_with_its_answer():
+    answers = probe_all()
+    assert [api for api, _ in answers] == list(PRIVATE_APIS)
