@@ -9,6 +9,7 @@ from typing import Any
 import torch.distributed as dist
 
 from unison.checkpoint.io import CheckpointError
+from unison.checkpoint.lock import Claim, hold_folder
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.sharded import local_view
 from unison.checkpoint.verify import Verdict, first_non_finite, vet
@@ -24,13 +25,19 @@ def gather_on_first(mine: Any) -> list[Any] | None:
     return everyone
 
 
-def open_folder(manifest: Manifest, *, require_empty: bool) -> None:
-    """Collective: rank 0 rebuilds the manifest from the folder; every rank gets its answer.
+def open_folder(manifest: Manifest, *, require_empty: bool) -> Claim:
+    """Collective: rank 0 holds the folder (:mod:`unison.checkpoint.lock`) and rebuilds its manifest;
+    every rank gets its answer.
+
+    Returns:
+        The claim on the folder (rank 0's lock; nothing held elsewhere).
 
     Raises:
+        FolderInUseError: on every rank, when another process holds the folder.
         FileExistsError: on every rank, with ``require_empty`` and a folder that holds
             checkpoints.
     """
+    claim = hold_folder(manifest.folder)  # before the rebuild, which removes temp files
     problem = None
     if get_rank() == 0:
         manifest.rebuild()
@@ -41,7 +48,9 @@ def open_folder(manifest: Manifest, *, require_empty: bool) -> None:
             )
     problem = broadcast_object(problem)
     if problem:
+        claim.release()
         raise FileExistsError(problem)
+    return claim
 
 
 def choose(manifest: Manifest, which: str | os.PathLike[str]) -> str | None:

@@ -29,12 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.checkpoint.lock import hold_folder
 from unison.cli.accepted import report_accepted
 from unison.cli.changes import check_resume, record
 from unison.cli.ema import evaluated_model, load_best_weights
 from unison.cli.eval_loaders import eval_loader
 from unison.cli.preflight import check_port, preflight
 from unison.cli.resolve import Resolved, make_metrics, resolve
+from unison.cli.run_folder import new_run_folder, refuse_if_held
 from unison.cli.steps import RunParts, build_run
 from unison.cli.tracking import log_test_metrics
 from unison.config import Config, dump_config, load_config
@@ -129,12 +131,7 @@ def _run_dir(config: Config, resume: str | None) -> tuple[Path, str | None]:
             choice = (str(found[0]), found[1])
         else:
             root = Path(config.training.path or config.logging.root) / config.name
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            run_dir = root / stamp
-            n = 1
-            while run_dir.exists():
-                run_dir = root / f"{stamp}-{n}"
-                n += 1
+            run_dir = new_run_folder(root, time.strftime("%Y%m%d-%H%M%S"))  # made now: never shared
             choice = (str(run_dir), None)
             if resume == "auto":
                 _log.info("resume=auto: no earlier run of %r under %s; starting fresh.", config.name, root)
@@ -177,19 +174,19 @@ def train_from_config(
     """
     resolved = resolve(config)
     run_dir, resume_from = _run_dir(config, resume)
-    if get_rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_MARKER).touch()
-        if resume_from is not None:
-            _record_changes(config, run_dir)
-        (run_dir / "config.yaml").write_text(redact_url(dump_config(config)))  # URL credentials masked
-    barrier()  # the folder exists before any rank writes into it
-    log_file = _file_logging(run_dir)
-    try:
-        return _train(config, resolved, run_dir, resume_from, attach)
-    finally:
-        logging.getLogger("unison").removeHandler(log_file)
-        log_file.close()
+    with hold_folder(run_dir):  # one job per run folder (unison.checkpoint.lock): refused on every rank
+        if get_rank() == 0:
+            (run_dir / RUN_MARKER).touch()
+            if resume_from is not None:
+                _record_changes(config, run_dir)
+            (run_dir / "config.yaml").write_text(redact_url(dump_config(config)))  # URL credentials masked
+        barrier()  # the folder exists before any rank writes into it
+        log_file = _file_logging(run_dir)
+        try:
+            return _train(config, resolved, run_dir, resume_from, attach)
+        finally:
+            logging.getLogger("unison").removeHandler(log_file)
+            log_file.close()
 
 
 def _record_changes(config: Config, run_dir: Path) -> None:
@@ -393,6 +390,7 @@ def run(
     else:
         nproc_per_node = nproc if nproc is not None else config.parallel.nproc_per_node
         check_port(config)  # a busy port fails here, not after the ranks started
+        refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
     return launch_config(config, resume, nproc_per_node)[0]
 
 

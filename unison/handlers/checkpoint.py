@@ -13,6 +13,7 @@ from ignite.engine import Engine, Events
 from unison.checkpoint.attached import attached_states
 from unison.checkpoint.io import load_checkpoint
 from unison.checkpoint.loading import load_states
+from unison.checkpoint.lock import hold_folder
 from unison.checkpoint.manifest import Entry, Manifest, entry_for
 from unison.checkpoint.position import (
     DataTracker,
@@ -95,8 +96,8 @@ class Checkpoint:
         require_empty: refuse a folder that already holds checkpoints.
 
     Distributed:
-        Construct, attach and resume on every rank: the folder checks are made on rank 0
-        and shared, and a save gathers every rank's generator states.
+        Construct, attach and resume on every rank: rank 0 holds the folder against other jobs from then
+        to the run's end (``FolderInUseError``), checks it, shares the answers; a save gathers all ranks' RNGs.
     """
 
     def __init__(
@@ -148,7 +149,7 @@ class Checkpoint:
         self._pending_rng: Mapping[str, Any] | None = None
         self.data = DataTracker()
         """Where the training data's iterator stands (the sampler position of a save)."""
-        open_folder(self.manifest, require_empty=require_empty)
+        self.lock = open_folder(self.manifest, require_empty=require_empty)  # held until the end of the run
 
     @property
     def saved(self) -> list[Path]:
@@ -208,6 +209,7 @@ class Checkpoint:
         if self.at_end and unsaved and self._agreed.at_boundary():
             self.save(engine)
         self.wait()
+        self.lock.release()  # another job may take the folder now
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -370,6 +372,7 @@ class Checkpoint:
         return Path(choice)
 
     def _on_started(self, engine: Engine) -> None:
+        self.lock = hold_folder(self.folder)  # collective; again when this trainer runs again
         state, self._pending_resume = self._pending_resume, None
         saved = rank_view(None if state is None else state.get("sampler"), get_rank())
         if state is not None:  # the data decides the epoch length, not the checkpoint

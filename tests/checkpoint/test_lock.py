@@ -1,0 +1,119 @@
+"""unison/checkpoint/lock.py: one process per folder, refused with the holder named, never stale.
+
+The holders here are other processes (a folder is held once per process), started by the
+test and ended by their PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _lock_workers import claim
+
+from unison.checkpoint.lock import LOCK_FILE, FolderInUseError, FolderLock, hold_folder
+from unison.testing import run_distributed
+
+TIMEOUT_S = 60
+
+HOLD = """\
+import sys
+from unison.checkpoint.lock import FolderLock
+lock = FolderLock(sys.argv[1])
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+TRY = """\
+import sys
+from unison.checkpoint.lock import FolderInUseError, FolderLock
+try:
+    FolderLock(sys.argv[1]).release()
+except FolderInUseError as err:
+    print(err)
+else:
+    print("taken")
+"""
+
+
+def _try_elsewhere(folder: Path) -> str:
+    """What another process is told when it claims ``folder``."""
+    done = subprocess.run(
+        [sys.executable, "-c", TRY, str(folder)], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def holder(tmp_path: Path):
+    """Another process that holds ``tmp_path/run`` until it is killed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "run")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=TIMEOUT_S)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_second_process_is_refused_naming_the_holder(tmp_path: Path, holder: subprocess.Popen) -> None:
+    folder = tmp_path / "run"
+    with pytest.raises(FolderInUseError) as info:
+        FolderLock(folder)
+    message = str(info.value)
+    assert f"PID {holder.pid} on host {socket.gethostname()}" in message
+    assert str(folder) in message and f"kill {holder.pid}" in message
+    assert json.loads((folder / LOCK_FILE).read_text())["pid"] == holder.pid
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path, holder: subprocess.Popen) -> None:
+    folder = tmp_path / "run"
+    with pytest.raises(FolderInUseError):
+        FolderLock(folder)
+    holder.kill()  # SIGKILL: no handler of its own runs
+    holder.wait(timeout=TIMEOUT_S)
+    with FolderLock(folder) as lock:
+        assert lock.held
+        assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_claims_in_one_process_share_the_lock_until_the_last_ends(tmp_path: Path) -> None:
+    first, second = FolderLock(tmp_path), FolderLock(tmp_path)
+    first.release()
+    assert f"PID {os.getpid()}" in _try_elsewhere(tmp_path)
+    second.release()
+    assert (tmp_path / LOCK_FILE).read_text() == ""  # nobody named while nobody holds it
+    assert _try_elsewhere(tmp_path) == "taken"
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_claim_released_by_an_exception_frees_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(KeyError), FolderLock(tmp_path):
+        raise KeyError("boom")
+    assert _try_elsewhere(tmp_path) == "taken"
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_is_refused_together(tmp_path: Path) -> None:
+    with FolderLock(tmp_path):  # this process holds it: the job's rank 0 is another process
+        told = run_distributed(claim, str(tmp_path), nproc=2, timeout=90)
+    assert all(t.startswith("refused: ") and f"PID {os.getpid()}" in t for t in told), told
+    assert run_distributed(claim, str(tmp_path), nproc=2, timeout=90) == ["held=True", "held=False"]
+
+
+def test_one_process_alone_holds_on_rank_0(tmp_path: Path) -> None:
+    claim_ = hold_folder(tmp_path / "made")
+    assert claim_.held and (tmp_path / "made" / LOCK_FILE).is_file()
+    claim_.release()
