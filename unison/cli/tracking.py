@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ from unison.handlers.mlflow_store import (
 from unison.handlers.mlflow_store import key as metric_key
 from unison.utils import get_logger
 from unison.utils.confine import ConfinementError, confined_path
+from unison.utils.git import git_commit
 from unison.utils.secrets import MASK, redact_url
 from unison.utils.version import __version__
 
@@ -61,7 +61,6 @@ URL_SCHEMES = ("http", "https", "databricks", "databricks-uc", "postgresql", "my
 """Tracking URIs taken as they are (a server or a database the user names), besides ``sqlite:////abs``."""
 RUN_FILE = "mlflow-run.json"
 """In a run folder (and a sweep folder): the MLflow run it writes to, continued on resume."""
-_SHA = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 
 
 def _error(config: Config, key: str, message: str) -> ConfigError:
@@ -191,52 +190,10 @@ def params_of(config: Config) -> dict[str, str]:
     return out
 
 
-def git_commit(start: Path) -> str | None:
-    """The commit checked out in the git work tree holding ``start``, read from the ``.git``
-    files (nothing is run); None outside a work tree or where it cannot be read."""
-    try:
-        for folder in (start, *start.parents):
-            dot = folder / ".git"
-            if dot.is_dir():
-                return _head(dot)
-            if dot.is_file():  # a linked work tree or a submodule: "gitdir: <path>"
-                text = dot.read_text().strip()
-                return (
-                    _head((folder / text[len("gitdir:") :].strip()).resolve())
-                    if text.startswith("gitdir:")
-                    else None
-                )
-    except (OSError, UnicodeDecodeError):
-        return None
-    return None
-
-
-def _head(gitdir: Path) -> str | None:
-    common = gitdir
-    if (gitdir / "commondir").is_file():
-        common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
-    head = (gitdir / "HEAD").read_text().strip()
-    if not head.startswith("ref:"):
-        return head if _SHA.fullmatch(head) else None  # a detached HEAD
-    ref = head[len("ref:") :].strip()
-    if not ref.startswith("refs/") or ".." in ref.split("/"):
-        return None
-    for base in (gitdir, common):
-        if (base / ref).is_file():
-            sha = (base / ref).read_text().strip()
-            return sha if _SHA.fullmatch(sha) else None
-    packed = common / "packed-refs"
-    if packed.is_file():
-        for line in packed.read_text().splitlines():
-            sha, _, name = line.partition(" ")
-            if name == ref and _SHA.fullmatch(sha):
-                return sha
-    return None  # a branch without commits yet
-
-
 def run_tags(config: Config, run_dir: Path | None = None) -> dict[str, str]:
     """World size, backend, strategy, versions, the config's file and the git commit of the
-    working folder (MLflow's ``mlflow.source.git.commit``), when there is one."""
+    working folder (MLflow's ``mlflow.source.git.commit``), when :func:`~unison.utils.git.git_commit`
+    can read one safely."""
     dist = torch.distributed
     backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"
     tags = {
