@@ -52,6 +52,7 @@ from unison.cli.resolve import resolve
 from unison.cli.run import launch_config
 from unison.cli.tracking import SweepRun, sweep_tracking, trial_overrides
 from unison.cli.tune_best import run_command, write_best
+from unison.cli.tune_loop import Loop, counts, finished, short_of, used_up
 from unison.cli.tune_server import AttachPruning, DecisionServer
 from unison.cli.tune_space import (
     SweepPlan,
@@ -62,7 +63,7 @@ from unison.cli.tune_space import (
     plan_sweep,
     suggest,
 )
-from unison.cli.tune_storage import fail_stale_trials, make_storage, optuna_quiet
+from unison.cli.tune_storage import fail_stale_trials, make_storage
 from unison.config import load_config
 from unison.distributed import detect_launcher
 from unison.utils import get_logger
@@ -162,14 +163,6 @@ def open_study(plan: SweepPlan) -> Any:
     return study
 
 
-def counts(study: Any) -> dict[str, int]:
-    """The study's trials by state: ``{"COMPLETE": 3, "PRUNED": 1, ...}``."""
-    out: dict[str, int] = {}
-    for trial in study.get_trials(deepcopy=False):
-        out[trial.state.name] = out.get(trial.state.name, 0) + 1
-    return out
-
-
 def _trial_value(results: dict[str, Any], plan: SweepPlan) -> float | None:
     """The trial's value: the best of the metric over its validations (its best checkpoint's)."""
     values = [row[f"val_{plan.metric}"] for row in results.get("history", []) if f"val_{plan.metric}" in row]
@@ -184,15 +177,6 @@ def _trial_value(results: dict[str, Any], plan: SweepPlan) -> float | None:
 def _write_record(run_dir: Path | None, record: dict[str, Any]) -> None:
     if run_dir is not None and run_dir.is_dir():
         (run_dir / "trial.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-
-
-class _Ended(Exception):
-    """Carries a ``SystemExit`` (the ranks' exit code) through Optuna's loop, which marks the trial FAIL
-    for an ``Exception`` only; re-raised as it was once the loop has ended."""
-
-    def __init__(self, cause: BaseException) -> None:
-        self.cause = cause
-        super().__init__(_why(cause))
 
 
 def run_trial(
@@ -275,93 +259,9 @@ TRIAL_QUIET = ("logging.progress=false",)
 """``--set`` items of every trial: the sweep prints one line per trial, no progress bar."""
 
 
-def _finished(by_state: dict[str, int]) -> int:
-    return by_state.get("COMPLETE", 0) + by_state.get("PRUNED", 0)
-
-
 def shown_storage(storage: str) -> str:
     """``storage`` as printed: a URL's password is masked."""
     return redact_url(storage)
-
-
-def _used_up(study: Any) -> bool:
-    """Whether the study's sampler has nothing left to draw (a grid whose every point has run)."""
-    exhausted = getattr(study.sampler, "is_exhausted", None)
-    return bool(exhausted(study)) if callable(exhausted) else False
-
-
-class _Loop:
-    """Optuna's own loop (``study.optimize``), stopped when the study holds ``trials`` finished trials.
-
-    The count is read from the storage after every trial (Optuna's ``MaxTrialsCallback`` over the
-    COMPLETE and PRUNED states), so several ``unison tune`` processes on one study stop together; a
-    FAIL trial is replaced, and after ``trials`` FAIL trials in one call the sweep gives up. A sampler
-    that runs out of values (``GridSampler``, ``BruteForceSampler``) ends the loop from inside it.
-    """
-
-    def __init__(self, trials: int) -> None:
-        self.trials = trials
-        self.failed = 0
-        self.counted = False
-
-    def run(
-        self,
-        study: Any,
-        plan: SweepPlan,
-        nproc: int | None,
-        tracking: SweepRun | None,
-        records: list[dict[str, Any]],
-    ) -> None:
-        optuna = import_optuna()
-        from optuna.trial import TrialState
-
-        def objective(trial: Any) -> float:
-            try:
-                record = run_trial(trial, plan, nproc, tracking)
-            except (Exception, KeyboardInterrupt):
-                raise  # Optuna marks the trial FAIL and raises it on
-            except BaseException as err:  # SystemExit: the ranks' exit code
-                raise _Ended(err) from None
-            records.append(record)
-            if record["state"] == "PRUNED":
-                raise optuna.TrialPruned(f"pruned after epoch {record['pruned_at_epoch']}")
-            return float(record["value"]) if record["state"] == "COMPLETE" else math.nan  # nan: FAIL
-
-        enough = optuna.study.MaxTrialsCallback(self.trials, states=(TrialState.COMPLETE, TrialState.PRUNED))
-
-        def count(study: Any, trial: Any) -> None:
-            self.failed += trial.state == TrialState.FAIL
-            if self.failed >= self.trials:
-                self.counted = True
-                study.stop()
-            enough(study, trial)
-
-        try:
-            with optuna_quiet():
-                study.optimize(objective, callbacks=[count], gc_after_trial=False)
-        except _Ended as ended:
-            raise ended.cause from None
-
-
-def _short(study: Any, trials: int, loop: _Loop) -> str | None:
-    """Why the study holds fewer than ``trials`` finished trials after this sweep, or None."""
-    found = counts(study)
-    if _finished(found) >= trials:
-        return None
-    if loop.counted:
-        return (
-            f"{loop.failed} trials failed in this sweep; the study holds {_finished(found)} finished trials of "
-            f"--trials {trials}. See the trials' trial.json and logs; unison tune again runs the rest"
-        )
-    if _used_up(study) or not loop.failed:
-        _log.warning(
-            "the sampler %s has no values left to draw: the study holds %d finished trials of --trials %d",
-            type(study.sampler).__name__,
-            _finished(found),
-            trials,
-        )
-        return None
-    return f"the study holds {_finished(found)} finished trials of --trials {trials}"
 
 
 def tune(
@@ -405,24 +305,24 @@ def tune(
     plan.folder.mkdir(parents=True, exist_ok=True)
     study = open_study(plan)
     before = counts(study)
-    finished = _finished(before)
-    todo = max(0, trials - finished)
+    done = finished(before)
+    todo = max(0, trials - done)
     _log.info(
         "study %r in %s: %d finished trials (%s); running %d more to reach --trials %d "
         "(COMPLETE and PRUNED trials count; FAIL ones do not)",
         plan.study_name,
         shown_storage(plan.storage),
-        finished,
+        done,
         ", ".join(f"{v} {k}" for k, v in sorted(before.items())) or "none yet",
         todo,
         trials,
     )
     records: list[dict[str, Any]] = []
-    loop = _Loop(trials)
+    loop = Loop(trials)
     with sweep_tracking(plan) as tracking, _signals_stop_the_sweep():  # logging.mlflow: the sweep's run
-        if todo and not _used_up(study):
-            loop.run(study, plan, nproc, tracking, records)
-    short = _short(study, trials, loop)
+        if todo and not used_up(study):
+            loop.run(study, lambda trial: run_trial(trial, plan, nproc, tracking), records)
+    short = short_of(study, trials, loop)
     best_yaml = write_best(study, plan, nproc)
     best = None
     if best_yaml is not None:
