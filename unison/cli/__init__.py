@@ -66,6 +66,9 @@ def _tune(args: argparse.Namespace) -> int:
             return 128 + err.signum
         return 130 if isinstance(err, KeyboardInterrupt) else 1 if isinstance(err, RankFailedError) else 2
     print("\n".join(summary_lines(summary)))
+    if summary.get("short"):
+        print(f"unison tune: the study is short: {summary['short']}", file=sys.stderr)
+        return 1
     return 0
 
 
