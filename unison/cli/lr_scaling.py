@@ -12,13 +12,13 @@ scheduler). Rank 0 logs the learning rate the run uses, once, when the optimizer
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from unison.config import Config
+from unison.config import Config, to_plain
 from unison.engine import Engine
 from unison.handlers import LRWarmup, scale_lr
 from unison.utils import get_logger
@@ -38,15 +38,56 @@ class LRPlan:
 
 def lr_plan(config: Config, world_size: int) -> LRPlan:
     """The scaling rule, the global and reference batches, and the warmup of ``config``."""
-    t = config.training
-    one_rank = t.batch_size * t.accumulation_steps
-    if isinstance(t.lr_scaling, str):
-        return LRPlan(t.lr_scaling, world_size * one_rank, one_rank, 0)
-    ls = t.lr_scaling
-    return LRPlan(ls.rule, world_size * one_rank, ls.reference_batch_size or one_rank, ls.warmup_steps)
+    return plan_of(to_plain(config.training), world_size)
 
 
-def _default_lr(optimizer_type: type) -> float | None:
+def plan_of(training: Mapping[str, Any], world_size: int) -> LRPlan:
+    """:func:`lr_plan` of a ``training`` section as plain data (what a checkpoint stores)."""
+    one_rank = int(training.get("batch_size", 1)) * int(training.get("accumulation_steps", 1))
+    ls = training.get("lr_scaling", "none")
+    if isinstance(ls, str):
+        return LRPlan(ls, world_size * one_rank, one_rank, 0)
+    reference = ls.get("reference_batch_size") or one_rank
+    return LRPlan(ls.get("rule", "none"), world_size * one_rank, int(reference), int(ls.get("warmup_steps", 0)))
+
+
+SETS_LR_ITSELF = {"OneCycleLR": ("max_lr",), "CyclicLR": ("base_lr", "max_lr")}
+"""Schedulers that set the groups' learning rate from arguments of their own, which
+``training.lr_scaling`` scales instead of the optimizer's ``lr``."""
+
+
+def sets_lr_itself(scheduler_type: Any) -> bool:
+    """Whether ``scheduler_type`` is (a subclass of) a scheduler of :data:`SETS_LR_ITSELF`."""
+    names = {c.__name__ for c in getattr(scheduler_type, "__mro__", ()) if c.__module__.startswith("torch.optim")}
+    return bool(names & SETS_LR_ITSELF.keys())
+
+
+def scaled_scheduler_kwargs(
+    config: Config, scheduler_type: Any, kwargs: dict[str, Any], world_size: int
+) -> dict[str, Any]:
+    """``kwargs`` of a scheduler that sets the learning rate itself (``OneCycleLR``'s ``max_lr``,
+    ``CyclicLR``'s ``base_lr`` and ``max_lr``) scaled as ``training.lr_scaling`` says; others as given."""
+    plan = lr_plan(config, world_size)
+    if plan.rule == "none" or not sets_lr_itself(scheduler_type):
+        return kwargs
+    scale = scale_lr(1.0, plan.rule, plan.global_batch, plan.reference_batch)
+    out = dict(kwargs)
+    for c in scheduler_type.__mro__:
+        for key in SETS_LR_ITSELF.get(c.__name__, ()):
+            value = kwargs.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = value * scale
+            elif isinstance(value, (list, tuple)):
+                out[key] = type(value)(v * scale for v in value)
+    _log.info(
+        "%s sets the learning rate itself: %s scaled by %g (%s scaling by the global batch %d over %d)",
+        scheduler_type.__name__, ", ".join(f"{k} {out[k]}" for k in out if out[k] is not kwargs[k]),
+        scale, plan.rule, plan.global_batch, plan.reference_batch,
+    )  # fmt: skip
+    return out
+
+
+def default_lr(optimizer_type: type) -> float | None:
     """The ``lr`` default of an optimizer class's signature, when it has a number there."""
     try:
         default = inspect.signature(optimizer_type).parameters["lr"].default
@@ -64,7 +105,7 @@ def scaled_optimizer_kwargs(
     has a number there, and no positional ``args`` could be giving it).
     """
     plan = lr_plan(config, world_size)
-    base = kwargs.get("lr", None if args else _default_lr(optimizer_type))
+    base = kwargs.get("lr", None if args else default_lr(optimizer_type))
     if base is None or isinstance(base, torch.Tensor) or (plan.rule == "none" and not plan.warmup_steps):
         return kwargs
     lr = scale_lr(float(base), plan.rule, plan.global_batch, plan.reference_batch)

@@ -36,6 +36,7 @@ from unison.cli.ema import evaluated_model, load_best_weights
 from unison.cli.eval_loaders import eval_loader
 from unison.cli.preflight import check_port, preflight
 from unison.cli.resolve import Resolved, make_metrics, resolve
+from unison.cli.resume_values import apply_on_resume
 from unison.cli.run_folder import new_run_folder, refuse_if_held
 from unison.cli.steps import RunParts, build_run
 from unison.cli.tracking import log_test_metrics
@@ -213,7 +214,8 @@ def _train(
     if attach is not None:
         attach(parts)
     t = config.training
-    if resume_run(parts, resume_from) is not None and parts.trainer.is_complete(t.max_epochs):
+    resumed = apply_on_resume(config, resolved, parts, resume_run(parts, resume_from))  # the config's values win
+    if resumed is not None and parts.trainer.is_complete(t.max_epochs):
         _log.info(
             "the run in %s is complete (epoch %d of %d): nothing to do, nothing written. Set a larger "
             "training.max_epochs to train further.",

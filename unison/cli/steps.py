@@ -30,7 +30,7 @@ from unison.cli.accepted import compile_options, ddp_options
 from unison.cli.early_stop import make_early_stopping
 from unison.cli.ema import EMA, attach_ema, evaluated_model
 from unison.cli.eval_loaders import eval_loader
-from unison.cli.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs
+from unison.cli.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
 from unison.cli.resolve import Resolved, make_metrics
 from unison.cli.tracking import attach_tracking
 from unison.cli.tracking_tb import attach_hparams, attach_profiler
@@ -206,9 +206,8 @@ def build_optimizer(
         config, resolved.optimizer_type, opt_kwargs, world_size, resolved.optimizer_args
     )
     optimizer = resolved.optimizer_type(model.parameters(), *resolved.optimizer_args, **opt_kwargs)
-    scheduler = (
-        resolved.scheduler_type(optimizer, **resolved.scheduler_kwargs) if resolved.scheduler_type else None
-    )
+    scheduler_kwargs = scaled_scheduler_kwargs(config, resolved.scheduler_type, resolved.scheduler_kwargs, world_size)
+    scheduler = resolved.scheduler_type(optimizer, **scheduler_kwargs) if resolved.scheduler_type else None
     return optimizer, scheduler
 
 

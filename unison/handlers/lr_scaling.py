@@ -174,3 +174,46 @@ class LRWarmup:
         if self._engine is not None and self._engine.has_event_handler(self._on_started, Events.STARTED):
             self._engine.remove_event_handler(self._on_started, Events.STARTED)
         self._engine = None
+
+
+GROUP_RATES = ("lr", "initial_lr", "max_lr", "min_lr")
+"""The learning rates a parameter group holds: its own, and those schedulers keep in it
+(``initial_lr`` of every scheduler, ``max_lr`` and ``min_lr`` of ``OneCycleLR``)."""
+
+SCHEDULER_RATES = ("base_lrs", "max_lrs", "_last_lr")
+"""The lists of learning rates a scheduler keeps (``max_lrs``: ``CyclicLR``'s peaks)."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def rebase_lr(optimizer: Optimizer, ratio: float, schedulers: Any = ()) -> None:
+    """Multiplies every learning rate the optimizer's groups and ``schedulers`` hold by ``ratio``.
+
+    A schedule then continues from a new base at the point it had reached: each scheduler
+    computes from its ``base_lrs`` (and ``initial_lr``) or from the group's ``lr``, and all of
+    them move together. A scheduler made of others (``SequentialLR``, ``ChainedScheduler``)
+    moves each of them.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.2)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> opt.step(); sched.step()
+        >>> rebase_lr(opt, 1.5, [sched])
+        >>> opt.param_groups[0]["lr"], sched.base_lrs
+        (0.15000000000000002, [0.30000000000000004])
+    """
+    for group in optimizer.param_groups:
+        for key in GROUP_RATES:
+            if _is_number(group.get(key)):
+                group[key] = group[key] * ratio
+    todo = [s for s in schedulers if s is not None]
+    while todo:
+        scheduler = todo.pop()
+        todo += list(getattr(scheduler, "_schedulers", []))
+        for name in SCHEDULER_RATES:
+            rates = getattr(scheduler, name, None)
+            if isinstance(rates, list) and all(_is_number(r) for r in rates):
+                setattr(scheduler, name, [r * ratio for r in rates])
