@@ -6,12 +6,13 @@ values, and :class:`StoreWriter`: the thread that writes, so training never wait
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,13 +119,44 @@ class StoreWriter:
             )
 
 
+LOCK_SUFFIX = ".lock"
+"""Beside a SQLite store (``mlflow.db.lock``): the lock held while a client opens the store."""
+
+
+@contextlib.contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``lock_file`` (made when missing) for the block; a no-op where
+    the platform has no ``fcntl``."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks here
+        yield
+        return
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def make_client(tracking_uri: str) -> Any:
-    """An ``MlflowClient`` of ``tracking_uri``; a SQLite store's folder is made first."""
+    """An ``MlflowClient`` of ``tracking_uri``; a SQLite store's folder is made first.
+
+    Opening a SQLite store that does not exist yet creates its tables, and two processes doing
+    so at once collide (``table ... already exists``): for a SQLite store the client is made
+    (which opens the store, and creates it when new) under an exclusive lock on
+    ``<store>.lock`` beside it, so the first creates it and the others find it made. Other
+    stores (a server, a database) make their schema themselves.
+    """
     from mlflow.tracking import MlflowClient
 
-    if tracking_uri.startswith("sqlite:////"):
-        Path(tracking_uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=tracking_uri)
+    if not tracking_uri.startswith("sqlite:////"):
+        return MlflowClient(tracking_uri=tracking_uri)
+    db = Path(tracking_uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(db.with_name(db.name + LOCK_SUFFIX)):
+        return MlflowClient(tracking_uri=tracking_uri)
 
 
 def artifacts_beside(tracking_uri: str) -> str | None:
@@ -171,6 +203,14 @@ def recorded_run(client: Any, run_file: Path) -> str | None:
     except Exception:  # no record, an unreadable one, or no such run in this store
         return None
     return None if run.info.lifecycle_stage == "deleted" else str(run.info.run_id)
+
+
+def logged_steps(client: Any, run_id: str) -> dict[str, int]:
+    """Each metric of run ``run_id`` and the last step the store holds for it."""
+    metrics = client.get_run(run_id).data.metrics
+    return {
+        name: max((m.step for m in client.get_metric_history(run_id, name)), default=-1) for name in metrics
+    }
 
 
 def record_run(run_file: Path, run_id: str, tracking_uri: str) -> None:
