@@ -13,12 +13,14 @@ from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank
 from unison.distributed.sync import require_sync_point
+from unison.handlers.lr_record import LRRecord, used_rates
 from unison.handlers.mlflow_store import (
     TRUNCATED,
     StoreWriter,
     artifacts_beside,
     key,
     limited,
+    logged_steps,
     make_client,
     open_experiment,
     record_run,
@@ -43,7 +45,9 @@ class MLflowLogger:
     <unison.handlers.tensorboard.TensorBoardLogger>` names them:
 
     - ``train/loss``: the epoch's mean loss over all ranks (``trainer.state.metrics["loss"]``)
-      and ``train/lr`` (``train/lr/<i>`` per parameter group), at every ``EPOCH_COMPLETED``;
+      and ``train/lr`` (``train/lr/<i>`` per parameter group: the rate the last update used,
+      as :class:`TensorBoardLogger <unison.handlers.tensorboard.TensorBoardLogger>` logs it),
+      at every ``EPOCH_COMPLETED``;
     - ``<name>/<metric>``: every number in ``evaluator.state.metrics``, when each evaluator's
       run completes;
     - with ``every``: ``train/recent_loss``, the mean over all ranks of the losses since the
@@ -57,7 +61,10 @@ class MLflowLogger:
     never waits on the store. At ``COMPLETED`` rank 0 logs the ``artifacts``, ends the run
     FINISHED and waits for the writes; a run stopped without ``COMPLETED`` (preemption) ends
     KILLED, a failed one FAILED. With ``run_file``, rank 0 records the run's id there, and a
-    later run given the same file (a resumed one) continues that MLflow run.
+    later run given the same file (a resumed one) continues that MLflow run: MLflow keeps every
+    point and cannot delete one, so a metric's points at steps up to the last one the store
+    holds (a run killed after its checkpoint logged past it) are not logged again, and each
+    step appears once (a unison resume is exact: the points agree).
 
     Opening the run, at ``STARTED``, fails loudly (a wrong URI, a deleted experiment); once
     it is open, a store that cannot be reached costs a warning, and the points are sent with
@@ -155,22 +162,17 @@ class MLflowLogger:
         self._pending: list[Any] = []
         self._window = (0.0, 0.0)  # the epoch's loss (sum, count) over all ranks at the last point
         self._next_point = every or 0
+        self._logged: dict[str, int] = {}  # a continued run: each metric's last step in the store
 
     # -- what to log (every rank; nothing read from the device between sync points) --------
 
     def _learning_rates(self) -> dict[str, float]:
+        optimizer = self._optimizer()
+        return {} if optimizer is None else used_rates(optimizer)  # the rates the last update used
+
+    def _optimizer(self) -> torch.optim.Optimizer | None:
         optimizer = getattr(getattr(self.trainer, "process_function", None), "optimizer", None)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            return {}
-        groups = optimizer.param_groups
-        rates: dict[str, float] = {}
-        for i, group in enumerate(groups):
-            lr = group.get("lr")
-            if isinstance(lr, torch.Tensor) and lr.device.type == "cpu":
-                lr = float(lr)
-            if isinstance(lr, (int, float)) and not isinstance(lr, bool):
-                rates["train/lr" if len(groups) == 1 else f"train/lr/{i}"] = float(lr)
-        return rates
+        return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
     def sync_state(self) -> torch.Tensor:
         """This rank's loss sum and count of the epoch so far (the trainer's sync point calls it)."""
@@ -263,6 +265,7 @@ class MLflowLogger:
             # MLflow never changes a logged parameter: a value changed on resume becomes a tag.
             tags.update({f"changed_on_resume.{k}": v for k, v in params.items() if before.get(k, v) != v})
             params = {k: v for k, v in params.items() if k not in before}
+            self._logged = logged_steps(client, run_id)
             _log.info("MLflow: continuing run %s (recorded in %s)", run_id, self.run_file)
         self.run_id = run_id
         from mlflow.entities import Param, RunTag
@@ -281,7 +284,11 @@ class MLflowLogger:
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
-        self._pending.extend(Metric(name, value, stamp, step) for name, value in values.items())
+        self._pending.extend(
+            Metric(name, value, stamp, step)
+            for name, value in values.items()
+            if step > self._logged.get(name, -1)  # a step the run before a resume logged is kept, not doubled
+        )
 
     def _flush(self) -> None:
         if self._pending and self._writer is not None:
@@ -316,6 +323,9 @@ class MLflowLogger:
             )
         if trainer.has_event_handler(self._started, Events.STARTED):
             return
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            LRRecord.of(optimizer)  # train/lr: the rate each update used
         trainer.add_event_handler(Events.STARTED, self._started)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self._epoch_completed)

@@ -12,6 +12,7 @@ import torch
 from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank, get_world_size
+from unison.handlers.lr_record import LRRecord, used_rates
 
 if TYPE_CHECKING:
     from tensorboardX import SummaryWriter
@@ -25,12 +26,12 @@ class TensorBoardLogger:
 
     - ``train/loss``: the epoch's mean loss over all ranks,
       ``trainer.state.metrics["loss"]``, at every ``EPOCH_COMPLETED``.
-    - ``train/lr``: the learning rate of the trainer's optimizer
-      (``trainer.process_function.optimizer``), at every ``EPOCH_COMPLETED`` and every
+    - ``train/lr``: the learning rate the last update of the trainer's optimizer
+      (``trainer.process_function.optimizer``) used, at every ``EPOCH_COMPLETED`` and every
       ``log_every`` iterations; ``train/lr/<i>`` for each group when the optimizer has
-      several parameter groups. At an epoch's end, it is the value when the logger's
-      handler runs: attach a scheduler that steps at ``EPOCH_COMPLETED`` before the
-      logger to log the next epoch's rate, after it to log the one just used.
+      several parameter groups. A warmup's factor is included, and a scheduler that has
+      already stepped for the next epoch does not show (:mod:`unison.handlers.lr_record`);
+      before the first update, the groups' value.
     - ``train/grad_norm``: with ``create_trainer(clip_grad_norm=...)``, the gradient norm
       before clipping of the epoch's **last** update (not a mean over the epoch: reading
       the norm more often would stall the device), at ``EPOCH_COMPLETED``.
@@ -132,6 +133,7 @@ class TensorBoardLogger:
         self._writer: SummaryWriter | None = None
         self._epoch_start: float | None = None
         self._epoch_start_iteration = 0
+        self._resumed_at = 0  # the trainer's iteration when its run started (a resume: past 0)
 
     # -- what to log --------------------------------------------------------------------
 
@@ -140,21 +142,9 @@ class TensorBoardLogger:
         return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
     def _learning_rates(self, device_ok: bool) -> dict[str, float]:
-        """The optimizer's learning rates; a device tensor lr is read only when ``device_ok``."""
+        """The rates the last update used; a device tensor lr is read only when ``device_ok``."""
         optimizer = self._optimizer()
-        if optimizer is None:
-            return {}
-        groups = optimizer.param_groups
-        rates: dict[str, float] = {}
-        for i, group in enumerate(groups):
-            lr = group.get("lr")
-            if isinstance(lr, torch.Tensor):
-                if lr.device.type != "cpu" and not device_ok:
-                    continue
-                lr = float(lr)
-            if isinstance(lr, (int, float)) and not isinstance(lr, bool):
-                rates["train/lr" if len(groups) == 1 else f"train/lr/{i}"] = float(lr)
-        return rates
+        return {} if optimizer is None else used_rates(optimizer, device_ok=device_ok)
 
     def _per_rank_batch_size(self) -> int | None:
         if self.batch_size is not None:
@@ -210,6 +200,9 @@ class TensorBoardLogger:
     def _closed(self, _: Engine) -> None:
         self.close()
 
+    def _started(self, engine: Engine) -> None:
+        self._resumed_at = engine.state.iteration
+
     # -- the writer (rank 0 only) -------------------------------------------------------
 
     def _write(self, scalars: Mapping[str, float], step: int) -> None:
@@ -220,7 +213,12 @@ class TensorBoardLogger:
 
             # tensorboardX names event files by the second and opens them with 'wb': a second writer in
             # the same second (a trainer run again, a resumed run) would overwrite the first's file
-            self._writer = SummaryWriter(str(self.log_dir), filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+            # A resumed run purges what a run killed after its checkpoint wrote past it: TensorBoard
+            # drops the earlier files' points at steps >= purge_step, so each step shows once.
+            purge = self._resumed_at + 1 if self._resumed_at > 0 else None
+            self._writer = SummaryWriter(
+                str(self.log_dir), filename_suffix=f".{os.getpid()}.{time.time_ns()}", purge_step=purge
+            )
         for tag, value in scalars.items():
             self._writer.add_scalar(tag, value, step)
 
@@ -256,6 +254,10 @@ class TensorBoardLogger:
             )
         if trainer.has_event_handler(self._epoch_completed, Events.EPOCH_COMPLETED):
             return
+        trainer.add_event_handler(Events.STARTED, self._started)
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            LRRecord.of(optimizer)  # train/lr: the rate each update used
         trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         if self.log_every is not None:
             trainer.add_event_handler(
