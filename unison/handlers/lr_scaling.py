@@ -11,10 +11,11 @@ the scheduler's value back). The scheduler therefore never sees the factor: chai
 schedulers (``StepLR``, ``ExponentialLR`` ...) compute each value from the group's
 ``lr``, and would compound a factor written into it. The learning rate the optimizer
 uses at update ``k`` is ``schedule(k) * min(1, k / steps)``, whether the scheduler steps
-per update or per epoch, and ``param_groups[i]["lr"]`` (what TensorBoard and a checkpoint
-show) is the scheduler's value. The warmup's position is the trainer's ``state.update``,
-which a checkpoint restores: a resumed run uses the same learning rates as the
-uninterrupted one.
+per update or per epoch, and ``param_groups[i]["lr"]`` (what a checkpoint holds) is the
+scheduler's value. The loggers' ``train/lr`` is the rate the update used, factor included
+(:mod:`unison.handlers.lr_record`, which the warmup tells once its factor is applied). The
+warmup's position is the trainer's ``state.update``, which a checkpoint restores: a resumed
+run uses the same learning rates as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ignite.engine import Engine, Events
 from torch.optim import Optimizer
 
 from unison.engine.events import UpdateEvents
+from unison.handlers.lr_record import LRRecord
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -125,6 +127,7 @@ class LRWarmup:
         if f != 1.0:
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * f
+            LRRecord.note(optimizer)  # the loggers' train/lr: the rate this step uses
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         for group, lr in zip(optimizer.param_groups, self._kept, strict=False):  # the scheduler's values back
