@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.cli.dead_keys import unowned
 from unison.cli.early_stop import early_stopping_slot
 from unison.cli.references import _References
 from unison.config import Config, ConfigError, PyObjectRef, resolve_tree
@@ -60,9 +61,13 @@ def resolve(config: Config) -> Resolved:
 
     Raises:
         ConfigError: for the first reference that is refused, missing or of the wrong kind,
-            or kwargs that do not fit the signature they will be called with.
+            kwargs that do not fit the signature they will be called with, or kwargs given for
+            an object the config does not build (:func:`~unison.cli.dead_keys.unowned`).
     """
     refs = _References.of(config)
+    dead = unowned(config)  # scheduler_kwargs without scheduler_type: read by nothing
+    if dead is not None:
+        raise refs.error(*dead)
     metrics = _metric_slots(config, refs)
     _check_watched_metrics(config, list(metrics) or ["loss"], refs)
     optimizer_type, optimizer_kwargs, optimizer_args = _optimizer_slots(config, refs)

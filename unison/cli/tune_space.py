@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from unison.cli.dead_keys import changes_nothing
 from unison.cli.preflight import preflight
 from unison.cli.references import _References
 from unison.cli.resolve import resolve
@@ -142,8 +143,18 @@ class SweepPlan:
 
 def check_space(plan: SweepPlan) -> None:
     """Each value the search space can draw (bounds, each choice) makes a config ``unison run``
-    accepts: validated, resolved, and checked by its preflight (the model built on ``meta``)."""
+    accepts: validated, resolved, and checked by its preflight (the model built on ``meta``); and
+    each key changes the run (:func:`~unison.cli.dead_keys.changes_nothing`), the rule by which a run
+    refuses arguments of an object it does not build."""
     for key, spec in plan.space.items():
+        why = changes_nothing(plan.config, key)
+        if why is not None:
+            raise error_at(
+                plan.config,
+                ("tuning", "search_space", key),
+                f"{key} changes nothing: {why}; every trial would train alike. Set what it needs, or "
+                "remove it from the search space",
+            )
         for value in _examples(spec):
             try:
                 drawn = load_config(plan.path, [*plan.overrides, *as_overrides({key: value})])
