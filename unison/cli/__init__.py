@@ -22,6 +22,7 @@ def _run(args: argparse.Namespace) -> int:
     from unison.cli.run import ResumeError, run
     from unison.config import ConfigError
     from unison.distributed import RankFailedError, detect_launcher
+    from unison.utils.secrets import redact_url
 
     first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own
     try:
@@ -35,13 +36,13 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, ResumeError) as err:
         if args.debug:
             raise
-        print(f"unison run: {err}", file=sys.stderr)
+        print(f"unison run: {redact_url(str(err))}", file=sys.stderr)
         return 2
     except RankFailedError as err:
         if args.debug:
             raise
         # The message holds the failing rank's own traceback; the launcher's frames add nothing.
-        print(f"unison run: {err}", file=sys.stderr)
+        print(f"unison run: {redact_url(str(err))}", file=sys.stderr)
         return 1
     if results is not None and first_rank:  # under torchrun or srun, once
         print(f"run directory: {results['run_dir']}")
