@@ -170,10 +170,10 @@ BILLION_LAUGHS = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\
 def test_yaml_bombs_are_refused_quickly(text, needle, tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(text)
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: other processes' load does not count
     with pytest.raises(ConfigError) as info:
         load_yaml(path)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert str(info.value).startswith(str(path)) and needle in str(info.value), str(info.value)
 
 
