@@ -90,8 +90,14 @@ def digest(item: Data) -> str:
     return h.hexdigest()
 
 
-def file_dataset_on_rank(files: list[str], output: str, calls: str) -> dict[str, Any]:
-    """Builds the dataset on this rank; returns whether it preprocessed, and a hash per item."""
+def file_dataset_on_rank(files: list[str], output: str, calls: str, broken: str) -> dict[str, Any]:
+    """Builds the dataset on this rank; returns whether it preprocessed, a hash per item, and
+    the error this rank got from a dataset whose preprocessing fails (on rank 0, where it runs)."""
+    try:
+        FileDataset([broken], GraphReader(), output=output + "-broken", pre_transform=to_graph)
+        error = None
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
     data = FileDataset(
         files,
         GraphReader(calls),
@@ -100,4 +106,4 @@ def file_dataset_on_rank(files: list[str], output: str, calls: str) -> dict[str,
         pre_filter=at_least_three_nodes,
         chunksize=2,
     )
-    return {"built": data.built, "digests": [digest(data[i]) for i in range(len(data))]}
+    return {"built": data.built, "digests": [digest(data[i]) for i in range(len(data))], "error": error}

@@ -122,11 +122,16 @@ def test_every_rank_sees_the_same_items_and_one_rank_preprocessed(stores, tmp_pa
         [str(s) for s in stores],
         str(tmp_path / "out"),
         str(tmp_path / "calls"),
+        str(write_store(tmp_path / "broken.zarr", [3, 3, 3], seed=0, nan_at=1)),
         nproc=2,
     )
     assert [r["built"] for r in results] == [True, False]
     assert _calls(tmp_path / "calls") == sum(len(s) for s in SIZES)  # each sample read once, in all
     assert results[0]["digests"] == results[1]["digests"] == _direct(stores)
+    # A preprocessing that fails on rank 0 fails on every rank, promptly, saying why.
+    assert results[0]["error"].startswith("InvalidItemError: FileDataset: sample 1 of ")
+    assert results[1]["error"].startswith("RuntimeError: FileDataset: rank 0 failed to preprocess into ")
+    assert "InvalidItemError: FileDataset: sample 1 of " in results[1]["error"]
 
 
 def test_paths_leaving_the_root_are_refused(stores, tmp_path):
