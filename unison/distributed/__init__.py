@@ -1,5 +1,7 @@
 """Launching ranks, the collectives unison relies on, samplers and loaders."""
 
+from unison.distributed.batches import count_items, move_to_device
+from unison.distributed.collate import collate
 from unison.distributed.env import default_backend, detect_launcher, find_free_port
 from unison.distributed.launcher import DEFAULT_TIMEOUT, RankFailedError, launch
 from unison.distributed.loaders import prepare_loaders, split_dataset
@@ -37,6 +39,8 @@ __all__ = [
     "all_reduce_sum",
     "barrier",
     "broadcast_object",
+    "collate",
+    "count_items",
     "default_backend",
     "detect_launcher",
     "device",
@@ -48,6 +52,7 @@ __all__ = [
     "is_distributed",
     "launch",
     "model_device",
+    "move_to_device",
     "prepare_loaders",
     "prepare_model",
     "rank_row",

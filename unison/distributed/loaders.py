@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from unison.distributed.collate import collate
 from unison.distributed.primitives import get_rank
 from unison.distributed.samplers import EvalSampler, TrainSampler
 
@@ -66,6 +67,7 @@ def prepare_loaders(
     train_sampler: Sampler | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
     **loader_kwargs: Any,
 ) -> tuple[DataLoader | None, DataLoader | None]:
     """Builds the training and evaluation DataLoaders of this rank.
@@ -87,6 +89,10 @@ def prepare_loaders(
             and have ``set_epoch(epoch)``.
         num_workers: worker processes per loader.
         pin_memory: pin host memory for faster copies to the GPU.
+        collate_fn: joins a list of items into a batch, for both loaders; default
+            :func:`~unison.distributed.collate.collate`: torch's ``default_collate``, or
+            torch_geometric's collater when the items are graphs (``Data``/``HeteroData``),
+            so a batch of graphs is one ``Batch`` with ``num_graphs`` items.
         **loader_kwargs: passed to both ``DataLoader`` constructors.
 
     Returns:
@@ -106,7 +112,15 @@ def prepare_loaders(
             "method, so every epoch would repeat the same order. Add set_epoch to it, use "
             "unison.distributed.TrainSampler, or pass shuffle=False if the order is meant to be fixed."
         )
-    common = dict(num_workers=num_workers, pin_memory=pin_memory, **loader_kwargs)
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(
+            f"prepare_loaders(collate_fn=...) must be callable (a list of items -> a batch), got "
+            f"{type(collate_fn).__name__}: {collate_fn!r}. Leave it unset for torch's default, or torch_geometric's "
+            "for graph items."
+        )
+    common = dict(
+        num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn or collate, **loader_kwargs
+    )
     train_loader = None
     if train is not None:
         sampler = (

@@ -3,6 +3,7 @@
 from ignite.engine import Events, State
 
 from unison.distributed.sync import SyncContributor, SyncPoint
+from unison.engine.calls import ModelCall, WholeBatch, batch_field
 from unison.engine.engine import Engine
 from unison.engine.evaluation import EvalStep, create_evaluator
 from unison.engine.events import UpdateEvents
@@ -12,11 +13,14 @@ __all__ = [
     "Engine",
     "EvalStep",
     "Events",
+    "ModelCall",
     "State",
     "SyncContributor",
     "SyncPoint",
     "TrainStep",
     "UpdateEvents",
+    "WholeBatch",
+    "batch_field",
     "create_evaluator",
     "create_trainer",
     "prepare_batch",

@@ -13,12 +13,15 @@ from ignite.metrics import EpochMetric, Metric
 from torch import nn
 from torch.utils.data import DistributedSampler
 
+from unison.distributed.batches import move_to_device
 from unison.distributed.fsdp import gathered_parameters, swapped_in
 from unison.distributed.model import unwrap_model
 from unison.distributed.primitives import broadcast_buffers
+from unison.engine.calls import resolve_model_call
 from unison.engine.engine import Engine
 from unison.engine.steps import AmpMode, check_amp, check_device, prepare_batch
 from unison.metrics.base import SumMetric
+from unison.metrics.batch_loss import BatchOutput
 from unison.metrics.gathered import exact_epoch_metric
 from unison.metrics.group import MetricGroup
 from unison.utils.logging import get_logger
@@ -30,7 +33,9 @@ class EvalStep:
     """One evaluation iteration: a forward pass without gradients, returning ``(y_pred, y)``.
 
     It runs the module inside any DDP wrapper: DDP's forward may issue collectives, and
-    ranks of an unpadded evaluation run different numbers of batches.
+    ranks of an unpadded evaluation run different numbers of batches. With ``keep_batch``
+    the output is a :class:`~unison.metrics.BatchOutput`: the same pair, holding the whole
+    batch on the device for the metrics that read it.
     """
 
     def __init__(
@@ -41,21 +46,30 @@ class EvalStep:
         amp_dtype: torch.dtype | None,
         prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]],
         non_blocking: bool,
+        model_call: Callable[[nn.Module, Any], Any] | None = None,
+        keep_batch: bool = False,
     ) -> None:
         self.model = unwrap_model(model)
         self.device = device
         self.amp_dtype = amp_dtype
         self.prepare_batch = prepare_batch
         self.non_blocking = non_blocking
+        self.model_call = resolve_model_call(model_call, "EvalStep")
+        self.keep_batch = keep_batch
 
     def __call__(self, engine: IgniteEngine, batch: Any) -> tuple[Any, Any]:
+        if self.keep_batch:
+            batch = move_to_device(batch, self.device, self.non_blocking)
         x, y = self.prepare_batch(batch, self.device, self.non_blocking)
+        call = self.model_call
         with torch.no_grad():
             if self.amp_dtype is not None:
                 with torch.autocast(self.device.type, dtype=self.amp_dtype):
-                    y_pred = self.model(x)
+                    y_pred = self.model(x) if call is None else call(self.model, x)
             else:
-                y_pred = self.model(x)
+                y_pred = self.model(x) if call is None else call(self.model, x)
+        if self.keep_batch:
+            return BatchOutput(y_pred, y, batch)
         return y_pred, y
 
 
@@ -67,6 +81,7 @@ def create_evaluator(
     amp: AmpMode | None = None,
     prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]] = prepare_batch,
     non_blocking: bool = True,
+    model_call: Callable[[nn.Module, Any], Any] | None = None,
 ) -> Engine:
     """Builds an evaluation :class:`~unison.engine.Engine` that computes ``metrics``.
 
@@ -81,6 +96,12 @@ def create_evaluator(
     running statistics, broadcast at the start of the run: under DDP they drift apart per
     rank), so the result is that of the model rank 0 saves.
 
+    Every metric gets ``(y_pred, y)``: the model's output and the target ``prepare_batch``
+    took from the batch (``batch.y`` of a torch_geometric batch). A metric that reads the
+    whole batch (a :class:`~unison.metrics.Loss` of a :class:`~unison.metrics.BatchLoss`,
+    or any metric whose ``takes_batch`` is true) gets the same pair as a
+    :class:`~unison.metrics.BatchOutput`, whose ``batch`` is the batch on the device.
+
     Args:
         model: the model (plain or DDP; the forward pass runs on the module inside).
         metrics: name -> metric.
@@ -88,6 +109,8 @@ def create_evaluator(
         amp: ``"bf16"`` or ``"fp16"`` autocast, or None.
         prepare_batch: ``fn(batch, device, non_blocking) -> (x, y)``.
         non_blocking: copy batches to the device asynchronously.
+        model_call: ``fn(model, x) -> y_pred`` (a :class:`~unison.engine.ModelCall`);
+            default ``model(x)``. Use the trainer's.
 
     Example:
         >>> import torch
@@ -114,7 +137,13 @@ def create_evaluator(
     resolved = check_device(model, device, "create_evaluator")
     amp_dtype = check_amp(amp, "create_evaluator")
     step = EvalStep(
-        model, device=resolved, amp_dtype=amp_dtype, prepare_batch=prepare_batch, non_blocking=non_blocking
+        model,
+        device=resolved,
+        amp_dtype=amp_dtype,
+        prepare_batch=prepare_batch,
+        non_blocking=non_blocking,
+        model_call=resolve_model_call(model_call, "create_evaluator"),
+        keep_batch=any(getattr(metric, "takes_batch", False) for metric in metrics.values()),
     )
     # Evaluation shards differ in length by design: sync at the run's end only.
     evaluator = Engine(step, sync_every=None, name="evaluator")

@@ -13,11 +13,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from unison.distributed.batches import move_to_device
 from unison.distributed.fsdp import global_value as _global
 from unison.distributed.fsdp import is_sharded, no_gradient_sync
 from unison.distributed.model import model_device
 from unison.distributed.primitives import get_rank
+from unison.engine.calls import WholeBatch, field_names, resolve_model_call
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
+from unison.metrics.batch_loss import BatchLoss
 from unison.metrics.epoch_average import EpochAverage
 from unison.utils.seed import fork_rank_streams
 
@@ -30,8 +33,12 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
 
     Accepts a ``(x, y)`` pair (what a DataLoader over a ``TensorDataset`` yields) or a
     mapping with ``"x"``/``"y"`` or ``"input"``/``"target"`` keys. Nested lists, tuples and
-    dicts of tensors are copied as well. Copies are ``non_blocking``: with pinned memory a
-    host-to-GPU copy overlaps with compute.
+    dicts of tensors are copied as well. Any other batch with a ``y`` field (a torch_geometric
+    ``Batch``, a dataclass, a dict with a ``"y"`` key) is kept whole, as
+    :class:`~unison.engine.WholeBatch` keeps it: the inputs are the whole batch on the device
+    (pick the model's arguments with a :class:`~unison.engine.ModelCall`) and the target its
+    ``y``. Copies are ``non_blocking``: with pinned memory a host-to-GPU copy overlaps with
+    compute.
     """
     cls = batch.__class__
     if cls is tuple or cls is list:  # the common case first: no ABC check
@@ -48,17 +55,16 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
                 x, y = batch[xk], batch[yk]
                 break
         else:
-            raise ValueError(
-                f"prepare_batch got a mapping with keys {sorted(batch)}; expected 'x'/'y' or 'input'/'target'. "
-                "Pass prepare_batch=your_function(batch, device, non_blocking) -> (x, y) for other layouts."
-            )
+            return _whole_batch(batch, device, non_blocking)
     elif isinstance(batch, Sequence) and len(batch) == 2:
         x, y = batch
-    else:
+    elif isinstance(batch, (Sequence, torch.Tensor)):
         raise ValueError(
             f"prepare_batch got a {type(batch).__name__} batch; expected an (inputs, targets) pair. Pass "
             "prepare_batch=your_function(batch, device, non_blocking) -> (x, y) for other layouts."
         )
+    else:
+        return _whole_batch(batch, device, non_blocking)
     # Plain tensors directly (one copy, or none when already there); anything else through
     # ignite's convert_tensor, which walks lists, tuples and dicts.
     if x.__class__ is torch.Tensor:
@@ -72,6 +78,32 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
     else:
         y = convert_tensor(y, device=device, non_blocking=non_blocking)
     return x, y
+
+
+def _whole_batch(batch: Any, device: torch.device, non_blocking: bool) -> tuple[Any, Any]:
+    """A batch with fields: ``(the batch on the device, its "y")``, or an error naming the fix."""
+    if not _has_field(batch, "y"):
+        raise ValueError(
+            f"prepare_batch got a {type(batch).__name__} batch with fields {field_names(batch)} and no 'y' "
+            "to take as the target; expected an (inputs, targets) pair, 'x'/'y' keys, or a 'y' field. Name "
+            "the target with prepare_batch=unison.engine.WholeBatch(target='<field>') (target=None for a "
+            "criterion that reads the batch itself, wrapped in unison.metrics.BatchLoss), and the model's "
+            "arguments with model_call=unison.engine.ModelCall(args=[...])."
+        )
+    return _DEFAULT_WHOLE(batch, device, non_blocking)
+
+
+def _has_field(batch: Any, name: str) -> bool:
+    if isinstance(batch, Mapping):
+        return name in batch
+    try:
+        getattr(batch, name)
+    except (AttributeError, KeyError):
+        return False
+    return True
+
+
+_DEFAULT_WHOLE = WholeBatch("y")
 
 
 def check_device(model: nn.Module, device: torch.device | str | None, fn: str) -> torch.device:
@@ -133,8 +165,12 @@ class TrainStep:
         clip_grad_norm: float | None,
         prepare_batch: Callable[[Any, torch.device, bool], tuple[Any, Any]],
         non_blocking: bool,
+        model_call: Callable[[nn.Module, Any], Any] | None = None,
     ) -> None:
         self.model = model
+        self.model_call = resolve_model_call(model_call, "TrainStep")
+        """Calls the model on the inputs; None: ``model(x)``."""
+        self._takes_batch = isinstance(loss_fn, BatchLoss)
         self._syncs_gradients = isinstance(model, DistributedDataParallel) or is_sharded(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -168,11 +204,12 @@ class TrainStep:
         return position % self.accumulation_steps == 0 or position == epoch_length
 
     def _forward_backward(self, x: Any, y: Any, window: int) -> torch.Tensor:
+        call = self.model_call
         if self.amp_dtype is not None:
             with torch.autocast(self.device.type, dtype=self.amp_dtype):
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(self.model(x) if call is None else call(self.model, x), y)
         else:
-            loss = self.loss_fn(self.model(x), y)
+            loss = self.loss_fn(self.model(x) if call is None else call(self.model, x), y)
         scaled = loss / window if window > 1 else loss
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
@@ -205,7 +242,12 @@ class TrainStep:
 
     def __call__(self, engine: IgniteEngine, batch: Any) -> torch.Tensor:
         window, is_last = (1, True) if self.accumulation_steps == 1 else self._window(engine)
-        x, y = self.prepare_batch(batch, self.device, self.non_blocking)
+        if self._takes_batch:  # the criterion reads the whole batch: it gets it on the device
+            batch = move_to_device(batch, self.device, self.non_blocking)
+            x, _ = self.prepare_batch(batch, self.device, self.non_blocking)
+            y = batch
+        else:
+            x, y = self.prepare_batch(batch, self.device, self.non_blocking)
         if not is_last and self._syncs_gradients:
             with no_gradient_sync(self.model):  # DDP's no_sync, FSDP2's set_requires_gradient_sync
                 loss = self._forward_backward(x, y, window)
@@ -245,6 +287,7 @@ def create_trainer(
     non_blocking: bool = True,
     track_loss: bool = True,
     sync_every: int | None = DEFAULT_SYNC_EVERY,
+    model_call: Callable[[nn.Module, Any], Any] | None = None,
 ) -> Engine:
     """Builds a training :class:`~unison.engine.Engine` around a :class:`TrainStep`.
 
@@ -257,18 +300,23 @@ def create_trainer(
         model: the model, already on its device (see
             :func:`~unison.distributed.prepare_model`), plain or wrapped in DDP.
         optimizer: the optimizer over the model's parameters.
-        loss_fn: ``loss_fn(y_pred, y) -> scalar tensor``, a mean over the batch.
+        loss_fn: ``loss_fn(y_pred, y) -> scalar tensor``, a mean over the batch; wrapped in
+            :class:`~unison.metrics.BatchLoss`, called ``loss_fn(y_pred, batch)`` with the
+            whole batch on the device instead.
         device: where batches go; default, the model's device. Given, it must match it.
         amp: ``"bf16"`` or ``"fp16"`` autocast; None for full precision. fp16 uses a
             ``GradScaler`` (one is made unless ``scaler`` is given).
         scaler: a ``torch.amp.GradScaler`` for fp16.
         accumulation_steps: micro-batches per optimizer update, >= 1.
         clip_grad_norm: clip the total gradient norm to this value (after unscaling).
-        prepare_batch: ``fn(batch, device, non_blocking) -> (x, y)``.
+        prepare_batch: ``fn(batch, device, non_blocking) -> (x, y)``; see
+            :func:`prepare_batch` and :class:`~unison.engine.WholeBatch`.
         non_blocking: copy batches to the device asynchronously.
         track_loss: keep the epoch's mean loss (one sum on the device per iteration).
         sync_every: iterations between the trainer's sync points inside an epoch (see
             :class:`~unison.engine.Engine`).
+        model_call: ``fn(model, x) -> y_pred``, how the model is called on the inputs
+            (a :class:`~unison.engine.ModelCall` picks fields of a batch); default ``model(x)``.
 
     Returns:
         The trainer. Its process function is the :class:`TrainStep`
@@ -335,6 +383,7 @@ def create_trainer(
         clip_grad_norm=clip_grad_norm,
         prepare_batch=prepare_batch,
         non_blocking=non_blocking,
+        model_call=resolve_model_call(model_call, "create_trainer"),
     )
     trainer = Engine(step, sync_every=sync_every, name="trainer")
 

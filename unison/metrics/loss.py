@@ -10,7 +10,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from unison.distributed.batches import count_items
 from unison.metrics.base import SumMetric
+from unison.metrics.batch_loss import BatchLoss
+
+
+def _items(y: Any) -> int:
+    """Samples in a target: graphs of a graph batch, else its first dimension, else ``len``."""
+    count = count_items(y)
+    return len(y) if count is None else count
+
+
+_NO_BATCH = object()
 
 
 class Loss(SumMetric):
@@ -20,9 +31,15 @@ class Loss(SumMetric):
     (sum of batch mean x batch size, number of samples), so batches of different sizes, and
     ranks with different numbers of samples, weigh what they hold.
 
+    A :class:`~unison.metrics.BatchLoss` is called ``loss_fn(y_pred, batch)`` with the whole
+    batch, which the evaluator's output carries (a :class:`~unison.metrics.BatchOutput`:
+    :func:`~unison.engine.create_evaluator` gives one to the metrics that ask for it). Its
+    samples are counted in the target ``y``, or in the batch when it has no target.
+
     Args:
-        loss_fn: ``loss_fn(y_pred, y) -> scalar tensor``.
-        batch_size: ``fn(y) -> int``, the number of samples in a batch; default ``len``.
+        loss_fn: ``loss_fn(y_pred, y) -> scalar tensor``, or a ``BatchLoss``.
+        batch_size: ``fn(y) -> int``, the number of samples in a batch; default, the graphs
+            of a graph batch (``num_graphs``), else the target's first dimension.
         output_transform: maps the engine's output to ``(y_pred, y)``.
 
     Example:
@@ -38,7 +55,7 @@ class Loss(SumMetric):
     def __init__(
         self,
         loss_fn: Callable[[Any, Any], torch.Tensor],
-        batch_size: Callable[[Any], int] = len,
+        batch_size: Callable[[Any], int] = _items,
         output_transform: Callable[[Any], Any] = lambda x: x,
         device: str | torch.device = "cpu",
     ) -> None:
@@ -48,15 +65,33 @@ class Loss(SumMetric):
         self.batch_size = batch_size
         super().__init__(output_transform=output_transform, device=device)
 
+    @property
+    def takes_batch(self) -> bool:
+        """Whether the criterion reads the whole batch: the evaluator then hands it over."""
+        return isinstance(self.loss_fn, BatchLoss)
+
     def batch_state(self, output: Any) -> torch.Tensor:
         y_pred, y = output
-        value = self.loss_fn(y_pred, y)
+        if isinstance(self.loss_fn, BatchLoss):
+            batch = getattr(output, "batch", _NO_BATCH)
+            if batch is _NO_BATCH:
+                raise ValueError(
+                    f"Loss({self.loss_fn!r}) needs the whole batch, but got a {type(output).__name__} without one. "
+                    "Build the evaluator with unison.engine.create_evaluator, which hands the batch to this "
+                    "metric (a BatchOutput), and keep it through output_transform: return "
+                    "BatchOutput(y_pred, y, batch=output.batch)."
+                )
+            value = self.loss_fn(y_pred, batch)
+            counted = batch if y is None else y
+        else:
+            value = self.loss_fn(y_pred, y)
+            counted = y
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise ValueError(
                 f"Loss: loss_fn must return a scalar tensor (reduction='mean'), got "
                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}."
             )
-        n = float(self.batch_size(y))
+        n = float(self.batch_size(counted))
         total = value.detach().reshape(()).to(torch.float64) * n
         return torch.stack([total, torch.full((), n, dtype=torch.float64, device=total.device)])
 
