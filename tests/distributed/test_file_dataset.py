@@ -158,6 +158,7 @@ def test_an_invalid_item_is_named_by_file_and_sample(tmp_path):
     ):
         FileDataset([broken], GraphReader(), output=tmp_path / "out", pre_transform=to_graph)
     assert not (tmp_path / "out" / "items").exists()  # nothing half-built is left to reuse
+    assert not list((tmp_path / "out").iterdir())  # nor the build's hidden folder
     unchecked = FileDataset(
         [broken], GraphReader(), output=tmp_path / "out", pre_transform=to_graph, validate_data=False
     )
@@ -206,3 +207,12 @@ def test_zarr_sample_counts(tmp_path):
     (tmp_path / "plain.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match="not a zarr store.*count="):
         count_samples(tmp_path / "plain.bin")
+
+
+def test_functions_that_workers_cannot_import_are_refused_before_any_worker_starts(stores, tmp_path):
+    with pytest.raises(
+        ValueError, match=r"n_processes=2\): pre_transform=.*cannot be sent to worker processes"
+    ):
+        FileDataset(
+            stores, GraphReader(), output=tmp_path / "out", pre_transform=lambda raw: raw, n_processes=2
+        )
