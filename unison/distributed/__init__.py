@@ -3,6 +3,7 @@
 from unison.distributed.batches import count_items, move_to_device
 from unison.distributed.collate import collate
 from unison.distributed.env import default_backend, detect_launcher, find_free_port
+from unison.distributed.file_dataset import FileDataset
 from unison.distributed.launcher import DEFAULT_TIMEOUT, RankFailedError, launch
 from unison.distributed.loaders import prepare_loaders, split_dataset
 from unison.distributed.model import find_unused_from_env, model_device, prepare_model, unwrap_model
@@ -31,6 +32,7 @@ from unison.distributed.sync import (
 __all__ = [
     "DEFAULT_TIMEOUT",
     "EvalSampler",
+    "FileDataset",
     "RankFailedError",
     "SyncContributor",
     "SyncEngine",
