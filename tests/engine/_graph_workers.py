@@ -8,15 +8,25 @@ here so spawned ranks import this module, not the test module.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 from torch_geometric.data import Batch, Data
 from torch_geometric.nn import GCNConv, SAGEConv, global_mean_pool
 
-from unison.distributed import get_rank, get_world_size, prepare_loaders, prepare_model, unwrap_model
+from unison.distributed import (
+    TrainSampler,
+    collate,
+    get_rank,
+    get_world_size,
+    prepare_loaders,
+    prepare_model,
+    unwrap_model,
+)
 from unison.engine import Events, ModelCall, create_evaluator, create_trainer
 from unison.handlers import Checkpoint
 from unison.metrics import BatchLoss, Loss, MeanAbsoluteError
@@ -113,12 +123,45 @@ def truth(*, size: int = 11) -> dict[str, float]:
     return {"loss": float(compute_loss(out, batch)), "mae": float((out - batch.y).abs().mean())}
 
 
-def resume(folder: str, *, stop: int, max_epochs: int = 2, size: int = 22, per_rank: int = 3) -> dict[str, Any]:
+class GraphBudget:
+    """A batch sampler that fills each batch up to ``nodes`` nodes (at least one graph), as
+    graph users batch by size: batches hold varying numbers of graphs, and the loader has no
+    ``batch_size``, so a mid-epoch position is counted from the batches themselves."""
+
+    def __init__(self, sampler: TrainSampler, graphs: list[Data], nodes: int) -> None:
+        self.sampler, self.graphs, self.nodes = sampler, graphs, nodes
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch: list[int] = []
+        total = 0
+        for index in self.sampler:
+            size = int(self.graphs[index].num_nodes)
+            if batch and total + size > self.nodes:
+                yield batch
+                batch, total = [], 0
+            batch.append(index)
+            total += size
+        if batch:
+            yield batch
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def resume(
+    folder: str, *, stop: int, max_epochs: int = 2, size: int = 22, per_rank: int = 3, node_budget: int | None = None
+) -> dict[str, Any]:
     """An uninterrupted run, and a run stopped mid-epoch after ``stop`` iterations then resumed
-    from its checkpoint by a run built afresh: both end with the same parameters."""
+    from its checkpoint by a run built afresh: both end with the same parameters. With
+    ``node_budget`` the batches are filled by :class:`GraphBudget` instead of ``per_rank``."""
 
     def build(sub: str) -> tuple[nn.Module, Any, Any, Checkpoint]:
-        loader, _ = prepare_loaders(make_graphs(size, seed=4), batch_size=per_rank, seed=7)
+        graphs = make_graphs(size, seed=4)
+        if node_budget is None:
+            loader, _ = prepare_loaders(graphs, batch_size=per_rank, seed=7)
+        else:
+            sampler = GraphBudget(TrainSampler(graphs, seed=7), graphs, node_budget)
+            loader = DataLoader(graphs, batch_sampler=sampler, collate_fn=collate)
         model = prepare_model(make_model(seed=6))
         optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
         trainer = create_trainer(model, optimizer, BatchLoss(compute_loss), model_call=GRAPH_CALL, sync_every=1)

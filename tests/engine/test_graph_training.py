@@ -58,3 +58,12 @@ def test_a_mid_epoch_resume_ends_where_the_uninterrupted_run_ends(two_ranks: lis
         assert run["resumed_at"] == run["stopped"], where
         assert run["iterations"][0] == run["iterations"][1], where
         torch.testing.assert_close(run["resumed"], run["uninterrupted"], rtol=0, atol=1e-6, msg=where)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_batches_filled_by_a_node_budget_resume_mid_epoch_counted_in_graphs(tmp_path) -> None:
+    run = resume(str(tmp_path), stop=3, node_budget=20)
+    assert run["epoch_length"] > 4 and 0 < run["stopped"] % run["epoch_length"]
+    assert run["resumed_at"] == run["stopped"]
+    torch.testing.assert_close(run["resumed"], run["uninterrupted"], rtol=0, atol=1e-6)

@@ -51,7 +51,8 @@ def fixed_batch_size(data: Any) -> int | None:
 
 
 def batch_samples(batch: Any) -> int | None:
-    """The samples in a collated batch: the first dimension its tensors share; None when unclear.
+    """The samples in a collated batch: the graphs of a graph batch (``num_graphs``), else the
+    first dimension its tensors share; None when unclear.
 
     Example:
         >>> batch_samples((torch.zeros(3, 5), {"y": torch.zeros(3)}))
@@ -59,6 +60,9 @@ def batch_samples(batch: Any) -> int | None:
         >>> batch_samples([torch.zeros(3), torch.zeros(2)]) is None
         True
     """
+    graphs = getattr(batch, "num_graphs", None)  # a torch_geometric Batch: its tensors count nodes
+    if isinstance(graphs, int) and not isinstance(graphs, bool):
+        return graphs
     sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
     return sizes.pop() if len(sizes) == 1 else None
 

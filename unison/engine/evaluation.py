@@ -99,7 +99,7 @@ def create_evaluator(
     Every metric gets ``(y_pred, y)``: the model's output and the target ``prepare_batch``
     took from the batch (``batch.y`` of a torch_geometric batch). A metric that reads the
     whole batch (a :class:`~unison.metrics.Loss` of a :class:`~unison.metrics.BatchLoss`,
-    or any metric whose ``takes_batch`` is true) gets the same pair as a
+    or any metric whose ``takes_batch`` is True) gets the same pair as a
     :class:`~unison.metrics.BatchOutput`, whose ``batch`` is the batch on the device.
 
     Args:
@@ -143,7 +143,8 @@ def create_evaluator(
         prepare_batch=prepare_batch,
         non_blocking=non_blocking,
         model_call=resolve_model_call(model_call, "create_evaluator"),
-        keep_batch=any(getattr(metric, "takes_batch", False) for metric in metrics.values()),
+        # "is True": ignite's Metric answers any unknown attribute with a metric arithmetic wrapper.
+        keep_batch=any(getattr(metric, "takes_batch", False) is True for metric in metrics.values()),
     )
     # Evaluation shards differ in length by design: sync at the run's end only.
     evaluator = Engine(step, sync_every=None, name="evaluator")
