@@ -40,7 +40,7 @@ class FakeLaunch:
         self.calls = 0
 
     def __call__(
-        self, config: Any, resume: Any, nproc: Any, attach: Any, start_method: str = "spawn"
+        self, config: Any, resume: Any, nproc: Any, attach: Any, start_method: str = "spawn", quiet: bool = False
     ) -> list:
         self.calls += 1
         if self.before is not None:

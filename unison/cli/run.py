@@ -11,35 +11,32 @@ A run takes three modules, one idea each:
 - this module: :func:`run` launches the ranks; each runs :func:`train_from_config`, which
   picks the run directory and its log files, builds the run, resumes it
   (:func:`resume_run`), trains, collects the results (:func:`collect_results`) and takes
-  the test phase (:func:`finish_run`: test set, predictions, the recipe's hook,
-  ``metrics.json``).
+  the test phase (:func:`~unison.cli.finish.finish_run`: test set, predictions, the
+  recipe's hook, ``metrics.json``), unless the caller's ``attach`` says the run ended before
+  it (a pruned trial of a sweep).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch import nn
 
 from unison.checkpoint.lock import hold_folder
 from unison.cli.accepted import report_accepted
 from unison.cli.changes import check_resume, record
-from unison.cli.ema import evaluated_model, load_best_weights
-from unison.cli.eval_loaders import eval_loader
+from unison.cli.finish import RunContext as RunContext
+from unison.cli.finish import evaluate_test_set as evaluate_test_set
+from unison.cli.finish import finish_run, skip_test_phase
+from unison.cli.finish import write_predictions as write_predictions
 from unison.cli.preflight import check_port, preflight
-from unison.cli.resolve import Resolved, make_metrics, resolve
+from unison.cli.resolve import Resolved, resolve
 from unison.cli.resume_values import apply_on_resume
 from unison.cli.run_folder import new_run_folder, refuse_if_held
 from unison.cli.steps import RunParts, build_run
-from unison.cli.tracking import log_test_metrics
 from unison.config import Config, dump_config, load_config
 from unison.distributed import (
     barrier,
@@ -49,26 +46,15 @@ from unison.distributed import (
     get_world_size,
     launch,
 )
-from unison.engine import create_evaluator
-from unison.engine.predict import predict
 from unison.utils import get_logger
+from unison.utils.logging import console_level
 from unison.utils.secrets import RedactingFilter, redact_url
 
 _log = get_logger(__name__)
 
-
-@dataclass
-class RunContext:
-    """What a run built, handed to hooks (``hooks.after_training``) and returned by :func:`run`."""
-
-    config: Config
-    run_dir: Path
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    trainer: Any
-    evaluator: Any
-    datasets: dict[str, Any]
-    results: dict[str, Any] = field(default_factory=dict)
+Attach = Callable[[RunParts], Callable[[], str | None] | None]
+"""``attach(parts)`` of :func:`train_from_config`: attaches the caller's handlers; it may return
+``ended_early()``, asked once training returns: why the run takes no test phase, or None."""
 
 
 class ResumeError(ValueError):
@@ -163,16 +149,25 @@ def _file_logging(run_dir: Path) -> logging.Handler:
 
 
 def train_from_config(
-    config: Config, resume: str | None = None, attach: Callable[[RunParts], None] | None = None
+    config: Config, resume: str | None = None, attach: Attach | None = None, quiet: bool = False
 ) -> dict[str, Any]:
     """Runs on every rank: builds the run a config describes, trains, tests, and returns results.
 
     ``attach(parts)``, when given, runs on every rank once the run is built, before it resumes
-    and trains: it attaches handlers of the caller's own (``unison tune`` attaches pruning).
+    and trains: it attaches handlers of the caller's own (``unison tune`` attaches pruning), and
+    may return ``ended_early()``: a reason there (the same on every rank) skips the test phase.
+    ``quiet`` keeps all but errors off the console; the run's log files keep everything
+    (``unison tune`` prints one line per trial).
 
     Distributed:
         Call it on every rank (``launch`` does): it is full of collectives.
     """
+    with console_level(logging.ERROR if quiet else None):
+        return _in_run_folder(config, resume, attach)
+
+
+def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) -> dict[str, Any]:
+    """:func:`train_from_config` inside the run folder it picks and holds, logging to its files."""
     resolved = resolve(config)
     run_dir, resume_from = _run_dir(config, resume)
     with hold_folder(run_dir):  # one job per run folder (unison.checkpoint.lock): refused on every rank
@@ -204,15 +199,14 @@ def _train(
     resolved: Resolved,
     run_dir: Path,
     resume_from: str | None,
-    attach: Callable[[RunParts], None] | None = None,
+    attach: Attach | None = None,
 ) -> dict[str, Any]:
     """Builds the run in its steps, resumes it when asked, trains, then tests and writes results."""
     world = get_world_size()
     _log.info("run directory: %s (world size %d)", run_dir, world)
     report_accepted(config)  # keys of other trainers' configs that are not needed here, once
     parts = build_run(config, resolved, run_dir, world)
-    if attach is not None:
-        attach(parts)
+    ended_early = attach(parts) if attach is not None else None
     t = config.training
     resumed = apply_on_resume(config, resolved, parts, resume_run(parts, resume_from))  # the config's values win
     if resumed is not None and parts.trainer.is_complete(t.max_epochs):
@@ -226,7 +220,11 @@ def _train(
         return {**collect_results(parts, run_dir, world), "complete": True}
     parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
     results = collect_results(parts, run_dir, world)
-    finish_run(config, resolved, parts, run_dir, results)
+    why = ended_early() if ended_early is not None else None
+    if why is not None:  # a pruned trial: its test set is not the sweep's to measure
+        skip_test_phase(run_dir, results, why)
+    else:
+        finish_run(config, resolved, parts, run_dir, results)
     return results
 
 
@@ -258,96 +256,6 @@ def collect_results(parts: RunParts, run_dir: Path, world_size: int) -> dict[str
         "validation": {k: v for k, v in evaluator.state.metrics.items() if isinstance(v, float)},
         "history": parts.history,
     }
-
-
-def finish_run(
-    config: Config, resolved: Resolved, parts: RunParts, run_dir: Path, results: dict[str, Any]
-) -> None:
-    """Test phase: the test set, predictions, the recipe's ``hooks.after_training``, metrics.json.
-
-    Adds ``test`` and ``predictions`` to ``results`` when they are made; rank 0 writes
-    ``run_dir/metrics.json`` before the hook (so a failing hook loses no results) and again
-    after it (it may add results of its own).
-
-    Distributed:
-        Collective: call on every rank.
-    """
-    datasets = parts.datasets
-    if datasets.test is not None and config.testing.enabled:
-        results["test"] = evaluate_test_set(config, resolved, parts)
-        log_test_metrics(config, run_dir, results["test"])  # logging.mlflow: into the training's run
-    if config.predict.enabled:
-        written = write_predictions(config, parts, run_dir)
-        if written is not None:
-            results["predictions"] = str(written)
-    context = RunContext(
-        config,
-        run_dir,
-        parts.model,
-        parts.optimizer,
-        parts.trainer,
-        parts.evaluator,
-        {"train": datasets.train, "val": datasets.val, "test": datasets.test},
-        results,
-    )
-    _write_metrics(run_dir, results)  # before the hook: a hook that fails loses nothing
-    if resolved.after_training is not None:
-        resolved.after_training(context)
-        _write_metrics(run_dir, results)  # again, with what the hook added
-
-
-def _write_metrics(run_dir: Path, results: dict[str, Any]) -> None:
-    """Rank 0 writes ``run_dir/metrics.json``."""
-    if get_rank() == 0:
-        (run_dir / "metrics.json").write_text(redact_url(json.dumps(results, indent=2, default=str)) + "\n")
-
-
-def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> dict[str, float]:
-    """Test phase: evaluates the test set, with the best checkpoint's weights if ``testing.use_best``
-    (with ``training.ema.evaluate``, the best checkpoint's average of them).
-
-    Returns:
-        The test metrics, by name.
-
-    Distributed:
-        Collective: call on every rank.
-    """
-    checkpoint, model = parts.checkpoint, parts.model
-    if config.testing.use_best and checkpoint is not None:
-        best = checkpoint.best if get_rank() == 0 else None
-        path = broadcast_object(None if best is None else str(checkpoint.folder / best.file))
-        if path is not None:
-            load_best_weights(config, model, parts.ema, parts.trainer, path)
-            _log.info("testing the best checkpoint %s", path)
-    metrics = make_metrics(resolved)
-    amp = config.training.amp
-    test_loader = eval_loader(config, "testing", parts.datasets.test)  # the testing section's loader keys
-    tester = create_evaluator(
-        evaluated_model(config, model, parts.ema), metrics, amp=None if amp == "none" else amp
-    )
-    values = {k: v for k, v in tester.run(test_loader).metrics.items() if isinstance(v, float)}
-    _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
-    return values
-
-
-def write_predictions(config: Config, parts: RunParts, run_dir: Path) -> Path | None:
-    """Test phase: predicts the test set (else the validation set) into ``run_dir/predictions.pt``.
-
-    Returns:
-        The file, on rank 0; None on the other ranks.
-
-    Distributed:
-        Collective: call on every rank; rank 0 gathers and writes.
-    """
-    datasets = parts.datasets
-    target = datasets.test if datasets.test is not None else datasets.val
-    batch = config.predict.batch_size or config.validation.batch_size or config.training.batch_size
-    out = predict(evaluated_model(config, parts.model, parts.ema), target, batch_size=batch)
-    if get_rank() != 0 or out is None:
-        return None
-    path = run_dir / "predictions.pt"
-    torch.save(out, path)
-    return path
 
 
 def run(
@@ -400,17 +308,20 @@ def launch_config(
     config: Config,
     resume: str | None,
     nproc_per_node: int | None,
-    attach: Callable[[RunParts], None] | None = None,
+    attach: Attach | None = None,
     start_method: str = "spawn",
+    quiet: bool = False,
 ) -> list[dict[str, Any]]:
     """Runs :func:`train_from_config` on every rank, started with the config's ``parallel`` keys
-    (its address and port only when unison spawns the ranks); returns each rank's results."""
+    (its address and port only when unison spawns the ranks); returns each rank's results.
+    ``quiet``: the ranks print errors only (their log files keep everything)."""
     p = config.parallel
     return launch(
         train_from_config,
         config,
         resume,
         attach,
+        quiet,
         nproc_per_node=nproc_per_node,
         backend=p.backend,
         timeout=p.timeout,

@@ -53,6 +53,7 @@ from unison.cli.run import launch_config
 from unison.cli.tracking import SweepRun, sweep_tracking, trial_overrides
 from unison.cli.tune_best import run_command, write_best
 from unison.cli.tune_loop import Loop, counts, finished, short_of, used_up
+from unison.cli.tune_mlflow import mark_best, mark_trial
 from unison.cli.tune_server import AttachPruning, DecisionServer
 from unison.cli.tune_space import (
     SweepPlan,
@@ -63,7 +64,7 @@ from unison.cli.tune_space import (
     plan_sweep,
     suggest,
 )
-from unison.cli.tune_storage import fail_stale_trials, make_storage
+from unison.cli.tune_storage import fail_stale_trials, make_storage, optuna_quiet
 from unison.config import load_config
 from unison.distributed import detect_launcher
 from unison.utils import get_logger
@@ -126,14 +127,15 @@ def open_study(plan: SweepPlan) -> Any:
     t = plan.config.tuning
     sampler, pruner = optuna_object(plan.config, "sampler"), optuna_object(plan.config, "pruner")
     try:
-        study = optuna.create_study(
-            storage=make_storage(plan.storage, plan.root),
-            study_name=plan.study_name,
-            direction=plan.direction,
-            sampler=sampler,
-            pruner=pruner,
-            load_if_exists=t.load_if_exists,
-        )
+        with optuna_quiet():  # the sweep says what it found in its own line
+            study = optuna.create_study(
+                storage=make_storage(plan.storage, plan.root),
+                study_name=plan.study_name,
+                direction=plan.direction,
+                sampler=sampler,
+                pruner=pruner,
+                load_if_exists=t.load_if_exists,
+            )
     except optuna.exceptions.DuplicatedStudyError:
         raise error_at(
             plan.config,
@@ -210,13 +212,13 @@ def run_trial(
         ]
         config = load_config(plan.path, [*plan.overrides, *sets, *layout])
         preflight(config, resolve(config))
-        _log.info("trial %d: %s", trial.number, "  ".join(sets))
+        _log.debug("trial %d: %s", trial.number, "  ".join(sets))  # its one line comes when it ends
         with DecisionServer(trial, plan.metric) as server:
             if detect_launcher().kind == "none" and nproc is not None:
                 check_port(config)
             attach = AttachPruning(plan.metric, server.judge(config.parallel.timeout))
-            # The fork server imports torch once for all trials.
-            results = launch_config(config, None, nproc, attach, start_method="forkserver")
+            # The fork server imports torch once for all trials; the ranks print errors only.
+            results = launch_config(config, None, nproc, attach, start_method="forkserver", quiet=True)
         record["reported"] = dict(server.reported)
         _judge(trial, plan, server.pruned_at, results, record)
     except BaseException as err:
@@ -225,9 +227,16 @@ def run_trial(
             trial.set_user_attr("fail_reason", record["reason"])
         found = sorted(plan.folder.glob(f"trial-{trial.number:04d}/*/"))
         _write_record(found[-1] if found else None, record)
-        _log.error("trial %d marked FAIL: %s", trial.number, record["reason"])
+        mark_trial(tracking, found[-1] if found else None, record)
+        _log.error("trial %d marked FAIL: %s  %s", trial.number, record["reason"], _params(record))
         raise
+    mark_trial(tracking, Path(record["run_dir"]), record)
     return record
+
+
+def _params(record: dict[str, Any]) -> str:
+    """The trial's drawn values, as its one line shows them."""
+    return "  ".join(record.get("overrides", []))
 
 
 def _judge(
@@ -242,21 +251,23 @@ def _judge(
     record.update(run_dir=str(run_dir), ranks=ranks)
     trial.set_user_attr("run_dir", str(run_dir))
     value = _trial_value(results[0], plan)
+    params = _params(record)
     if pruned_at is not None:
         record.update(state="PRUNED", pruned_at_epoch=pruned_at)
-        _log.info("trial %d PRUNED after epoch %d (%s)", trial.number, pruned_at, run_dir)
+        _log.info("trial %d PRUNED after epoch %d  %s  (%s)", trial.number, pruned_at, params, run_dir)
     elif value is None:
         record.update(state="FAIL", reason=f"no finite value of {plan.metric} (a diverged run?)")
         trial.set_user_attr("fail_reason", record["reason"])
-        _log.warning("trial %d marked FAIL: %s", trial.number, record["reason"])
+        _log.warning("trial %d marked FAIL: %s  %s  (%s)", trial.number, record["reason"], params, run_dir)
     else:
         record.update(state="COMPLETE", value=value)
-        _log.info("trial %d COMPLETE: %s %.6g (%s)", trial.number, plan.metric, value, run_dir)
+        _log.info("trial %d COMPLETE: %s %.6g  %s  (%s)", trial.number, plan.metric, value, params, run_dir)
     _write_record(run_dir, record)
 
 
 TRIAL_QUIET = ("logging.progress=false",)
-"""``--set`` items of every trial: the sweep prints one line per trial, no progress bar."""
+"""``--set`` items of every trial: the sweep prints one line per trial, no progress bar (and the ranks
+print errors only: ``launch_config(quiet=True)``; their log files keep every line)."""
 
 
 def shown_storage(storage: str) -> str:
@@ -322,6 +333,7 @@ def tune(
     with sweep_tracking(plan) as tracking, _signals_stop_the_sweep():  # logging.mlflow: the sweep's run
         if todo and not used_up(study):
             loop.run(study, lambda trial: run_trial(trial, plan, nproc, tracking), records)
+        mark_best(tracking, study, plan.metric)  # the sweep's run: the best value and trial
     short = short_of(study, trials, loop)
     best_yaml = write_best(study, plan, nproc)
     best = None

@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -309,12 +310,19 @@ def die_with_sweep(sweep_pid: int) -> None:
 class AttachPruning:
     """``attach`` of :func:`~unison.cli.run.train_from_config`: every rank attaches
     :class:`~unison.handlers.pruning.AgreedPruning` to its evaluator; rank 0's judge asks the sweep.
-    Every rank also ends with the sweep process (:func:`die_with_sweep`)."""
+    Every rank also ends with the sweep process (:func:`die_with_sweep`). A pruned trial takes no
+    test phase: the ``ended_early`` it returns says so, alike on every rank (the verdict is agreed)."""
 
     metric: str
     judge: AskSweep
     sweep_pid: int = field(default_factory=os.getpid)
 
-    def __call__(self, parts: RunParts) -> None:
+    def __call__(self, parts: RunParts) -> Callable[[], str | None]:
         die_with_sweep(self.sweep_pid)
-        AgreedPruning(parts.trainer, self.metric, self.judge).attach(parts.evaluator)
+        pruning = AgreedPruning(parts.trainer, self.metric, self.judge)
+        pruning.attach(parts.evaluator)
+
+        def ended_early() -> str | None:
+            return f"the sweep pruned the trial after epoch {parts.trainer.state.epoch}" if pruning.pruned else None
+
+        return ended_early

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 from unison.utils.secrets import RedactingFilter
 
@@ -89,3 +91,21 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) 
     logger.setLevel(level)
     logger.propagate = False
     return logger
+
+
+
+@contextlib.contextmanager
+def console_level(level: int | None) -> Iterator[None]:
+    """Inside, the console (:func:`setup_logging`'s handler) shows only records of ``level`` and above;
+    the logger's level, and so what its other handlers (a run's log files) get, is unchanged. ``None``
+    changes nothing. The console's level is put back on the way out."""
+    handlers = [h for h in logging.getLogger(_ROOT).handlers if h.get_name() == _HANDLER_NAME]
+    before = [h.level for h in handlers]
+    if level is not None:
+        for handler in handlers:
+            handler.setLevel(level)
+    try:
+        yield
+    finally:
+        for handler, previous in zip(handlers, before, strict=True):
+            handler.setLevel(previous)

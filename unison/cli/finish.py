@@ -1,0 +1,149 @@
+"""A run's test phase, after training: the test set, predictions, the recipe's hook, ``metrics.json``.
+
+:func:`finish_run` runs on every rank once the trainer has returned
+(:func:`~unison.cli.run.train_from_config`): the test set evaluated with the best
+checkpoint's weights (:func:`evaluate_test_set`), the predictions (:func:`write_predictions`),
+``hooks.after_training`` with a :class:`RunContext`, and ``<run>/metrics.json``, written
+before the hook and again after it. A run that ends before its test phase (a trial its sweep
+pruned) writes ``metrics.json`` alone (:func:`skip_test_phase`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from unison.cli.ema import evaluated_model, load_best_weights
+from unison.cli.eval_loaders import eval_loader
+from unison.cli.resolve import Resolved, make_metrics
+from unison.cli.steps import RunParts
+from unison.cli.tracking import log_test_metrics
+from unison.config import Config
+from unison.distributed import broadcast_object, get_rank
+from unison.engine import create_evaluator
+from unison.engine.predict import predict
+from unison.utils import get_logger
+from unison.utils.secrets import redact_url
+
+_log = get_logger("unison.cli.run")  # the run's logger
+
+
+@dataclass
+class RunContext:
+    """What a run built, handed to hooks (``hooks.after_training``) and returned by :func:`run`."""
+
+    config: Config
+    run_dir: Path
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    trainer: Any
+    evaluator: Any
+    datasets: dict[str, Any]
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+def finish_run(
+    config: Config, resolved: Resolved, parts: RunParts, run_dir: Path, results: dict[str, Any]
+) -> None:
+    """Test phase: the test set, predictions, the recipe's ``hooks.after_training``, metrics.json.
+
+    Adds ``test`` and ``predictions`` to ``results`` when they are made; rank 0 writes
+    ``run_dir/metrics.json`` before the hook (so a failing hook loses no results) and again
+    after it (it may add results of its own).
+
+    Distributed:
+        Collective: call on every rank.
+    """
+    datasets = parts.datasets
+    if datasets.test is not None and config.testing.enabled:
+        results["test"] = evaluate_test_set(config, resolved, parts)
+        log_test_metrics(config, run_dir, results["test"])  # logging.mlflow: into the training's run
+    if config.predict.enabled:
+        written = write_predictions(config, parts, run_dir)
+        if written is not None:
+            results["predictions"] = str(written)
+    context = RunContext(
+        config,
+        run_dir,
+        parts.model,
+        parts.optimizer,
+        parts.trainer,
+        parts.evaluator,
+        {"train": datasets.train, "val": datasets.val, "test": datasets.test},
+        results,
+    )
+    _write_metrics(run_dir, results)  # before the hook: a hook that fails loses nothing
+    if resolved.after_training is not None:
+        resolved.after_training(context)
+        _write_metrics(run_dir, results)  # again, with what the hook added
+
+
+def skip_test_phase(run_dir: Path, results: dict[str, Any], why: str) -> None:
+    """No test phase: ``results`` records ``why`` (``no_test_phase``) and rank 0 writes ``metrics.json``
+    with training's results only (no test metrics, no predictions, no ``hooks.after_training``).
+
+    Distributed:
+        Call it on every rank, as all ranks agree on skipping (nothing here is collective).
+    """
+    results["no_test_phase"] = why
+    _log.info("no test phase: %s", why)
+    _write_metrics(run_dir, results)
+
+
+def _write_metrics(run_dir: Path, results: dict[str, Any]) -> None:
+    """Rank 0 writes ``run_dir/metrics.json``."""
+    if get_rank() == 0:
+        (run_dir / "metrics.json").write_text(redact_url(json.dumps(results, indent=2, default=str)) + "\n")
+
+
+def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> dict[str, float]:
+    """Test phase: evaluates the test set, with the best checkpoint's weights if ``testing.use_best``
+    (with ``training.ema.evaluate``, the best checkpoint's average of them).
+
+    Returns:
+        The test metrics, by name.
+
+    Distributed:
+        Collective: call on every rank.
+    """
+    checkpoint, model = parts.checkpoint, parts.model
+    if config.testing.use_best and checkpoint is not None:
+        best = checkpoint.best if get_rank() == 0 else None
+        path = broadcast_object(None if best is None else str(checkpoint.folder / best.file))
+        if path is not None:
+            load_best_weights(config, model, parts.ema, parts.trainer, path)
+            _log.info("testing the best checkpoint %s", path)
+    metrics = make_metrics(resolved)
+    amp = config.training.amp
+    test_loader = eval_loader(config, "testing", parts.datasets.test)  # the testing section's loader keys
+    tester = create_evaluator(
+        evaluated_model(config, model, parts.ema), metrics, amp=None if amp == "none" else amp
+    )
+    values = {k: v for k, v in tester.run(test_loader).metrics.items() if isinstance(v, float)}
+    _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
+    return values
+
+
+def write_predictions(config: Config, parts: RunParts, run_dir: Path) -> Path | None:
+    """Test phase: predicts the test set (else the validation set) into ``run_dir/predictions.pt``.
+
+    Returns:
+        The file, on rank 0; None on the other ranks.
+
+    Distributed:
+        Collective: call on every rank; rank 0 gathers and writes.
+    """
+    datasets = parts.datasets
+    target = datasets.test if datasets.test is not None else datasets.val
+    batch = config.predict.batch_size or config.validation.batch_size or config.training.batch_size
+    out = predict(evaluated_model(config, parts.model, parts.ema), target, batch_size=batch)
+    if get_rank() != 0 or out is None:
+        return None
+    path = run_dir / "predictions.pt"
+    torch.save(out, path)
+    return path
