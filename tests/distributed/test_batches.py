@@ -146,6 +146,8 @@ def test_prepare_loaders_batches_graphs_without_being_told(pyg) -> None:
     assert [b.num_graphs for b in train] == [3, 3, 1]
     assert sum(b.num_graphs for b in val) == len(graphs)
     assert sum(int(b.x.shape[0]) for b in val) == sum(range(3, 10))
+    workers, _ = prepare_loaders(graphs, batch_size=3, shuffle=False, num_workers=1)  # collated in a worker
+    assert [b.num_graphs for b in workers] == [3, 3, 1]
 
 
 def test_prepare_loaders_takes_a_collate_fn_of_its_own_and_refuses_a_non_callable() -> None:

@@ -173,3 +173,30 @@ def resolve_model_call(
             "fields of the batch."
         )
     return model_call
+
+
+def whole_batch_with_y(batch: Any, device: torch.device, non_blocking: bool) -> tuple[Any, Any]:
+    """The default ``prepare_batch`` on a batch with fields: ``(the batch on the device, its "y")``,
+    or an error naming the fix when it has no ``y``."""
+    if not _has_field(batch, "y"):
+        raise ValueError(
+            f"prepare_batch got a {type(batch).__name__} batch with fields {field_names(batch)} and no 'y' "
+            "to take as the target; expected an (inputs, targets) pair, 'x'/'y' keys, or a 'y' field. Name "
+            "the target with prepare_batch=unison.engine.WholeBatch(target='<field>') (target=None for a "
+            "criterion that reads the batch itself, wrapped in unison.metrics.BatchLoss), and the model's "
+            "arguments with model_call=unison.engine.ModelCall(args=[...])."
+        )
+    return _DEFAULT_WHOLE(batch, device, non_blocking)
+
+
+def _has_field(batch: Any, name: str) -> bool:
+    if isinstance(batch, Mapping):
+        return name in batch
+    try:
+        getattr(batch, name)
+    except (AttributeError, KeyError):
+        return False
+    return True
+
+
+_DEFAULT_WHOLE = WholeBatch("y")

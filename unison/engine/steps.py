@@ -18,7 +18,7 @@ from unison.distributed.fsdp import global_value as _global
 from unison.distributed.fsdp import is_sharded, no_gradient_sync
 from unison.distributed.model import model_device
 from unison.distributed.primitives import get_rank
-from unison.engine.calls import WholeBatch, field_names, resolve_model_call
+from unison.engine.calls import resolve_model_call, whole_batch_with_y
 from unison.engine.engine import DEFAULT_SYNC_EVERY, Engine
 from unison.metrics.batch_loss import BatchLoss
 from unison.metrics.epoch_average import EpochAverage
@@ -55,7 +55,7 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
                 x, y = batch[xk], batch[yk]
                 break
         else:
-            return _whole_batch(batch, device, non_blocking)
+            return whole_batch_with_y(batch, device, non_blocking)
     elif isinstance(batch, Sequence) and len(batch) == 2:
         x, y = batch
     elif isinstance(batch, (Sequence, torch.Tensor)):
@@ -64,7 +64,7 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
             "prepare_batch=your_function(batch, device, non_blocking) -> (x, y) for other layouts."
         )
     else:
-        return _whole_batch(batch, device, non_blocking)
+        return whole_batch_with_y(batch, device, non_blocking)
     # Plain tensors directly (one copy, or none when already there); anything else through
     # ignite's convert_tensor, which walks lists, tuples and dicts.
     if x.__class__ is torch.Tensor:
@@ -78,32 +78,6 @@ def prepare_batch(batch: Any, device: torch.device, non_blocking: bool = True) -
     else:
         y = convert_tensor(y, device=device, non_blocking=non_blocking)
     return x, y
-
-
-def _whole_batch(batch: Any, device: torch.device, non_blocking: bool) -> tuple[Any, Any]:
-    """A batch with fields: ``(the batch on the device, its "y")``, or an error naming the fix."""
-    if not _has_field(batch, "y"):
-        raise ValueError(
-            f"prepare_batch got a {type(batch).__name__} batch with fields {field_names(batch)} and no 'y' "
-            "to take as the target; expected an (inputs, targets) pair, 'x'/'y' keys, or a 'y' field. Name "
-            "the target with prepare_batch=unison.engine.WholeBatch(target='<field>') (target=None for a "
-            "criterion that reads the batch itself, wrapped in unison.metrics.BatchLoss), and the model's "
-            "arguments with model_call=unison.engine.ModelCall(args=[...])."
-        )
-    return _DEFAULT_WHOLE(batch, device, non_blocking)
-
-
-def _has_field(batch: Any, name: str) -> bool:
-    if isinstance(batch, Mapping):
-        return name in batch
-    try:
-        getattr(batch, name)
-    except (AttributeError, KeyError):
-        return False
-    return True
-
-
-_DEFAULT_WHOLE = WholeBatch("y")
 
 
 def check_device(model: nn.Module, device: torch.device | str | None, fn: str) -> torch.device:
