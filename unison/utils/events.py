@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
-from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import masked_crc32c
 
 _HEADER = struct.Struct("<Q")
@@ -108,7 +108,7 @@ def _scalars_of(event: Event) -> list[tuple[str, float]]:
 
 
 def read_scalars(log_dir: str | os.PathLike[str]) -> Scalars:
-    """Reads every scalar written to the event files in ``log_dir``.
+    """Reads the scalars written to the event files in ``log_dir``, as TensorBoard shows them.
 
     Args:
         log_dir: the folder a ``SummaryWriter`` wrote to (not its sub-folders, which
@@ -116,8 +116,15 @@ def read_scalars(log_dir: str | os.PathLike[str]) -> Scalars:
 
     Returns:
         tag -> ``[(step, value), ...]``, in the order written: files oldest first, then
-        records in file order. A run resumed from a checkpoint may write a step twice;
-        both values are kept. Values are float32, as TensorBoard stores them.
+        records in file order. Values are float32, as TensorBoard stores them.
+
+    A writer that resumes a run at step ``S`` (``SummaryWriter(purge_step=S)``, as
+    :class:`~unison.handlers.tensorboard.TensorBoardLogger` opens it for a resumed run)
+    starts its file with a restart marker at ``S``: every point read before the marker at a
+    step ``>= S`` is dropped, for every tag, so a run killed after its last checkpoint shows
+    the resumed run's points only. This is TensorBoard's own rule, and so is the one for
+    files without a file version (written by old writers): a point at a step lower than the
+    latest one read drops the points of its tags at steps from it on.
 
     Records cut short at the end of a file (the writer is still running, or was
     killed) are ignored; a record whose CRC does not match is skipped with a warning.
@@ -131,7 +138,7 @@ def read_scalars(log_dir: str | os.PathLike[str]) -> Scalars:
         >>> read_scalars(folder)
         {'train/loss': [(10, 0.5)]}
     """
-    scalars: Scalars = {}
+    reader = _Reader()
     for path in event_files(log_dir):
         for data, crc in iter_records(path):
             try:
@@ -141,8 +148,7 @@ def read_scalars(log_dir: str | os.PathLike[str]) -> Scalars:
                     f"{path}: a record does not decode as an Event; skipped.", RuntimeWarning, stacklevel=2
                 )
                 continue
-            found = _scalars_of(event)
-            if not found:
+            if not (_restarts(event) or event.HasField("file_version") or event.HasField("summary")):
                 continue
             if masked_crc32c(data) != crc:
                 warnings.warn(
@@ -151,6 +157,50 @@ def read_scalars(log_dir: str | os.PathLike[str]) -> Scalars:
                     stacklevel=2,
                 )
                 continue
-            for tag, value in found:
-                scalars.setdefault(tag, []).append((int(event.step), value))
-    return scalars
+            reader.add(event)
+    return reader.scalars
+
+
+def _restarts(event: Event) -> bool:
+    return event.HasField("session_log") and event.session_log.status == SessionLog.START
+
+
+class _Reader:
+    """The scalars of a folder's events, read in order, with TensorBoard's purge of orphaned points."""
+
+    def __init__(self) -> None:
+        self.scalars: Scalars = {}
+        self.version: float | None = None  # the file version read last: 2 and later mark restarts
+        self.latest = -1  # without a file version, the highest step read so far
+
+    def add(self, event: Event) -> None:
+        if event.HasField("file_version"):
+            self.version = _file_version(event.file_version)
+        step = int(event.step)
+        if self.version is not None and self.version >= 2:
+            if _restarts(event):
+                self._purge(step, None)
+        elif step < self.latest and event.HasField("summary"):
+            self._purge(step, {value.tag for value in event.summary.value})
+        else:
+            self.latest = step
+        for tag, value in _scalars_of(event):
+            self.scalars.setdefault(tag, []).append((step, value))
+
+    def _purge(self, step: int, tags: set[str] | None) -> None:
+        """Drops the points at steps ``>= step``: of ``tags``, or of every tag when None."""
+        for tag in list(self.scalars):
+            if tags is None or tag in tags:
+                kept = [point for point in self.scalars[tag] if point[0] < step]
+                if kept:
+                    self.scalars[tag] = kept
+                else:
+                    del self.scalars[tag]
+
+
+def _file_version(text: str) -> float:
+    """The number of ``brain.Event:<n>``; -1 when it is not one (no restart markers, then)."""
+    try:
+        return float(text.split("brain.Event:")[-1])
+    except ValueError:
+        return -1.0
