@@ -86,7 +86,7 @@ def test_a_finished_run_resumed_with_more_epochs_goes_on_from_its_end(tmp_path: 
     more = _train(c, resolved(), tmp_path, "auto")
     assert "complete" not in more
     assert (more["epochs"], more["iterations"]) == (3, 9)
-    assert [row["epoch"] for row in more["history"]] == [3]  # only the new epoch was trained
+    assert [row["epoch"] for row in more["history"]] == [1, 2, 3]  # the run's whole history, the new epoch added
 
 
 def test_run_folders_are_ordered_as_made_not_as_text(tmp_path: Path) -> None:

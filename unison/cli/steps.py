@@ -30,6 +30,7 @@ from unison.cli.accepted import compile_options, ddp_options
 from unison.cli.early_stop import make_early_stopping
 from unison.cli.ema import EMA, attach_ema, evaluated_model
 from unison.cli.eval_loaders import eval_loader
+from unison.cli.history import RunHistory
 from unison.cli.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
 from unison.cli.resolve import Resolved, make_metrics
 from unison.cli.tracking import attach_tracking
@@ -75,7 +76,8 @@ class RunParts:
         evaluator: the validation engine (:func:`build_evaluator`).
         watched: the validation metric that checkpoints, early stopping and a
             ``ReduceLROnPlateau`` scheduler watch.
-        history: one row per validation, appended by the handler of :func:`attach_validation`.
+        history: one row per validation, appended by the handler of :func:`attach_validation`
+            (from the run's start: a resumed run restores the rows it has, :mod:`unison.cli.history`).
         checkpoint: the checkpoint handler, None when ``checkpoint.enabled`` is false.
         ema: the average of the weights (``training.ema``), or None (:mod:`unison.cli.ema`).
     """
@@ -117,7 +119,7 @@ def build_run(config: Config, resolved: Resolved, run_dir: Path, world_size: int
     parts = RunParts(
         datasets, train_loader, val_loader, model, optimizer, scheduler, trainer, evaluator, watched, ema=ema
     )
-    attach_validation(config, parts)
+    attach_validation(config, parts, run_dir)
     attach_scheduler(parts, config.training.scheduler_every)
     attach_handlers(config, parts, run_dir)
     return parts
@@ -249,16 +251,18 @@ def build_evaluator(config: Config, resolved: Resolved, model: nn.Module) -> tup
     return evaluator, watched
 
 
-def attach_validation(config: Config, parts: RunParts) -> None:
+def attach_validation(config: Config, parts: RunParts, run_dir: Path) -> None:
     """Evaluator, wired: evaluates every ``validation.every`` epochs and at the last one.
 
     Each evaluation appends a row (epoch, training loss, ``val_<metric>``) to
-    ``parts.history`` and logs one line.
+    ``parts.history`` (and ``<run>/history.jsonl``, so a resumed run's history is complete:
+    :mod:`unison.cli.history`) and logs one line.
 
     Distributed:
         Every rank attaches it: evaluating is a collective.
     """
-    evaluator, history = parts.evaluator, parts.history
+    evaluator, history = parts.evaluator, RunHistory(run_dir, parts.history)
+    history.attach(parts.trainer)
 
     def validate(engine: Engine) -> None:
         if engine.state.epoch % config.validation.every and engine.state.epoch != engine.state.max_epochs:
