@@ -19,7 +19,7 @@ import unison.handlers.mlflow as mlflow_handler
 from unison.cli.run import train_from_config
 from unison.config import ConfigError, load_config
 from unison.handlers.mlflow import MLflowLogger
-from unison.handlers.mlflow_store import make_client
+from unison.handlers.mlflow_store import artifacts_beside, make_client
 from unison.utils import setup_logging
 
 PASSWORD = "Tr0ub4dor-s3cret"
@@ -56,29 +56,42 @@ tuning:
 
 
 class _Proxy:
-    """An MLflow client of a local SQLite store that says it is the database's."""
+    """An MLflow client of a local SQLite store that says it is the database's.
 
-    def __init__(self, client: Any, uri: str) -> None:
-        self._client, self.tracking_uri = client, uri
+    unison leaves a database store's artefacts to the store (a server's artefact root); the
+    SQLite file standing in for it keeps them beside itself, as for a SQLite store, and never
+    in MLflow's default, ``./mlruns`` under the working directory.
+    """
+
+    def __init__(self, client: Any, uri: str, local: str) -> None:
+        self._client, self.tracking_uri, self._local = client, uri, local
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
+    def create_experiment(self, name: str, artifact_location: str | None = None, **kwargs: Any) -> str:
+        return self._client.create_experiment(name, artifact_location or artifacts_beside(self._local), **kwargs)
+
 
 @pytest.fixture
-def store(tmp_path: Path, monkeypatch) -> tuple[list[str], str]:
-    """Every client made is recorded with the URI it was given, and writes to a SQLite file."""
+def store(tmp_path: Path, monkeypatch):
+    """Every client made is recorded with the URI it was given, and writes to a SQLite file.
+    Nothing is written in the working directory."""
     pytest.importorskip("mlflow")
     local = f"sqlite:///{tmp_path.resolve() / 'store' / 'mlflow.db'}"
     opened: list[str] = []
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
 
     def client(uri: str) -> _Proxy:
         opened.append(uri)
-        return _Proxy(make_client(local), uri)
+        return _Proxy(make_client(local), uri, local)
 
     monkeypatch.setattr(mlflow_handler, "make_client", client)
     monkeypatch.setattr(tracking, "make_client", client)
-    return opened, local
+    yield opened, local
+    assert list(cwd.iterdir()) == []  # no mlruns/ where the tests run
 
 
 @pytest.fixture
