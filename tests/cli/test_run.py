@@ -72,6 +72,7 @@ def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path: Path) -> N
     before = _files(tmp_path)
     again = _train(c, resolved(), tmp_path, "auto")
     assert again["complete"] and (again["epochs"], again["iterations"]) == (2, 6)
+    assert again["history"] == first["history"] and [row["epoch"] for row in first["history"]] == [1, 2]
     assert _files(tmp_path) == before  # no checkpoint, metrics or predictions rewritten
     assert (first["epochs"], first["iterations"]) == (2, 6)
 

@@ -32,6 +32,7 @@ from unison.cli.finish import RunContext as RunContext
 from unison.cli.finish import evaluate_test_set as evaluate_test_set
 from unison.cli.finish import finish_run, skip_test_phase
 from unison.cli.finish import write_predictions as write_predictions
+from unison.cli.history import RunHistory
 from unison.cli.preflight import check_port, preflight
 from unison.cli.resolve import Resolved, resolve
 from unison.cli.resume_values import apply_on_resume
@@ -217,6 +218,7 @@ def _train(
             parts.trainer.state.epoch,
             t.max_epochs,
         )
+        RunHistory(run_dir, parts.history).restore(parts.trainer.state.epoch)  # the run's rows, as metrics.json has
         return {**collect_results(parts, run_dir, world), "complete": True}
     parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
     results = collect_results(parts, run_dir, world)
