@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from unison.config.checks_base import matches, takes_float
 from unison.config.loader import KeyPath, PyObjectRef, RawConfig
 from unison.config.schema import Config, EarlyStoppingConfig, _hints, _type_name
 
@@ -87,8 +88,6 @@ def _criterion(config: Config, raw: RawConfig) -> None:
 
 
 def _early_stopping(config: Config, raw: RawConfig) -> None:
-    from unison.config.validation import _matches, _takes_float  # validation imports this module
-
     es = config.early_stopping
     section = ("early_stopping",)
     hints = _hints(EarlyStoppingConfig)
@@ -118,7 +117,7 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
             )
         moved["metric"] = (section + ("args", "0"), es.args[0])
     for name, (path, value) in moved.items():
-        if not _matches(value, hints[name]):
+        if not matches(value, hints[name]):
             hint = ""
             if name == "mode" and value in ("any", "all"):
                 hint = (
@@ -126,7 +125,7 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
                     "early_stopping.agreement says how ranks agree)"
                 )
             raise raw.error_at(path, f"expected {_type_name(hints[name])}, got {value!r}{hint}")
-        if isinstance(value, int) and not isinstance(value, bool) and _takes_float(hints[name]):
+        if isinstance(value, int) and not isinstance(value, bool) and takes_float(hints[name]):
             value = float(value)
         current = getattr(es, name)
         if raw.given("early_stopping", name) and current != value:

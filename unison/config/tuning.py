@@ -20,6 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any, Union
 
+from unison.config.checks_base import matches, metric_direction
 from unison.config.loader import KeyPath, PyObjectRef, RawConfig
 from unison.config.schema import Config, _hints, _is_section, _type_name
 from unison.utils.confine import ConfinementError, confined_path, decoded
@@ -110,8 +111,6 @@ def _number(value: Any) -> bool:
 
 def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
     """One search-space entry: its fields by type, bounds, log and step, choices, and the key's type."""
-    from unison.config.validation import _matches  # the same rule validation applies to the value
-
     here: KeyPath = ("tuning", "search_space", key)
     tp, why = tunable_key(key)
     if why is not None:
@@ -139,10 +138,10 @@ def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
     if tp is Any:
         return
     for value in drawn:
-        if not _matches(value, tp):
+        if not matches(value, tp):
             fix = (
                 "use type: int"
-                if kind == "float" and _matches(1, tp) and not _matches(0.5, tp)
+                if kind == "float" and matches(1, tp) and not matches(0.5, tp)
                 else (f"draw values the key takes ({_type_name(tp)})")
             )
             raise raw.error_at(
@@ -208,8 +207,6 @@ def _check_range(raw: RawConfig, here: KeyPath, kind: str, spec: dict[str, Any])
 
 def _check_metric(config: Config, raw: RawConfig) -> None:
     """Fills ``tuning.metric`` and ``tuning.direction`` when left out; refuses a contradiction."""
-    from unison.config.validation import metric_direction  # validation imports this module lazily
-
     t = config.tuning
     names = [str(k) for k in config.validation.metrics] or ["loss"]
     watched = config.checkpoint.metric or names[0]

@@ -10,47 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
-import types
-import typing
-from typing import Any, Literal, Union
+from typing import Any
 
+from unison.config.checks_base import matches, metric_direction, takes_float
 from unison.config.compat import apply_compat
 from unison.config.errors import ConfigError
 from unison.config.loader import KeyPath, RawConfig
 from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
-
-
-def _matches(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True
-    if origin is Literal:
-        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return any(_matches(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is dict:
-        return isinstance(value, dict)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
-    return isinstance(value, tp)
-
-
-def _takes_float(tp: Any) -> bool:
-    if tp is float:
-        return True
-    return (
-        typing.get_origin(tp) in (Union, types.UnionType)
-        and float in typing.get_args(tp)
-        and int not in typing.get_args(tp)
-    )
+from unison.config.tuning import check_tuning
 
 
 def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
@@ -89,12 +56,12 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
         if _is_section(tp) or (isinstance(value, dict) and section_in(tp) is not None):
             values[name] = _build(section_in(tp), value, raw, path + (key,))  # type: ignore[arg-type]  # a section
             continue
-        if not _matches(value, tp):
+        if not matches(value, tp):
             raise raw.error_at(
                 path + (key,),
                 f"expected {_type_name(tp)}, got {type(value).__name__}: {value!r}",
             )
-        if isinstance(value, int) and not isinstance(value, bool) and _takes_float(tp):
+        if isinstance(value, int) and not isinstance(value, bool) and takes_float(tp):
             value = float(value)
         values[name] = value
     for name in fields:
@@ -122,8 +89,6 @@ def validate(raw: RawConfig) -> Config:
     _check_training_extras(config, raw)
     _check_name(config, raw)
     _check_modes(config, raw)
-    from unison.config.tuning import check_tuning  # here: it imports this module's rules
-
     check_tuning(config, raw)  # after _check_modes: its default direction is checkpoint.mode
     return config
 
@@ -140,26 +105,6 @@ def _check_name(config: Config, raw: RawConfig) -> None:
             "'/', '\\', '..' or '~' (or an empty one) would write outside logging.root; use a name like "
             "'digits-small'",
         )
-
-
-_LOWER_IS_BETTER = frozenset(
-    "loss mse mae rmse msle nll perplexity ppl error err cer wer mape smape kl kld bce xent".split()
-)
-_HIGHER_IS_BETTER = frozenset(
-    "accuracy acc f1 precision recall auc auroc roc r2 iou miou dice bleu rouge".split()
-)
-
-
-def metric_direction(name: str) -> Literal["max", "min"] | None:
-    """``"min"`` for a loss-like metric name (``loss``, ``val_loss``, ``mse`` ...), ``"max"`` for an
-    accuracy-like one (``accuracy``, ``f1`` ...), None when the name does not say."""
-    lowered = name.lower()
-    words = {w for w in re.split(r"[^a-z0-9]+", lowered) if w}
-    if words & _LOWER_IS_BETTER or lowered.endswith("loss"):
-        return "min"
-    if words & _HIGHER_IS_BETTER:
-        return "max"
-    return None
 
 
 def _check_modes(config: Config, raw: RawConfig) -> None:
