@@ -25,7 +25,7 @@ from unison.checkpoint.consolidate import (
     strip_wrappers,
 )
 from unison.checkpoint.io import CheckpointError, atomic_save
-from unison.checkpoint.sharded import CHECKSUMS
+from unison.checkpoint.sharded_files import CHECKSUMS
 from unison.testing import run_distributed
 
 

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from unison.checkpoint.consolidate import model_weights
 from unison.checkpoint.io import CheckpointError
-from unison.checkpoint.sharded import CHECKSUMS
 from unison.checkpoint.sharded_check import _metadata_global, read_metadata, sharded_verdict
+from unison.checkpoint.sharded_files import CHECKSUMS
 
 
 def _folder(tmp_path: Path) -> Path:

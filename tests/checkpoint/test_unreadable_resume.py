@@ -20,7 +20,8 @@ from unison.checkpoint.entry import Entry
 from unison.checkpoint.io import CheckpointError
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.ranks import choose
-from unison.checkpoint.sharded import CHECKSUMS, finish_folder, own_checksums, temp_folder
+from unison.checkpoint.sharded import finish_folder, own_checksums, temp_folder
+from unison.checkpoint.sharded_files import CHECKSUMS
 
 
 def _save(folder: Path, n: int) -> Entry:

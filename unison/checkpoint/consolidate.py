@@ -22,8 +22,8 @@ import torch
 
 from unison.checkpoint.io import CheckpointError, is_complete, load_checkpoint
 from unison.checkpoint.safe_dcp import safe_load
-from unison.checkpoint.sharded import REST
 from unison.checkpoint.sharded_check import read_metadata, sharded_problem
+from unison.checkpoint.sharded_files import REST
 
 __all__ = [
     "EMA_OBJECT",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from unison.checkpoint.io import CheckpointError
+from unison.checkpoint.errors import CheckpointError
 
 
 @dataclass(eq=False)

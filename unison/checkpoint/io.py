@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from unison.utils.logging import get_logger
+from unison.checkpoint.archive import archive_complete, load_archive
+from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.sharded_check import sharded_complete, sharded_problem
+from unison.checkpoint.sharded_files import REST
 
-_log = get_logger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be used: missing, truncated, corrupt or foreign."""
+__all__ = [
+    "CheckpointError",
+    "atomic_save",
+    "atomic_write_json",
+    "fsync_dir",
+    "is_complete",
+    "load_checkpoint",
+]
 
 
 def fsync_dir(folder: Path) -> None:
@@ -73,68 +77,21 @@ def atomic_write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> 
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a whole ``torch.save`` archive; no tensor is built.
+    """Whether ``path`` is a whole checkpoint; no tensor is built.
 
-    Every member's CRC-32 is checked. A member whose recorded CRC is zero although it holds
-    data was written with ``torch.serialization.set_crc32_options(False)``: its CRC was not
-    recorded, so the archive's structure is checked instead (the central directory reads,
-    every record's local header is where the directory says, and its stored size fits the
-    file). That catches truncation and most damage, not flipped bytes inside a record; a
-    log line says so.
-
-    A sharded checkpoint's folder is whole when every file it recorded is present with its
-    size and CRC-32 (:func:`unison.checkpoint.sharded.sharded_problem`).
+    A file is whole when it is a whole ``torch.save`` archive
+    (:func:`unison.checkpoint.archive.archive_complete`). A sharded checkpoint's folder is whole
+    when every file it recorded is present with its size and CRC-32
+    (:func:`unison.checkpoint.sharded_check.sharded_problem`).
     """
     if os.path.isdir(path):
-        from unison.checkpoint.sharded_check import sharded_complete  # it builds on this module
-
         return sharded_complete(path)
-    try:
-        with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
-            size = os.fstat(raw.fileno()).st_size
-            unrecorded = [info for info in archive.infolist() if info.CRC == 0 and info.file_size > 0]
-            for info in archive.infolist():
-                if info in unrecorded:
-                    if not _record_fits(raw, info, size):
-                        return False
-                elif not _crc_matches(archive, info):
-                    return False
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
-        return False
-    if unrecorded:
-        _log.info(
-            "Checkpoint %s holds no CRC-32s (torch.serialization.set_crc32_options(False)); its integrity was "
-            "checked from the archive's structure (central directory, record headers and sizes) instead.",
-            path,
-        )
-    return True
-
-
-def _crc_matches(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:
-    with archive.open(info) as member:  # raises BadZipFile at the end when the CRC differs
-        while member.read(1 << 20):
-            pass
-    return True
-
-
-_LOCAL_HEADER = struct.Struct("<4s22xHH")
-"""A zip local file header: signature, 22 bytes, file name length, extra field length."""
-
-
-def _record_fits(raw: BinaryIO, info: zipfile.ZipInfo, size: int) -> bool:
-    """Whether the record of ``info`` has its local header where the directory says, and fits the file."""
-    raw.seek(info.header_offset)
-    header = raw.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size:
-        return False
-    signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-    end = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length + info.compress_size
-    stored = info.compress_type != zipfile.ZIP_STORED or info.compress_size == info.file_size
-    return signature == b"PK\x03\x04" and stored and end <= size
+    return archive_complete(path)
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Loads a checkpoint onto the CPU with ``torch.load(weights_only=True)``.
+    """Loads a checkpoint onto the CPU with ``torch.load(weights_only=True)``: a file, or the
+    ``rest.pt`` of a sharded checkpoint's folder once the whole folder is checked.
 
     Raises:
         CheckpointError: naming the file, when it is missing, truncated, corrupt, or
@@ -143,42 +100,11 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     file = Path(path)
     if file.is_dir():
         return _load_sharded_rest(file)
-    if not file.is_file():
-        raise CheckpointError(
-            f"Checkpoint {file} does not exist. Check the path, or resume='auto' to pick the newest."
-        )
-    if not is_complete(file):
-        # torch.load does not verify the archive's checksums: damaged bytes would load as
-        # wrong weights. One extra read of the file rules that out.
-        raise CheckpointError(
-            f"Checkpoint {file} is truncated or corrupt (its checksums do not match). It was probably cut "
-            "short by a crash or a full disk, or damaged on disk. Delete it and resume from the previous "
-            "checkpoint (resume='auto' skips it by itself)."
-        )
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, zip errors...
-        if not is_complete(file):
-            raise CheckpointError(
-                f"Checkpoint {file} is truncated or corrupt ({type(err).__name__}: {err}). It was probably "
-                "cut short by a crash or a full disk. Delete it and resume from the previous checkpoint "
-                "(resume='auto' skips it by itself)."
-            ) from err
-        raise CheckpointError(
-            f"Checkpoint {file} could not be loaded with torch.load(weights_only=True): {err}. It holds "
-            "Python objects beyond tensors and plain containers; unison's checkpoints never do, so it "
-            "was written by other code. Load it yourself if you trust its source."
-        ) from err
-    if not isinstance(state, dict):
-        raise CheckpointError(f"Checkpoint {file} holds a {type(state).__name__}, not a dict of states.")
-    return state
+    return load_archive(file)
 
 
 def _load_sharded_rest(folder: Path) -> dict[str, Any]:
     """The ``rest.pt`` of a sharded checkpoint folder, after checking the whole folder."""
-    from unison.checkpoint.sharded import REST
-    from unison.checkpoint.sharded_check import sharded_problem
-
     problem = sharded_problem(folder)
     if problem is not None:
         raise CheckpointError(

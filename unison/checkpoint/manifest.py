@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from unison.checkpoint.entry import Entry, checkpoint_name, entry_for, file_in
-from unison.checkpoint.io import CheckpointError, atomic_write_json, is_complete, load_checkpoint
+from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.io import atomic_write_json, is_complete, load_checkpoint
 from unison.checkpoint.retention import oldest_first
-from unison.checkpoint.sharded import folder_size, remove
 from unison.checkpoint.sharded_check import checkpoint_verdict
+from unison.checkpoint.sharded_files import folder_size, remove
 from unison.utils.logging import get_logger
 
 __all__ = ["MANIFEST", "Entry", "Manifest", "checkpoint_name", "entry_for", "read_entries"]

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from unison.checkpoint.io import CheckpointError
+from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.sharded_check import read_metadata
 
 _NO_GROUP_WARNING = r"torch\.distributed is (disabled, )?(unavailable|uninitialized)"
 
@@ -138,8 +139,6 @@ def _planner(keys: set[str] | None) -> Any:
 def _reader(folder: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
-
-    from unison.checkpoint.sharded_check import read_metadata
 
     class SafeFolderReader(FileSystemReader):
         """A ``FileSystemReader`` whose metadata is unpickled with only DCP's metadata classes allowed."""

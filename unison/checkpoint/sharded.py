@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,14 +33,12 @@ import torch
 from torch import nn
 
 from unison.checkpoint.disk_full import unwritten
-from unison.checkpoint.io import CheckpointError, atomic_save, atomic_write_json, fsync_dir
+from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.io import atomic_save, atomic_write_json, fsync_dir
+from unison.checkpoint.safe_dcp import safe_load
+from unison.checkpoint.sharded_files import CHECKSUMS, REST, SUFFIX, file_checksum, folder_size
 from unison.distributed.fsdp import is_dtensor, is_sharded
 from unison.distributed.model import unwrap_model
-
-SUFFIX = ".dcp"
-"""The name ending of a sharded checkpoint folder."""
-REST = "rest.pt"
-CHECKSUMS = "checksums.json"
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -132,8 +129,6 @@ def load_dcp_states(folder: Path, to_save: Mapping[str, Any], names: list[str]) 
     nothing stored in the folder can run code.
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    from unison.checkpoint.safe_dcp import safe_load
 
     states = dcp_states(to_save, names)
     safe_load(states, folder, no_dist=not torch.distributed.is_initialized())
@@ -231,16 +226,6 @@ def own_checksums(tmp: Path) -> dict[str, tuple[int, int]]:
     return {name: file_checksum(tmp / name) for name in sorted(mine)}
 
 
-def file_checksum(path: Path) -> tuple[int, int]:
-    """``(size, crc32)`` of a file, read in 1 MiB blocks."""
-    crc, size = 0, 0
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            crc = zlib.crc32(block, crc)
-            size += len(block)
-    return size, crc
-
-
 def finish_folder(
     tmp: Path, final: Path, rest: Mapping[str, Any], checksums: Mapping[str, tuple[int, int]]
 ) -> int:
@@ -263,105 +248,3 @@ def finish_folder(
     os.replace(tmp, final)
     fsync_dir(final.parent)
     return folder_size(final)
-
-
-def folder_size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-
-
-def remove(path: Path) -> None:
-    """Deletes a checkpoint: a file, or a sharded checkpoint's folder."""
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def background_group(writer: Any) -> Any:
-    """Collective: the gloo group a background sharded save of ``writer`` gathers over (made once,
-    on every rank together), or None when its saves are not asynchronous."""
-    if not writer.async_save:
-        return None
-    if getattr(writer, "_gloo", None) is None:
-        import torch.distributed as dist
-
-        writer._gloo = dist.new_group(backend="gloo")
-    return writer._gloo
-
-
-def save_sharded(
-    writer: Any,
-    name: str,
-    rest: dict[str, Any] | None,
-    states: Mapping[str, Any],
-    entry: Any,
-    *,
-    async_group: Any = None,
-) -> Path | None:
-    """Collective: writes a sharded checkpoint folder ``name`` and records it (rank 0).
-
-    Every rank writes its shards into a temporary folder; rank 0 then writes the rest,
-    the checksums of every rank's files, renames the folder and records ``entry`` in the
-    manifest (rotation follows, as for files).
-
-    With ``async_group`` (a gloo group of every rank, made once for this), DCP copies the
-    shards to CPU memory and returns; the writing, the gathering of checksums (over that
-    group) and rank 0's rename and record run in each rank's writer thread, which the next
-    save and the end of the run wait for (``writer.wait()``).
-
-    Args:
-        writer: the :class:`~unison.checkpoint.writer.CheckpointWriter` (rank 0's records it).
-        name: the folder's name, the same on every rank.
-        rest: the checkpoint's other parts (rank 0); None elsewhere.
-        states: this rank's sharded states (:func:`dcp_states`).
-        entry: the manifest entry (rank 0); None elsewhere.
-        async_group: write in the background, gathering over this group.
-
-    Returns:
-        The folder on rank 0 (recorded once written); None on other ranks.
-    """
-    import torch.distributed as dist
-
-    from unison.checkpoint.entry import file_in
-    from unison.checkpoint.ranks import gather_on_first
-    from unison.checkpoint.state import to_cpu_copy
-    from unison.distributed.primitives import barrier, get_rank
-
-    final = file_in(writer.folder, name)
-    tmp = temp_folder(final)
-    if get_rank() == 0:
-        remove(tmp)
-        tmp.mkdir(parents=True)
-    barrier()  # the folder exists before any rank writes into it
-
-    def finish(checksums: list[dict[str, tuple[int, int]]] | None, rest: Mapping[str, Any] | None) -> None:
-        if checksums is None:  # not rank 0
-            return
-        entry.size = finish_folder(
-            tmp, final, rest or {}, {n: v for mine in checksums for n, v in mine.items()}
-        )
-        writer.record(entry, final)
-
-    if async_group is None:
-        finish(gather_on_first(write_shards(states, tmp)), rest)
-        return final if get_rank() == 0 else None
-    import torch.distributed.checkpoint as dcp
-
-    pending = dcp.async_save(dict(states), checkpoint_id=str(tmp), process_group=async_group)
-    rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
-
-    def in_background() -> None:
-        done: Any = getattr(pending, "upload_completion", pending)  # a Future, or a response holding one
-        try:
-            done.result()
-        except BaseException as err:
-            if (error := unwritten(err, tmp, states)) is err:
-                raise
-            raise error from err
-        mine = own_checksums(tmp)
-        everyone: list[Any] | None = [None] * dist.get_world_size() if get_rank() == 0 else None
-        dist.gather_object(mine, everyone, dst=0, group=async_group)
-        finish(everyone, rest)
-
-    writer.in_background(in_background)
-    return final if get_rank() == 0 else None

@@ -24,9 +24,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from unison.checkpoint.archive import archive_complete
 from unison.checkpoint.entry import file_in
-from unison.checkpoint.io import CheckpointError, is_complete
-from unison.checkpoint.sharded import CHECKSUMS, REST, file_checksum
+from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.sharded_files import CHECKSUMS, REST, file_checksum
 from unison.checkpoint.sharded_layout import layout_problem, storage_problem
 
 _DCP = "torch.distributed.checkpoint"
@@ -114,7 +115,7 @@ def sharded_verdict(folder: Path, *, require_checksums: bool = True) -> Problem 
         return problem
     if not file_in(folder, REST).is_file():
         return Problem(f"it holds no {REST} (the meta record and the objects not stored sharded)")
-    return None if is_complete(folder / REST) else Problem(f"its {REST} is truncated or corrupt")
+    return None if archive_complete(folder / REST) else Problem(f"its {REST} is truncated or corrupt")
 
 
 def _checksum_problem(folder: Path, required: bool) -> Problem | None:
@@ -173,7 +174,9 @@ def checkpoint_verdict(path: Path) -> Problem | None:
     """
     if path.is_dir():
         return sharded_verdict(path)
-    return None if is_complete(path) else Problem("it is truncated or corrupt (its checksums do not match)")
+    return (
+        None if archive_complete(path) else Problem("it is truncated or corrupt (its checksums do not match)")
+    )
 
 
 def sharded_complete(folder: str | os.PathLike[str]) -> bool:

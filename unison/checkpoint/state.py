@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from unison.checkpoint.io import CheckpointError
+from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.retention import check_options as check_retention
 from unison.distributed.model import unwrap_model
 from unison.utils.logging import get_logger

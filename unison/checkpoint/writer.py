@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 import torch
 
-from unison.checkpoint.entry import file_in
+from unison.checkpoint.entry import Entry, file_in
 from unison.checkpoint.io import atomic_save
-from unison.checkpoint.manifest import Entry, Manifest
+from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.retention import retain
-from unison.checkpoint.sharded import remove
+from unison.checkpoint.sharded_files import remove
 from unison.checkpoint.state import to_cpu_copy
 from unison.utils.logging import get_logger
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from unison.checkpoint.sharded import REST
+from unison.checkpoint.sharded_files import REST
 from unison.cli.lr_scaling import default_lr, plan_of, sets_lr_itself
 from unison.cli.resolve import Resolved
 from unison.cli.steps import RunParts

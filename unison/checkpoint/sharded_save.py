@@ -1,0 +1,104 @@
+"""The collective save of a sharded checkpoint: every rank's shards, then rank 0's rest, checksums and record.
+
+It stands above the folder's parts (:mod:`unison.checkpoint.sharded`) and the answers ranks
+give each other (:mod:`unison.checkpoint.ranks`), which it gathers the checksums with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from unison.checkpoint.disk_full import unwritten
+from unison.checkpoint.entry import file_in
+from unison.checkpoint.ranks import gather_on_first
+from unison.checkpoint.sharded import finish_folder, own_checksums, temp_folder, write_shards
+from unison.checkpoint.sharded_files import remove
+from unison.checkpoint.state import to_cpu_copy
+from unison.distributed.primitives import barrier, get_rank
+
+
+def background_group(writer: Any) -> Any:
+    """Collective: the gloo group a background sharded save of ``writer`` gathers over (made once,
+    on every rank together), or None when its saves are not asynchronous."""
+    if not writer.async_save:
+        return None
+    if getattr(writer, "_gloo", None) is None:
+        import torch.distributed as dist
+
+        writer._gloo = dist.new_group(backend="gloo")
+    return writer._gloo
+
+
+def save_sharded(
+    writer: Any,
+    name: str,
+    rest: dict[str, Any] | None,
+    states: Mapping[str, Any],
+    entry: Any,
+    *,
+    async_group: Any = None,
+) -> Path | None:
+    """Collective: writes a sharded checkpoint folder ``name`` and records it (rank 0).
+
+    Every rank writes its shards into a temporary folder; rank 0 then writes the rest,
+    the checksums of every rank's files, renames the folder and records ``entry`` in the
+    manifest (rotation follows, as for files).
+
+    With ``async_group`` (a gloo group of every rank, made once for this), DCP copies the
+    shards to CPU memory and returns; the writing, the gathering of checksums (over that
+    group) and rank 0's rename and record run in each rank's writer thread, which the next
+    save and the end of the run wait for (``writer.wait()``).
+
+    Args:
+        writer: the :class:`~unison.checkpoint.writer.CheckpointWriter` (rank 0's records it).
+        name: the folder's name, the same on every rank.
+        rest: the checkpoint's other parts (rank 0); None elsewhere.
+        states: this rank's sharded states (:func:`~unison.checkpoint.sharded.dcp_states`).
+        entry: the manifest entry (rank 0); None elsewhere.
+        async_group: write in the background, gathering over this group.
+
+    Returns:
+        The folder on rank 0 (recorded once written); None on other ranks.
+    """
+    import torch.distributed as dist
+
+    final = file_in(writer.folder, name)
+    tmp = temp_folder(final)
+    if get_rank() == 0:
+        remove(tmp)
+        tmp.mkdir(parents=True)
+    barrier()  # the folder exists before any rank writes into it
+
+    def finish(checksums: list[dict[str, tuple[int, int]]] | None, rest: Mapping[str, Any] | None) -> None:
+        if checksums is None:  # not rank 0
+            return
+        entry.size = finish_folder(
+            tmp, final, rest or {}, {n: v for mine in checksums for n, v in mine.items()}
+        )
+        writer.record(entry, final)
+
+    if async_group is None:
+        finish(gather_on_first(write_shards(states, tmp)), rest)
+        return final if get_rank() == 0 else None
+    import torch.distributed.checkpoint as dcp
+
+    pending = dcp.async_save(dict(states), checkpoint_id=str(tmp), process_group=async_group)
+    rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
+
+    def in_background() -> None:
+        done: Any = getattr(pending, "upload_completion", pending)  # a Future, or a response holding one
+        try:
+            done.result()
+        except BaseException as err:
+            if (error := unwritten(err, tmp, states)) is err:
+                raise
+            raise error from err
+        mine = own_checksums(tmp)
+        everyone: list[Any] | None = [None] * dist.get_world_size() if get_rank() == 0 else None
+        dist.gather_object(mine, everyone, dst=0, group=async_group)
+        finish(everyone, rest)
+
+    writer.in_background(in_background)
+    return final if get_rank() == 0 else None
