@@ -1,4 +1,5 @@
-"""unison/config/: its modules import each other one way (no circle, imports inside functions counted)."""
+"""unison/config/: validation runs the checks of compat and tuning, which import only lower modules
+(imports inside functions counted)."""
 
 from __future__ import annotations
 
@@ -33,44 +34,14 @@ def _graph() -> dict[str, set[str]]:
     }
 
 
-def _circle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt) :] + [nxt]
-            if nxt not in state and (found := visit(nxt)) is not None:
-                return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in graph:
-        if node not in state and (found := visit(node)) is not None:
-            return found
-    return None
-
-
-def test_the_circle_finder_finds_one() -> None:
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
-    assert _circle(graph) == ["a", "b", "c", "a"]
-    assert _circle({"a": {"b"}, "b": set()}) is None
-
-
-def test_config_modules_import_each_other_one_way() -> None:
-    circle = _circle(_graph())
-    assert circle is None, "unison/config/ modules import each other in a circle: " + " -> ".join(
-        circle or []
-    )
-
-
 def test_validation_runs_the_checks_of_compat_and_tuning_not_the_reverse() -> None:
     graph = _graph()
     assert {"unison.config.compat", "unison.config.tuning"} <= graph["unison.config.validation"]
     for name in ("unison.config.compat", "unison.config.tuning"):
         assert "unison.config.validation" not in graph[name]
         assert "unison.config.checks_base" in graph[name]
+
+
+def test_only_the_package_imports_validation() -> None:
+    users = sorted(name for name, imported in _graph().items() if "unison.config.validation" in imported)
+    assert users == [], f"{users} import validation, which imports them: a circle"

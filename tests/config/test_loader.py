@@ -43,21 +43,21 @@ def test_pyobject_is_an_inert_reference_with_its_file_and_line():
 
 def test_line_map_covers_nested_keys_and_list_items():
     raw = load_yaml("demo.yaml", text=TEXT)
-    assert raw.lines[("name",)] == 1
-    assert raw.lines[("training", "optimizer_kwargs", "lr")] == _line_of(TEXT, "lr: 0.1")
-    assert raw.lines[("model", "kwargs", "in_features")] == _line_of(TEXT, "in_features")
-    assert raw.lines[("imports", "1")] == _line_of(TEXT, "- math")
+    assert raw.origin.lines[("name",)] == 1
+    assert raw.origin.lines[("training", "optimizer_kwargs", "lr")] == _line_of(TEXT, "lr: 0.1")
+    assert raw.origin.lines[("model", "kwargs", "in_features")] == _line_of(TEXT, "in_features")
+    assert raw.origin.lines[("imports", "1")] == _line_of(TEXT, "- math")
     # A key that is not in the file takes the line of its nearest ancestor that is.
-    assert raw.line_of(("training", "batch_size")) == _line_of(TEXT, "training:")
-    assert raw.line_of(("parallel", "backend")) is None
-    assert raw.file_of(("training", "lr")) == "demo.yaml"
+    assert raw.origin.line_of(("training", "batch_size")) == _line_of(TEXT, "training:")
+    assert raw.origin.line_of(("parallel", "backend")) is None
+    assert raw.origin.file_of(("training", "lr")) == "demo.yaml"
 
 
 def test_empty_file_is_an_empty_mapping(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing but a comment\n")
     raw = load_yaml(path)
-    assert raw.data == {} and raw.file == str(path)
+    assert raw.data == {} and raw.origin.file == str(path)
 
 
 def test_missing_file_names_the_file(tmp_path):

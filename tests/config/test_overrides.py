@@ -76,9 +76,9 @@ def test_exponent_floats_in_kwargs_are_floats(tmp_path):
 def test_an_override_replaces_the_files_value_and_remembers_its_origin(base):
     raw = apply_overrides(load_yaml(base), ["training.max_epochs=7"])
     assert raw.data["training"]["max_epochs"] == 7
-    assert raw.file_of(("training", "max_epochs")) == "--set training.max_epochs=7"
-    assert raw.line_of(("training", "max_epochs")) is None
-    assert raw.file_of(("training", "lr")) == str(base)  # untouched keys keep the file
+    assert raw.origin.file_of(("training", "max_epochs")) == "--set training.max_epochs=7"
+    assert raw.origin.line_of(("training", "max_epochs")) is None
+    assert raw.origin.file_of(("training", "lr")) == str(base)  # untouched keys keep the file
     assert base.read_text() == BASE
 
 

@@ -173,7 +173,7 @@ def test_nccl_without_cuda_is_refused():
 def test_load_config_records_the_source(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(MINIMAL)
-    assert load_config(path).source == str(path.resolve())
+    assert load_config(path).origin.file == str(path.resolve())
 
 
 def test_schema_reference_documents_every_key():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unison.config import Config, ConfigError, load_config, to_plain
+from unison.config import Config, load_config, to_plain
 from unison.utils.secrets import redact
 
 NOT_RESUMABLE = (
@@ -86,12 +86,11 @@ def check_resume(config: Config, run_dir: Path) -> list[Change]:
     blocking = [c for c in changes if _blocks(c)]
     if blocking:
         listed = "; ".join(str(c) for c in blocking)
-        raise ConfigError(
+        raise config.origin.error(
+            tuple(blocking[0].key.split(".")),
             f"cannot resume the run in {run_dir} with this config: {listed}. The checkpoint holds weights, "
             "optimizer state and a data position made with the saved values. Put them back (see "
             f"{saved}), or start a new run (leave out --resume).",
-            file=getattr(config, "source", None),
-            key=blocking[0].key.split("."),
         )
     return changes
 

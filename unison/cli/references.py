@@ -1,9 +1,10 @@
 """How one config's references resolve, and the errors that point into it.
 
-:class:`_References` holds a config's scope (its ``imports:``, its folder), its lines and
-its ``--set`` overrides: it looks up a ``!pyobject`` against its slot, resolves a kwargs
-mapping, makes a :class:`~unison.config.ConfigError` at a dotted key path with its file
-and line, and checks that a kwargs mapping binds to the signature it will be called with.
+:class:`_References` holds a config's scope (its ``imports:``, its folder) and its
+:class:`~unison.config.Origin` (file, lines, ``--set`` overrides): it looks up a
+``!pyobject`` against its slot, resolves a kwargs mapping, makes a
+:class:`~unison.config.ConfigError` at a dotted key path through the origin's one
+locator, and checks that a kwargs mapping binds to the signature it will be called with.
 Used by :mod:`unison.cli.resolve` and :mod:`unison.cli.preflight`.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unison.config import Config, ConfigError, resolve_tree
+from unison.config import Config, ConfigError, Origin, resolve_tree
 from unison.config.resolve import Scope, lookup
 from unison.config.usercode import describe, refused_import
 
@@ -24,22 +25,15 @@ from unison.config.usercode import describe, refused_import
 class _References:
     """How one config's references resolve: its imports, its folder, and its lines for errors."""
 
-    source: str | None
+    origin: Origin
     scope: Scope
-    lines: dict[tuple[str, ...], int]
-    overrides: dict[tuple[str, ...], str]
 
     @classmethod
     def of(cls, config: Config) -> _References:
         """The references of ``config``; refuses an ``imports:`` entry that is not the user's own code."""
-        source = getattr(config, "source", None)
+        source = config.origin.file
         config_dir = Path(source).parent if source else None
-        refs = cls(
-            source,
-            Scope(tuple(config.imports), config_dir),
-            getattr(config, "lines", {}),
-            getattr(config, "overrides", {}),
-        )
+        refs = cls(config.origin, Scope(tuple(config.imports), config_dir))
         for i, entry in enumerate(config.imports):
             why = refused_import(entry, config_dir)
             if why is not None:
@@ -66,16 +60,7 @@ class _References:
 
     def error(self, key: str, message: str) -> ConfigError:
         """A config error at the dotted key path ``key``, with its file and line (or its ``--set``)."""
-        path = tuple(key.split("."))
-        for i in range(len(path), 0, -1):
-            if path[:i] in self.overrides:
-                return ConfigError(message, file=f"--set {self.overrides[path[:i]]}", key=path)
-        line = None
-        for i in range(len(path), 0, -1):
-            if path[:i] in self.lines:
-                line = self.lines[path[:i]]
-                break
-        return ConfigError(message, file=self.source, line=line, key=path)
+        return self.origin.error(tuple(key.split(".")), message)
 
     def bind(
         self,

@@ -203,7 +203,7 @@ def run_tags(config: Config, run_dir: Path | None = None) -> dict[str, str]:
         "unison.version": __version__,
         "torch.version": torch.__version__,
     }
-    source = getattr(config, "source", None)
+    source = config.origin.file
     if source:
         tags["unison.config"] = str(source)
     if run_dir is not None:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from unison.cli.tune_space import SweepPlan, as_overrides, error_at
+from unison.cli.tune_space import SweepPlan, as_overrides
 from unison.config import dump_config, load_config
 from unison.utils import get_logger
 
@@ -48,8 +48,7 @@ def best_values(params: dict[str, Any], plan: SweepPlan) -> dict[str, Any]:
             )
             continue
         if not _drawable(value, spec):
-            raise error_at(
-                plan.config,
+            raise plan.config.origin.error(
                 ("tuning", "search_space", key),
                 f"the study's best trial holds {key} = {value!r}, which this search space cannot draw ({spec}); "
                 "was the study made with another config? Give another tuning.study_name for this search space",

@@ -44,17 +44,6 @@ def import_optuna() -> ModuleType:
     return optuna
 
 
-def error_at(config: Config, path: tuple[str, ...], message: str) -> ConfigError:
-    """A config error at the key ``path`` (a search-space key is one element: ``training.lr``)."""
-    overrides: dict[tuple[str, ...], str] = getattr(config, "overrides", {})
-    lines: dict[tuple[str, ...], int] = getattr(config, "lines", {})
-    for i in range(len(path), 0, -1):
-        if path[:i] in overrides:
-            return ConfigError(message, file=f"--set {overrides[path[:i]]}", key=path)
-    line = next((lines[path[:i]] for i in range(len(path), 0, -1) if path[:i] in lines), None)
-    return ConfigError(message, file=getattr(config, "source", None), line=line, key=path)
-
-
 def optuna_object(config: Config, key: str, seed_offset: int = 0) -> Any:
     """Builds ``tuning.<key>`` (``sampler`` or ``pruner``) from Optuna's own classes only.
 
@@ -83,8 +72,7 @@ def optuna_object(config: Config, key: str, seed_offset: int = 0) -> Any:
     if name not in exported:
         near = difflib.get_close_matches(name, exported, n=1, cutoff=0.5)
         hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise error_at(
-            config,
+        raise config.origin.error(
             ("tuning", key),
             f"{name!r} is not one of {module.__name__}'s classes: {', '.join(sorted(exported))}.{hint}",
         )
@@ -96,8 +84,8 @@ def optuna_object(config: Config, key: str, seed_offset: int = 0) -> Any:
     try:
         return cls(**kwargs)
     except Exception as err:
-        raise error_at(
-            config, ("tuning", f"{key}_kwargs"), f"{name}(**{kwargs}) raised {type(err).__name__}: {err}"
+        raise config.origin.error(
+            ("tuning", f"{key}_kwargs"), f"{name}(**{kwargs}) raised {type(err).__name__}: {err}"
         ) from None
 
 
@@ -149,8 +137,7 @@ def check_space(plan: SweepPlan) -> None:
     for key, spec in plan.space.items():
         why = changes_nothing(plan.config, key)
         if why is not None:
-            raise error_at(
-                plan.config,
+            raise plan.config.origin.error(
                 ("tuning", "search_space", key),
                 f"{key} changes nothing: {why}; every trial would train alike. Set what it needs, or "
                 "remove it from the search space",
@@ -160,8 +147,7 @@ def check_space(plan: SweepPlan) -> None:
                 drawn = load_config(plan.path, [*plan.overrides, *as_overrides({key: value})])
                 preflight(drawn, resolve(drawn))
             except ConfigError as err:
-                raise error_at(
-                    plan.config,
+                raise plan.config.origin.error(
                     ("tuning", "search_space", key),
                     f"the search space can draw {key} = {value!r}, and a run refuses that config: {err}. Narrow "
                     "the range (or the choices) to values the run takes",
@@ -178,8 +164,7 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str]) -> SweepPlan:
     config = load_config(path, overrides)
     t = config.tuning
     if t.metric is None or not t.search_space:  # tuning.metric is filled when the section is there
-        raise error_at(
-            config,
+        raise config.origin.error(
             ("tuning", "search_space"),
             "nothing to tune: add a tuning section with a search space, e.g.\n"
             "tuning:\n  search_space:\n    training.lr: {type: float, low: 1.0e-4, high: 1.0e-1, log: true}\n"

@@ -11,6 +11,7 @@ import yaml
 
 from unison.config.errors import ConfigError
 from unison.config.loader import PyObjectRef, RawConfig, UnisonLoader, load_yaml
+from unison.config.origin import Origin
 from unison.config.overrides import apply_overrides
 from unison.config.reference import schema_reference
 from unison.config.resolve import ALLOWED_PREFIXES, DENIED_PREFIXES, resolve_ref, resolve_tree
@@ -22,6 +23,7 @@ __all__ = [
     "DENIED_PREFIXES",
     "Config",
     "ConfigError",
+    "Origin",
     "PyObjectRef",
     "RawConfig",
     "UnisonLoader",
@@ -45,9 +47,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     """
     raw = apply_overrides(load_yaml(path), list(overrides or []))
     config = validate(raw)
-    config.source = str(Path(path).resolve())  # type: ignore[attr-defined]  # set after validation, for error messages
-    config.lines = dict(raw.lines)  # type: ignore[attr-defined]  # for errors found when resolving
-    config.overrides = dict(raw.overrides)  # type: ignore[attr-defined]  # keys a --set gave, for errors
+    config.origin = dataclasses.replace(raw.origin, file=str(Path(path).resolve()))  # for errors found later
     return config
 
 

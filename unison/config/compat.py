@@ -43,10 +43,6 @@ EARLY_STOPPING_ALIASES = {"delta": "min_delta"}
 _HANDLER_KEYS = ("type", "args", "kwargs")
 
 
-def _from_command_line(raw: RawConfig, path: KeyPath) -> bool:
-    return any(path[: i + 1] in raw.overrides for i in range(len(path)))
-
-
 def is_unison_early_stopping(value: PyObjectRef | str | None) -> bool:
     """Whether ``early_stopping.type`` names unison's own handler (None does)."""
     if value is None:
@@ -72,14 +68,14 @@ def _criterion(config: Config, raw: RawConfig) -> None:
     criterion, loss = config.criterion, config.training.loss
     if criterion is None:
         return
-    if raw.given("training", "loss") and loss.path != criterion.path:
-        by_set_loss = _from_command_line(raw, ("training", "loss"))
-        by_set_criterion = _from_command_line(raw, ("criterion",))
+    if raw.origin.given("training", "loss") and loss.path != criterion.path:
+        by_set_loss = raw.origin.from_command_line(("training", "loss"))
+        by_set_criterion = raw.origin.from_command_line(("criterion",))
         if by_set_loss and not by_set_criterion:
             config.criterion = None  # the command line's training.loss wins
             return
         if not by_set_criterion:
-            raise raw.error_at(
+            raise raw.origin.error(
                 ("criterion",),
                 f"criterion ({criterion}) and training.loss ({loss}) name different losses; they are one "
                 "setting (criterion is QuantumGrav's name for training.loss): keep one of them",
@@ -96,7 +92,7 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
     for given, value in es.kwargs.items():
         name = EARLY_STOPPING_ALIASES.get(str(given), str(given))
         if name == "tasks":
-            raise raw.error_at(
+            raise raw.origin.error(
                 section + ("kwargs", str(given)),
                 "QuantumGrav's per-task early stopping watches several metrics; unison's watches one "
                 "validation metric, agreed by every rank: set kwargs {metric: <a validation.metrics name>, "
@@ -106,13 +102,13 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
             moved[name] = (section + ("kwargs", str(given)), value)
     if es.args and is_unison_early_stopping(es.type):
         if len(es.args) > 1:
-            raise raw.error_at(
+            raise raw.origin.error(
                 section + ("args",),
                 f"EarlyStopping takes one positional argument after the trainer, the metric; got {len(es.args)}: "
                 f"{es.args!r}. Name the others under kwargs (patience, mode, min_delta ...)",
             )
         if "metric" in moved:
-            raise raw.error_at(
+            raise raw.origin.error(
                 section + ("args",), "the metric is given twice, in args and in kwargs: keep one"
             )
         moved["metric"] = (section + ("args", "0"), es.args[0])
@@ -124,15 +120,15 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
                     " (QuantumGrav's mode any/all joins several tasks; unison watches one metric, and "
                     "early_stopping.agreement says how ranks agree)"
                 )
-            raise raw.error_at(path, f"expected {_type_name(hints[name])}, got {value!r}{hint}")
+            raise raw.origin.error(path, f"expected {_type_name(hints[name])}, got {value!r}{hint}")
         if isinstance(value, int) and not isinstance(value, bool) and takes_float(hints[name]):
             value = float(value)
         current = getattr(es, name)
-        if raw.given("early_stopping", name) and current != value:
-            if _from_command_line(raw, section + (name,)) and not _from_command_line(raw, path):
+        if raw.origin.given("early_stopping", name) and current != value:
+            if raw.origin.from_command_line(section + (name,)) and not raw.origin.from_command_line(path):
                 continue  # the command line wins over the file
-            if not _from_command_line(raw, path):
-                raise raw.error_at(
+            if not raw.origin.from_command_line(path):
+                raise raw.origin.error(
                     path,
                     f"sets early_stopping.{name} to {value!r}, which the section also sets, to {current!r}: "
                     "keep one of them",
@@ -144,7 +140,7 @@ def _early_stopping(config: Config, raw: RawConfig) -> None:
     if "metric" in moved and is_unison_early_stopping(es.type):
         es.args = []
     if es.type is not None and es.patience is None:
-        raise raw.error_at(
+        raise raw.origin.error(
             section + ("type",),
             f"early stopping {str(es.type)!r} is named but has no patience: add `kwargs: {{patience: 5}}` "
             "(or `patience: 5` in the section)",
@@ -167,19 +163,19 @@ def _devices(config: Config, raw: RawConfig) -> None:
             or not isinstance(value, (int, str))
             or (isinstance(value, int) and value < 0)
         ):
-            raise raw.error_at(
+            raise raw.origin.error(
                 path, f"expected a device ('cuda', 'cuda:0', 'cpu') or a cuda index, got {value!r}"
             )
         try:
             if isinstance(value, str):  # an int is a cuda index: torch.device(1) needs a GPU here
                 torch.device(value)
         except (RuntimeError, ValueError) as err:
-            raise raw.error_at(
+            raise raw.origin.error(
                 path, f"{value!r} is not a device ({err}); use 'cuda', 'cuda:0' or 'cpu'"
             ) from None
     rank = config.parallel.rank
     if rank is not None and rank < 0:
-        raise raw.error_at(("parallel", "rank"), f"must be >= 0 or null, got {rank}")
+        raise raw.origin.error(("parallel", "rank"), f"must be >= 0 or null, got {rank}")
 
 
 def _loaders(config: Config, raw: RawConfig) -> None:
@@ -187,20 +183,20 @@ def _loaders(config: Config, raw: RawConfig) -> None:
     test_workers = v.num_workers if t.num_workers is None else t.num_workers
     for path, value in ((("testing", "num_workers"), t.num_workers),):
         if value is not None and value < 0:
-            raise raw.error_at(path, f"must be >= 0, got {value!r}")
+            raise raw.origin.error(path, f"must be >= 0, got {value!r}")
     for path, value in (
         (("testing", "batch_size"), t.batch_size),
         (("validation", "prefetch_factor"), v.prefetch_factor),
         (("testing", "prefetch_factor"), t.prefetch_factor),
     ):
         if value is not None and value <= 0:
-            raise raw.error_at(path, f"must be > 0, got {value!r}")
+            raise raw.origin.error(path, f"must be > 0, got {value!r}")
     for path, prefetch, workers in (
         (("validation", "prefetch_factor"), v.prefetch_factor, v.num_workers),
         (("testing", "prefetch_factor"), t.prefetch_factor, test_workers),
     ):
         if prefetch is not None and workers == 0:
-            raise raw.error_at(
+            raise raw.origin.error(
                 path,
                 f"needs {path[0]}.num_workers > 0 (prefetching is done by worker processes)",
             )

@@ -11,8 +11,7 @@ from typing import Any
 import yaml
 
 from unison.config.errors import ConfigError
-
-KeyPath = tuple[str, ...]
+from unison.config.origin import KeyPath, Origin, key_paths
 
 
 @dataclass(frozen=True)
@@ -192,43 +191,8 @@ class RawConfig:
     """A config as read: plain data (with :class:`PyObjectRef` leaves) and where each key is."""
 
     data: dict[str, Any]
-    file: str
-    lines: dict[KeyPath, int]
-    overrides: dict[KeyPath, str] = field(default_factory=dict)
-    """Key paths set from the command line, with the ``--set`` text that set them."""
-
-    def _overridden(self, path: KeyPath) -> KeyPath | None:
-        for i in range(len(path), 0, -1):
-            if path[:i] in self.overrides:
-                return path[:i]
-        for key in self.overrides:  # a --set below this key gave it its (bad) shape
-            if key[: len(path)] == path:
-                return key
-        return None
-
-    def line_of(self, path: KeyPath) -> int | None:
-        """The line of ``path``, or of its nearest ancestor that is in the file."""
-        if self._overridden(path) is not None:
-            return None
-        while path:
-            if path in self.lines:
-                return self.lines[path]
-            path = path[:-1]
-        return None
-
-    def file_of(self, path: KeyPath) -> str:
-        """The file, or the ``--set`` option, that gave ``path`` its value."""
-        key = self._overridden(path)
-        return f"--set {self.overrides[key]}" if key is not None else self.file
-
-    def error_at(self, path: KeyPath, message: str) -> ConfigError:
-        """A :class:`ConfigError` about ``path``, naming the file and line (or ``--set``) that gave it."""
-        return ConfigError(message, file=self.file_of(path), line=self.line_of(path), key=path)
-
-    def given(self, section: str, key: str) -> bool:
-        """Whether ``section.key`` is written in the config (or set by ``--set``), not a default."""
-        data = self.data.get(section)
-        return isinstance(data, dict) and key in data
+    origin: Origin
+    """The file, the line of each key, and the keys the command line's ``--set`` gave."""
 
     def set(self, path: KeyPath, value: Any, origin: str) -> None:
         """Sets ``path`` (creating sections) as the command line's ``--set`` does."""
@@ -244,7 +208,7 @@ class RawConfig:
                 )
             node = child
         node[path[-1]] = value
-        self.overrides[path] = origin
+        self.origin = self.origin.with_set(path, value, origin)
 
 
 def load_yaml(source: str | os.PathLike[str], *, text: str | None = None) -> RawConfig:
@@ -308,4 +272,4 @@ def load_yaml(source: str | os.PathLike[str], *, text: str | None = None) -> Raw
         raise ConfigError(
             f"a config is a mapping of sections, got a {type(data).__name__}", file=name, line=1
         )
-    return RawConfig(data=data, file=name, lines=lines)
+    return RawConfig(data, Origin(name, lines, {}, frozenset(key_paths(data))))

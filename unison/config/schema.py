@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 
 from unison.config.loader import KeyPath, PyObjectRef
 from unison.config.mlflow_config import MLflowConfig
+from unison.config.origin import NO_ORIGIN, Origin
 from unison.config.profiling import ProfileConfig
 
 
@@ -365,6 +366,16 @@ class Config:
     logging: LoggingConfig = section(LoggingConfig, "run directory, TensorBoard, progress")
     hooks: HooksConfig = section(HooksConfig, "recipe code run at fixed points")
     tuning: TuningConfig = section(TuningConfig, "hyperparameter sweeps with `unison tune`")
+
+    @property
+    def origin(self) -> Origin:
+        """Where its keys were written (file, lines, ``--set``): the locator of its errors. Not a key:
+        set by :func:`~unison.config.load_config`; a config built in Python has none."""
+        return vars(self).get("_origin", NO_ORIGIN)
+
+    @origin.setter
+    def origin(self, value: Origin) -> None:
+        vars(self)["_origin"] = value
 
 
 REQUIRED: tuple[KeyPath, ...] = (("model", "type"), ("data", "build"))

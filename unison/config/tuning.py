@@ -114,10 +114,10 @@ def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
     here: KeyPath = ("tuning", "search_space", key)
     tp, why = tunable_key(key)
     if why is not None:
-        raise raw.error_at(here, why)
+        raise raw.origin.error(here, why)
     if not isinstance(spec, dict) or spec.get("type") not in SPACE_FIELDS:
         got = spec.get("type") if isinstance(spec, dict) else spec
-        raise raw.error_at(
+        raise raw.origin.error(
             here,
             f"expected a mapping with type: float | int | categorical, got {got!r}; e.g. "
             "`{type: float, low: 1.0e-4, high: 1.0e-1, log: true}` or `{type: categorical, choices: [16, 32]}`",
@@ -127,7 +127,7 @@ def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
         if name not in SPACE_FIELDS[kind]:
             near = difflib.get_close_matches(str(name), SPACE_FIELDS[kind], n=1, cutoff=0.6)
             hint = f" Did you mean {near[0]!r}?" if near else ""
-            raise raw.error_at(
+            raise raw.origin.error(
                 here + (str(name),),
                 f"a {kind} search space takes {', '.join(SPACE_FIELDS[kind])}.{hint}",
             )
@@ -144,7 +144,7 @@ def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
                 if kind == "float" and matches(1, tp) and not matches(0.5, tp)
                 else (f"draw values the key takes ({_type_name(tp)})")
             )
-            raise raw.error_at(
+            raise raw.origin.error(
                 here, f"{key} takes {_type_name(tp)}; this {kind} search space draws {value!r}: {fix}"
             )
 
@@ -152,12 +152,12 @@ def _check_entry(raw: RawConfig, key: str, spec: Any) -> None:
 def _check_choices(raw: RawConfig, here: KeyPath, choices: Any) -> list[Any]:
     path = here + ("choices",)
     if not isinstance(choices, list) or not choices:
-        raise raw.error_at(
+        raise raw.origin.error(
             path, f"expected a non-empty list of values, got {choices!r}; e.g. `choices: [16, 32, 64]`"
         )
     for value in choices:
         if value is not None and not isinstance(value, (bool, int, float, str)):
-            raise raw.error_at(
+            raise raw.origin.error(
                 path,
                 f"a choice is a number, a string, true/false or null (what Optuna stores), got "
                 f"{type(value).__name__}: {value!r}",
@@ -165,7 +165,7 @@ def _check_choices(raw: RawConfig, here: KeyPath, choices: Any) -> list[Any]:
     seen = [repr(v) for v in choices]
     twice = sorted({v for v in seen if seen.count(v) > 1})
     if twice:
-        raise raw.error_at(path, f"{', '.join(twice)} given more than once; list each choice once")
+        raise raw.origin.error(path, f"{', '.join(twice)} given more than once; list each choice once")
     return list(choices)
 
 
@@ -174,32 +174,32 @@ def _check_range(raw: RawConfig, here: KeyPath, kind: str, spec: dict[str, Any])
     for name in ("low", "high"):
         value = spec.get(name)
         if value is None:
-            raise raw.error_at(
+            raise raw.origin.error(
                 here, f"a {kind} search space needs `{name}`; e.g. `{{type: {kind}, low: 1, high: 8}}`"
             )
         if not _number(value) or (expect is int and not isinstance(value, int)):
-            raise raw.error_at(
+            raise raw.origin.error(
                 here + (name,), f"expected {'an int' if expect is int else 'a number'}, got {value!r}"
             )
     low, high = spec["low"], spec["high"]
     if low > high:
-        raise raw.error_at(here + ("low",), f"low {low!r} is above high {high!r}; swap them")
+        raise raw.origin.error(here + ("low",), f"low {low!r} is above high {high!r}; swap them")
     log, step = spec.get("log", False), spec.get("step")
     if not isinstance(log, bool):
-        raise raw.error_at(here + ("log",), f"expected true or false, got {log!r}")
+        raise raw.origin.error(here + ("log",), f"expected true or false, got {log!r}")
     if log and low <= 0:
-        raise raw.error_at(
+        raise raw.origin.error(
             here + ("low",),
             f"a log search space needs low > 0, got {low!r}; e.g. low: 1.0e-5 for a learning rate",
         )
     if step is not None:
         if not _number(step) or step <= 0 or (expect is int and not isinstance(step, int)):
-            raise raw.error_at(
+            raise raw.origin.error(
                 here + ("step",),
                 f"expected a {'positive int' if expect is int else 'number > 0'}, got {step!r}",
             )
         if log and not (kind == "int" and step == 1):
-            raise raw.error_at(
+            raise raw.origin.error(
                 here + ("step",), "Optuna draws either on a log scale or in steps, not both: drop one"
             )
     return [expect(low), expect(high)]
@@ -212,7 +212,7 @@ def _check_metric(config: Config, raw: RawConfig) -> None:
     watched = config.checkpoint.metric or names[0]
     metric = t.metric or watched
     if metric not in names:
-        raise raw.error_at(
+        raise raw.origin.error(
             ("tuning", "metric"), f"no validation metric named {metric!r}; the metrics: {names}"
         )
     named = metric_direction(metric)
@@ -221,7 +221,7 @@ def _check_metric(config: Config, raw: RawConfig) -> None:
         if metric == watched:
             t.direction = "maximize" if config.checkpoint.mode == "max" else "minimize"
         elif by_name is None:
-            raise raw.error_at(
+            raise raw.origin.error(
                 ("tuning", "metric"),
                 f"whether a higher or lower {metric!r} is better is not clear from its name: set "
                 "tuning.direction (maximize or minimize)",
@@ -229,7 +229,7 @@ def _check_metric(config: Config, raw: RawConfig) -> None:
         else:
             t.direction = by_name  # type: ignore[assignment]  # one of the two
     elif by_name is not None and t.direction != by_name:
-        raise raw.error_at(
+        raise raw.origin.error(
             ("tuning", "direction"),
             f"{t.direction!r} contradicts the metric {metric!r}, for which {'lower' if named == 'min' else 'higher'} "
             f"is better: the sweep would look for the worst trial. Set `direction: {by_name}` (or leave it out)",
@@ -254,14 +254,14 @@ def _check_optuna_names(config: Config, raw: RawConfig) -> None:
         ("pruner", t.pruner, t.pruner_kwargs, "optuna.pruners"),
     ):
         if name is not None and not _NAME.match(name):
-            raise raw.error_at(
+            raise raw.origin.error(
                 ("tuning", key),
                 f"expected the name of a class of {package} (like TPESampler or MedianPruner), got {name!r}; "
                 "a config names Optuna's own classes only, never a dotted path",
             )
         for arg, value in kwargs.items():
             if not isinstance(arg, str) or not arg.isidentifier() or not _plain(value):
-                raise raw.error_at(
+                raise raw.origin.error(
                     ("tuning", f"{key}_kwargs", str(arg)),
                     "keyword arguments of Optuna's classes are plain values (numbers, strings, lists, "
                     f"mappings), got {arg!r}: {value!r}",
@@ -320,19 +320,19 @@ def _check_storage(config: Config, raw: RawConfig) -> None:
         kind = storage_kind(url)
         scheme = url.split("://", 1)[0].split("+", 1)[0].lower()
         if kind == "rdb" and scheme not in RDB_SCHEMES:
-            raise raw.error_at(
+            raise raw.origin.error(
                 here,
                 f"{t.storage!r}: not a storage Optuna opens; give a journal file path (study.log, inside {root}), "
                 f"a database URL ({', '.join(RDB_SCHEMES)}), or a Redis URL (redis://host:6379)",
             )
         if url in ("sqlite://", "sqlite:///:memory:"):
-            raise raw.error_at(
+            raise raw.origin.error(
                 here,
                 "an in-memory SQLite database keeps nothing to resume, and only one thread can read it; "
                 "give a file (sqlite:///sweep.db, in the output root) or leave storage out",
             )
         if kind == "journal" and url.lower().endswith(_SQLITE_SUFFIXES):
-            raise raw.error_at(
+            raise raw.origin.error(
                 here,
                 f"{t.storage!r} is a path, which names an Optuna journal file; for a SQLite database write a "
                 f"URL, sqlite:///{url} (in the output root), or a name like study.log for a journal file",
@@ -340,7 +340,7 @@ def _check_storage(config: Config, raw: RawConfig) -> None:
         try:
             storage_file(url, root)
         except ConfinementError as err:
-            raise raw.error_at(
+            raise raw.origin.error(
                 here,
                 f"{err}. A study's file stays inside the output root {root} (training.path or logging.root), "
                 "as every file a config names: write sqlite:///<a file in it> or a journal file path like "
@@ -350,7 +350,7 @@ def _check_storage(config: Config, raw: RawConfig) -> None:
     if name is not None and (
         not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
     ):
-        raise raw.error_at(
+        raise raw.origin.error(
             ("tuning", "study_name"),
             f"{name!r} is not a folder name: the sweep folder is <logging.root>/<name>/tune-<study_name>/; "
             "use a name like 'lr-sweep'",

@@ -24,7 +24,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise raw.error_at(path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}")
+        raise raw.origin.error(path, f"expected a mapping (a section), got {type(data).__name__}: {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     aliases = {f.metadata["alias"]: f.name for f in fields.values() if f.metadata.get("alias")}
     hints = _hints(cls)
@@ -38,16 +38,16 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             near = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
             hint = f" Did you mean {near[0]!r}?" if near else ""
             where = ".".join(path) or "the top level"
-            raise raw.error_at(
+            raise raw.origin.error(
                 path + (key,),
                 f"unknown key {key!r} in {where}. Valid keys: {', '.join(sorted(fields))}.{hint}",
             )
         if name in values:
             earlier = given_as[name]
-            if path + (earlier,) in raw.overrides:
+            if path + (earlier,) in raw.origin.overrides:
                 continue  # the command line's --set wins over the file
-            if path + (key,) not in raw.overrides:
-                raise raw.error_at(
+            if path + (key,) not in raw.origin.overrides:
+                raise raw.origin.error(
                     path + (key,),
                     f"the key is set twice, as {earlier!r} and as {key!r}; keep one of them",
                 )
@@ -57,7 +57,7 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
             values[name] = _build(section_in(tp), value, raw, path + (key,))  # type: ignore[arg-type]  # a section
             continue
         if not matches(value, tp):
-            raise raw.error_at(
+            raise raw.origin.error(
                 path + (key,),
                 f"expected {_type_name(tp)}, got {type(value).__name__}: {value!r}",
             )
@@ -81,7 +81,7 @@ def validate(raw: RawConfig) -> Config:
     for path in REQUIRED:
         section = getattr(config, path[0])
         if getattr(section, path[1]) is None:
-            raise raw.error_at(
+            raise raw.origin.error(
                 path, f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)"
             )
     apply_compat(config, raw)  # criterion, early_stopping's type/args/kwargs, evaluator specs
@@ -99,7 +99,7 @@ def _check_name(config: Config, raw: RawConfig) -> None:
     bad = not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")
     if bad:
         path = ("name",)
-        raise raw.error_at(
+        raise raw.origin.error(
             path,
             f"{name!r} is not a folder name: the run directory is <logging.root>/<name>/, so a name with "
             "'/', '\\', '..' or '~' (or an empty one) would write outside logging.root; use a name like "
@@ -115,7 +115,7 @@ def _check_modes(config: Config, raw: RawConfig) -> None:
     es = config.early_stopping
     es_watched = es.metric or watched
     for section, metric, explicit in (
-        ("checkpoint", watched, raw.given("checkpoint", "mode")),
+        ("checkpoint", watched, raw.origin.given("checkpoint", "mode")),
         ("early_stopping", es_watched, es.mode is not None),
     ):
         direction = metric_direction(metric)
@@ -129,7 +129,7 @@ def _check_modes(config: Config, raw: RawConfig) -> None:
         if direction is not None and holder.mode != direction:
             path = (section, "mode")
             better = "lower" if direction == "min" else "higher"
-            raise raw.error_at(
+            raise raw.origin.error(
                 path,
                 f"mode {holder.mode!r} contradicts the watched metric {metric!r}, for which {better} is better: "
                 f"'best' would keep the worst model. Set `mode: {direction}` (or leave mode out)",
@@ -187,7 +187,7 @@ def _check_training_extras(config: Config, raw: RawConfig) -> None:
         ]
     for path, bad, message in checks:
         if bad:
-            raise raw.error_at(path, message)
+            raise raw.origin.error(path, message)
 
 
 def _check_values(config: Config, raw: RawConfig) -> None:
@@ -214,7 +214,7 @@ def _check_values(config: Config, raw: RawConfig) -> None:
     ]
     for path, value in positive:
         if value is not None and value <= 0:
-            raise raw.error_at(
+            raise raw.origin.error(
                 path,
                 f"must be > 0, got {value!r}",
             )
@@ -224,7 +224,7 @@ def _check_values(config: Config, raw: RawConfig) -> None:
         (("checkpoint", "keep_best"), config.checkpoint.keep_best),
     ):
         if value < 0:
-            raise raw.error_at(path, f"must be >= 0, got {value!r}")
+            raise raw.origin.error(path, f"must be >= 0, got {value!r}")
     port = config.parallel.master_port
     if isinstance(port, str):
         if not port.strip().isdigit():
@@ -233,15 +233,17 @@ def _check_values(config: Config, raw: RawConfig) -> None:
         config.parallel.master_port = port = int(port)
     if port is not None and not 0 < port < 65536:
         path = ("parallel", "master_port")
-        raise raw.error_at(path, f"expected a port in 1..65535, got {config.parallel.master_port}")
+        raise raw.origin.error(path, f"expected a port in 1..65535, got {config.parallel.master_port}")
     if config.training.prefetch_factor is not None and config.training.num_workers == 0:
         path = ("training", "prefetch_factor")
-        raise raw.error_at(path, "needs training.num_workers > 0 (prefetching is done by worker processes)")
+        raise raw.origin.error(
+            path, "needs training.num_workers > 0 (prefetching is done by worker processes)"
+        )
     if config.parallel.backend == "nccl":
         import torch
 
         if not torch.cuda.is_available():
             path = ("parallel", "backend")
-            raise raw.error_at(
+            raise raw.origin.error(
                 path, "'nccl' needs CUDA, which is not available here; use 'gloo' or leave it unset"
             )
