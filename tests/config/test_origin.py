@@ -96,3 +96,11 @@ def test_given_counts_merged_keys_and_a_set_that_replaces_a_section(tmp_path: Pa
     assert not raw.origin.given("early_stopping", "patience")  # the section was replaced
     assert raw.origin.from_command_line(("early_stopping", "mode"))
     assert not raw.origin.from_command_line(("training", "lr"))
+
+
+def test_a_port_that_is_not_a_number_is_located(base: Path, tmp_path: Path) -> None:
+    path = tmp_path / "port.yaml"
+    path.write_text(BASE + "parallel:\n  master_port: 'http'\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:10: parallel.master_port: expected a port number, got 'http'"

@@ -14,7 +14,6 @@ from typing import Any
 
 from unison.config.checks_base import matches, metric_direction, takes_float
 from unison.config.compat import apply_compat
-from unison.config.errors import ConfigError
 from unison.config.loader import KeyPath, RawConfig
 from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
 from unison.config.tuning import check_tuning
@@ -229,7 +228,7 @@ def _check_values(config: Config, raw: RawConfig) -> None:
     if isinstance(port, str):
         if not port.strip().isdigit():
             path = ("parallel", "master_port")
-            raise ConfigError(f"expected a port number, got {port!r}")
+            raise raw.origin.error(path, f"expected a port number, got {port!r}")
         config.parallel.master_port = port = int(port)
     if port is not None and not 0 < port < 65536:
         path = ("parallel", "master_port")
