@@ -4,16 +4,17 @@ without data, and the names its errors use."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from ignite.engine import Events, State
 from torch.utils.data import DataLoader, RandomSampler
 
 from unison.distributed.primitives import get_world_size
+from unison.engine.protocol import EngineParts
 from unison.utils.errors import add_note, has_note
 
-if TYPE_CHECKING:
-    from unison.engine.engine import Engine
+E = TypeVar("E", bound=EngineParts)
+"""An engine's own type, so that its callbacks take it as they were written."""
 
 
 def handler_name(func: Callable[..., Any]) -> str:
@@ -58,7 +59,7 @@ def check_sharded(data: Iterable) -> None:
         )
 
 
-def run_empty(engine: Engine, data: Iterable, max_epochs: int | None) -> State:
+def run_empty(engine: EngineParts, data: Iterable, max_epochs: int | None) -> State:
     """Fires an epoch's events without iterations, for a rank that holds no samples."""
     if max_epochs is not None and max_epochs < 1:
         raise ValueError(f"Argument max_epochs should be greater than or equal to 1, got {max_epochs}.")
@@ -80,7 +81,7 @@ def run_empty(engine: Engine, data: Iterable, max_epochs: int | None) -> State:
     return engine.state
 
 
-def run_after(engine: Engine, callbacks: list[Callable[[Engine], None]], event_name: Any) -> None:
+def run_after(engine: E, callbacks: list[Callable[[E], None]], event_name: Any) -> None:
     """Runs the engine's after-event callbacks; an error names the callback and where."""
     for callback in callbacks:
         try:
@@ -90,7 +91,7 @@ def run_after(engine: Engine, callbacks: list[Callable[[Engine], None]], event_n
             raise
 
 
-def note_failure(engine: Engine, err: BaseException) -> None:
+def note_failure(engine: EngineParts, err: BaseException) -> None:
     """Says where in the loop an exception without a note of its own came from: the data or the step."""
     if not isinstance(err, Exception) or has_note(err):
         return

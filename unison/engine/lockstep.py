@@ -4,7 +4,7 @@ at the start of a run, the same place at every sync point in debug mode."""
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,21 +13,19 @@ from ignite.engine import Events
 from unison.distributed.primitives import all_reduce_sum, get_rank, get_world_size, is_distributed
 from unison.distributed.sync import split_rows
 from unison.engine.checks import handler_name
+from unison.engine.protocol import EngineParts
 from unison.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from unison.engine.engine import Engine
 
 _log = get_logger("unison.engine.engine")
 
 
-def _layout(engine: Engine) -> tuple[list[str], list[int]]:
+def _layout(engine: EngineParts) -> tuple[list[str], list[int]]:
     """This rank's sync contributors (type names, in order) and the length each contributes."""
     contributors = engine.sync_point.contributors()
     return [type(c).__qualname__ for c in contributors], [int(c.sync_state().numel()) for c in contributors]
 
 
-def agree_on_layout(engine: Engine) -> bool:
+def agree_on_layout(engine: EngineParts) -> bool:
     """Collective when distributed: one all-reduce at the start of a run (a trainer's, where
     ``sync_every`` is set). Returns whether all ranks run epochs of the same length.
 
@@ -63,7 +61,7 @@ def agree_on_layout(engine: Engine) -> bool:
     return True
 
 
-def _explain_layouts(engine: Engine, names: list[str], sizes: list[int]) -> None:
+def _explain_layouts(engine: EngineParts, names: list[str], sizes: list[int]) -> None:
     """Collective: gathers every rank's layout and raises naming what differs."""
     everyone: list[Any] = [None] * get_world_size()
     dist.all_gather_object(everyone, (names, sizes))
@@ -91,7 +89,7 @@ def _explain_layouts(engine: Engine, names: list[str], sizes: list[int]) -> None
     )
 
 
-def _handlers(engine: Engine) -> dict[str, list[str]]:
+def _handlers(engine: EngineParts) -> dict[str, list[str]]:
     """The handlers attached to each event, by name, in order."""
     return {
         getattr(event, "name", str(event)): [handler_name(h) for h, _, _ in handlers]
@@ -100,7 +98,7 @@ def _handlers(engine: Engine) -> dict[str, list[str]]:
     }
 
 
-def check_lockstep(engine: Engine, epoch_end: bool) -> None:
+def check_lockstep(engine: EngineParts, epoch_end: bool) -> None:
     """Collective (debug mode): all ranks are at the same event and iteration, with the same
     sync contributors and the same handlers; raises naming the rank that went its own way."""
     here = (
@@ -155,7 +153,7 @@ def describe(where: Any) -> str:
     return f"{name} {event} iteration {iteration} with sync contributors {contributors}"
 
 
-def requests_settle_here(engine: Engine) -> bool:
+def requests_settle_here(engine: EngineParts) -> bool:
     """Whether this rank's pending stop requests will be decided before the next iteration.
 
     A checkpoint taken now must not hold them: the run it resumes would stop again for a

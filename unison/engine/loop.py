@@ -26,16 +26,14 @@ import time
 import warnings
 import weakref
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ignite.engine import Events, State
 from ignite.engine.engine import _EngineTerminateException, _EngineTerminateSingleEpochException
 
 from unison.engine.checks import handler_name
+from unison.engine.protocol import EngineParts
 from unison.utils.errors import add_note
-
-if TYPE_CHECKING:
-    from unison.engine.engine import Engine
 
 _GET_BATCH_STARTED = Events.GET_BATCH_STARTED
 _GET_BATCH_COMPLETED = Events.GET_BATCH_COMPLETED
@@ -44,7 +42,7 @@ _ITERATION_COMPLETED = Events.ITERATION_COMPLETED
 _STOP_ITERATION = Events.DATALOADER_STOP_ITERATION
 
 
-def call_handlers(engine: Engine, handlers: list, event_name: Any, event_args: tuple, event_kwargs: dict) -> None:
+def call_handlers(engine: EngineParts, handlers: list, event_name: Any, event_args: tuple, event_kwargs: dict) -> None:
     """Calls an event's handlers as ignite does (a weak reference to the engine resolved as the
     first argument); an exception gets a note naming the handler and where it was raised.
 
@@ -70,7 +68,7 @@ def call_handlers(engine: Engine, handlers: list, event_name: Any, event_args: t
             raise
 
 
-def run_epoch_as_gen(engine: Engine) -> Generator[State, None, float]:
+def run_epoch_as_gen(engine: EngineParts) -> Generator[State, None, float]:
     """One epoch over the data: ignite's ``_run_once_on_dataset_as_gen`` (see the module's doc)."""
     start_time = time.time()
     # A resumed epoch starts from the saved position.

@@ -18,20 +18,18 @@ every rank's requests and the epoch's partial sums, see ``handlers/checkpoint.py
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from unison.distributed.primitives import get_rank
 from unison.engine.control import StopControl
 from unison.engine.events import UPDATE_ATTR
 from unison.engine.lockstep import requests_settle_here
-
-if TYPE_CHECKING:
-    from unison.engine.engine import Engine
+from unison.engine.protocol import EngineParts
 
 STATE_KEY = "unison"
 
 
-def extra_state(engine: Engine) -> dict[str, Any]:
+def extra_state(engine: EngineParts) -> dict[str, Any]:
     """The engine's own entry, whether or not ignite's keys imply it."""
     stop = StopControl(engine.name) if requests_settle_here(engine) else engine._control
     return {
@@ -51,7 +49,7 @@ def says_more(extra: Mapping[str, Any], ignite_state: Mapping[str, Any]) -> bool
     return list(extra["position"]) != [iteration // length, iteration % length]
 
 
-def load_extra_state(engine: Engine, saved: Mapping[str, Any] | None) -> None:
+def load_extra_state(engine: EngineParts, saved: Mapping[str, Any] | None) -> None:
     """Restores the entry after ignite's keys were loaded; without one, no request is pending."""
     if saved is None:
         engine._control.clear()
