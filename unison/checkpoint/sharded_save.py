@@ -13,10 +13,20 @@ from typing import Any
 from unison.checkpoint.disk_full import unwritten
 from unison.checkpoint.entry import file_in
 from unison.checkpoint.ranks import gather_on_first
-from unison.checkpoint.sharded import finish_folder, own_checksums, temp_folder, write_shards
+from unison.checkpoint.sharded import (
+    dcp_states,
+    finish_folder,
+    own_checksums,
+    sharded_names,
+    temp_folder,
+    write_shards,
+)
 from unison.checkpoint.sharded_files import remove
 from unison.checkpoint.state import to_cpu_copy
 from unison.distributed.primitives import barrier, get_rank
+
+__all__ = ["background_group", "dcp_states", "save_sharded", "sharded_names"]
+"""What a handler needs to save sharded states: which they are, their states, and the save."""
 
 
 def background_group(writer: Any) -> Any:

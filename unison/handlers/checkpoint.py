@@ -28,8 +28,7 @@ from unison.checkpoint.position import (
 )
 from unison.checkpoint.ranks import agreed_verdict, choose, gather_on_first, open_folder, summed_over_ranks
 from unison.checkpoint.retention import best_entry
-from unison.checkpoint.sharded import dcp_states, sharded_names
-from unison.checkpoint.sharded_save import background_group, save_sharded
+from unison.checkpoint.sharded_save import background_group, dcp_states, save_sharded, sharded_names
 from unison.checkpoint.state import (
     build_checkpoint,
     capture_rng,
