@@ -61,6 +61,7 @@ def reference_markdown() -> str:
     for key, type_name, default, doc in schema_reference():
         cell = type_name.replace("|", "\\|")
         lines.append(f"| `{key}` | {cell} | `{default}` | {doc} |")
+    lines += ["", *_RESUMING]
     lines += [
         "",
         "## What a config can and cannot do",
@@ -81,7 +82,7 @@ def reference_markdown() -> str:
         "  `builtins`, `torch.hub`, `torch.load` and the like. `__main__` is your own script when",
         "  that script runs the config (`unison.cli.run.run(path)`); under `unison run` it is",
         "  unison itself, and naming it is an error that says what to write instead.",
-        "- **A plain name** (`model.type: \"GNNModel\"`, `early_stopping.type: DefaultEarlyStopping`,",
+        '- **A plain name** (`model.type: "GNNModel"`, `early_stopping.type: DefaultEarlyStopping`,',
         "  as QuantumGrav's configs write them) is looked for in the modules under `imports:` (and",
         "  in your script, as above), and must fit the key as a `!pyobject` must; one found nowhere",
         "  is an error listing what the key could name there.",
@@ -114,6 +115,7 @@ def reference_markdown() -> str:
         "  built on the `meta` device with its optimizer and scheduler, the metrics built,",
         "  `training.device` against this machine, and the output folder (it must be writable).",
         "  `data.build` is not called before spawn: its signature is checked.",
+        *_SECRETS,
         "- **The run's `name`** is one folder name: `/`, `\\`, `..` and `~` are refused, so a run",
         "  stays inside `logging.root`.",
         "- **Which checkpoint is best:** when `checkpoint.mode` is left out, a loss-like watched",
@@ -122,6 +124,51 @@ def reference_markdown() -> str:
         "  the metric's name (`mode: max` on a loss, `mode: min` on an accuracy) is refused.",
     ]
     return "\n".join(lines) + "\n"
+
+
+_RESUMING = (
+    "## Resuming: the learning rate and other optimizer values",
+    "",
+    "A checkpoint holds the optimizer's groups, and loading them puts the saved values back.",
+    "The rule of a resumed run (`--resume`): each value the config determines is compared as the",
+    "config that saved the checkpoint derived it (that config and world size are stored in the",
+    "checkpoint) and as this run's config derives it. Where they agree, the checkpoint's value",
+    "stays: it holds the schedule's progress. Where they differ, this run's value is applied",
+    "after loading, on every rank, and logged:",
+    "",
+    "- the learning rate: `training.lr` (else `optimizer_kwargs.lr`, else the optimizer's",
+    "  default) after `training.lr_scaling` at the run's world size. A run trained at 2 ranks",
+    "  with `lr: 0.1` and `lr_scaling: linear` and resumed at 3 trains at 0.3, and so does a",
+    "  `--set training.lr=` of a new value. Every rate moves by the ratio of the two bases, in",
+    "  each group and in the scheduler (`base_lrs`, `initial_lr`, `OneCycleLR`'s and",
+    "  `CyclicLR`'s peaks), so a schedule continues from the new base at the point it had",
+    "  reached: a `StepLR` that had halved the rate once gives half the new base.",
+    "  `learning rate on resume: 0.1 -> 0.15 (this config's base 0.3 at 3 ranks; the",
+    "  checkpoint's 0.2 at 2 ranks)` says what happened.",
+    "- any other key of `training.optimizer_kwargs` (`weight_decay`, `momentum`, `betas`...)",
+    "  whose value changed is set in every group (`optimizer momentum on resume: ...`).",
+    "",
+    "`OneCycleLR` and `CyclicLR` set the learning rate from arguments of their own, so",
+    "`training.lr_scaling` scales those (`max_lr`; `base_lr` and `max_lr`) instead of the",
+    "optimizer's `lr`, and logs it. A `Checkpoint` used from Python loads what it saved, as",
+    "torch's `load_state_dict` does: the rule is `unison run`'s.",
+)
+"""The rule of a resumed run for the optimizer values the config determines."""
+
+_SECRETS = (
+    "- **Secrets are not written back.** A password, or a token, in a URL",
+    "  (`logging.mlflow.tracking_uri`, `tuning.storage`: `postgresql://user:PASSWORD@host/db`,",
+    "  `https://TOKEN@host`, `?password=`/`token=`/`access_token=` in a query) is used as given",
+    "  and masked as `***` in every copy that leaves the process: the saved `config.yaml`, a",
+    "  checkpoint's copy of the config, `metrics.json`, MLflow parameters and tags, records,",
+    "  log lines and error messages (a config error echoing such a value included). The user,",
+    "  host and database stay, for diagnosis. Better still, keep passwords out of configs (they",
+    "  travel): MLflow reads `MLFLOW_TRACKING_USERNAME` / `MLFLOW_TRACKING_PASSWORD`, and a",
+    "  database driver its own variables (`PGPASSWORD`, `~/.pgpass`), so",
+    "  `postgresql://user@host/db` is enough. A config holding a masked `:***@` (a saved",
+    "  `config.yaml`) is refused with that advice.",
+)
+"""How credentials in store URLs are kept out of every copy of a config."""
 
 
 def _slot_keys() -> list[tuple[str, str]]:
