@@ -117,3 +117,29 @@ def test_one_process_alone_holds_on_rank_0(tmp_path: Path) -> None:
     claim_ = hold_folder(tmp_path / "made")
     assert claim_.held and (tmp_path / "made" / LOCK_FILE).is_file()
     claim_.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_checkpoint_frees_its_folder_when_each_run_ends(tmp_path: Path) -> None:
+    """The folder is held while a trainer runs and free after each run, the trainer kept alive; the
+    claim made at construction serves the first run (no collective at STARTED, where a handler
+    attached on one rank only must be named by the lockstep check, not hang)."""
+    import torch
+    from ignite.engine import Events
+    from torch import nn
+
+    from unison.engine import create_trainer
+    from unison.handlers import Checkpoint
+
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, optimizer, nn.MSELoss())
+    Checkpoint(tmp_path / "ckpt", {"model": model, "optimizer": optimizer}, trainer).attach()
+    seen = []
+    trainer.add_event_handler(Events.EPOCH_STARTED, lambda _: seen.append(_try_elsewhere(tmp_path / "ckpt")))
+    data = [(torch.randn(4, 2), torch.randn(4, 1))] * 2
+    for epochs in (1, 2):  # the second run continues the first: the folder is claimed again
+        trainer.run(data, max_epochs=epochs)
+        assert _try_elsewhere(tmp_path / "ckpt") == "taken", f"run to epoch {epochs}"
+    assert len(seen) == 2 and all(f"PID {os.getpid()}" in told for told in seen), seen

@@ -132,9 +132,12 @@ class Claim:
     """What :func:`hold_folder` gives ranks other than 0: a claim that holds nothing."""
 
     held = False
+    ended = False
+    """Whether :meth:`release` was called: the same answer on every rank."""
 
     def release(self) -> None:
         """Ends this claim."""
+        self.ended = True
 
     def __enter__(self) -> Claim:
         return self
@@ -177,6 +180,7 @@ class FolderLock(Claim):
 
     def release(self) -> None:
         """Ends this claim; the folder is free once every claim of this process has ended."""
+        self.ended = True
         if self._release is not None:
             self._release()
 

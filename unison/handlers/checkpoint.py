@@ -372,7 +372,7 @@ class Checkpoint:
         return Path(choice)
 
     def _on_started(self, engine: Engine) -> None:
-        self.lock = hold_folder(self.folder)  # collective; again when this trainer runs again
+        self.lock = hold_folder(self.folder) if self.lock.ended else self.lock  # again only after a release
         state, self._pending_resume = self._pending_resume, None
         saved = rank_view(None if state is None else state.get("sampler"), get_rank())
         if state is not None:  # the data decides the epoch length, not the checkpoint
