@@ -20,7 +20,7 @@ import ignite.distributed as idist
 import torch
 
 from unison.distributed.env import device_for_local_rank
-from unison.utils.errors import add_note, has_note
+from unison.utils.errors import add_note, has_note, print_notes_at_exit
 from unison.utils.logging import get_logger, setup_logging
 
 _log = get_logger(__name__)
@@ -73,6 +73,7 @@ def _configure_rank() -> None:
     # at the same moment, instead of at the first rank-conditional idist call.
     rank, world_size = idist.get_rank(), idist.get_world_size()
     setup_logging(rank=rank, world_size=world_size)
+    print_notes_at_exit()  # which handler and event raised, on Python 3.10 too
     device = device_for_local_rank(idist.get_local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)

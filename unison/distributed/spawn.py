@@ -14,6 +14,7 @@ import faulthandler
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -42,6 +43,7 @@ from unison.distributed.signals import (
     _SignalRelay,
     _start_helpers,
 )
+from unison.utils.errors import format_exception
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -158,7 +160,8 @@ def _record_error(path: Path) -> None:
     """Writes the exception being handled, with a timestamp, to ``path`` (for _root_cause)."""
     # Written whole or not at all: the launcher may end this rank at any moment.
     partial = path.with_suffix(".part")
-    partial.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+    err = sys.exc_info()[1]
+    partial.write_text(f"{time.time()!r}\n{format_exception(err) if err else traceback.format_exc()}")
     os.replace(partial, path)
 
 
