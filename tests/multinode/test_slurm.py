@@ -32,6 +32,8 @@ import pytest
 import torch
 from slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_slurm
 
+from unison.checkpoint.lock import LOCK_FILE
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +118,7 @@ def only_run(root: Path) -> Path:
 def last_checkpoint(run_dir: Path) -> tuple[dict, dict]:
     folder = run_dir / "checkpoints"
     entries = json.loads((folder / "manifest.json").read_text())["checkpoints"]
-    on_disk = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name not in ("manifest.json", LOCK_FILE))
     assert on_disk == sorted(e["file"] for e in entries), f"folder {on_disk} vs manifest {entries}"
     entry = entries[-1]
     return entry, torch.load(folder / entry["file"], map_location="cpu", weights_only=True)

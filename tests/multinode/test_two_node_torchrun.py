@@ -24,6 +24,7 @@ import pytest
 import torch
 from _procs import kill_tree
 
+from unison.checkpoint.lock import LOCK_FILE
 from unison.distributed import find_free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -111,7 +112,7 @@ def check_folder(folder: Path) -> list[dict]:
     entries = json.loads((folder / "manifest.json").read_text())["checkpoints"]
     iterations = [e["iteration"] for e in entries]
     assert iterations == sorted(set(iterations)), f"manifest entries out of order or repeated: {entries}"
-    on_disk = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name not in ("manifest.json", LOCK_FILE))
     assert on_disk == sorted(e["file"] for e in entries), (
         f"the folder ({on_disk}) and the manifest ({entries}) disagree: a leftover, a temp file or a duplicate"
     )
