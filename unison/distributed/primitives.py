@@ -8,7 +8,7 @@ called by every rank, in the same order, or the job hangs.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar, cast
 
 import ignite.distributed as idist
@@ -172,17 +172,29 @@ def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> int:
     Returns:
         How many buffers were broadcast (0 at world size 1, or without buffers).
     """
-    buffers = [b for b in module.buffers() if b.numel()]
-    if not is_distributed() or not buffers:
+    return broadcast_tensors(module.buffers(), src)
+
+
+def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> int:
+    """Collective: call on every rank. Copies rank ``src``'s values of ``tensors`` into every rank's,
+    in place: one broadcast per dtype and device, whatever their number.
+
+    Every rank passes tensors of the same shapes and dtypes in the same order.
+
+    Returns:
+        How many tensors were broadcast (0 at world size 1).
+    """
+    tensors = [t for t in tensors if t.numel()]
+    if not is_distributed() or not tensors:
         return 0
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for buffer in buffers:
-        groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     comm = _comm_device()
-    for group in groups.values():
-        flat = torch.cat([b.detach().reshape(-1) for b in group]).to(comm)
-        dist.broadcast(flat, src=src)
+    for (dtype, _), group in groups.items():
+        flat = torch.cat([t.detach().reshape(-1) for t in group]).to(comm)
+        dist.broadcast(flat.view(torch.uint8) if dtype == torch.bool else flat, src=src)  # gloo: no bool
         with torch.no_grad():
-            for buffer, part in zip(group, torch.split(flat, [b.numel() for b in group]), strict=True):
-                buffer.copy_(part.view_as(buffer))
-    return len(buffers)
+            for tensor, part in zip(group, torch.split(flat, [t.numel() for t in group]), strict=True):
+                tensor.copy_(part.view_as(tensor))
+    return len(tensors)

@@ -20,14 +20,13 @@ would give, with no collective on the hot path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from unison.distributed.fsdp import is_dtensor
-from unison.distributed.primitives import device, is_distributed
+from unison.distributed.primitives import broadcast_tensors
 
 
 def replicated_tensors(state: Any) -> list[torch.Tensor]:
@@ -50,32 +49,6 @@ def replicated_tensors(state: Any) -> list[torch.Tensor]:
 
     visit(state)
     return found
-
-
-def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int = 0) -> int:
-    """Collective: call on every rank. Copies rank ``src``'s values of ``tensors`` into every rank's,
-    in place: one broadcast per dtype and device, whatever their number.
-
-    Every rank passes tensors of the same shapes and dtypes in the same order.
-
-    Returns:
-        How many tensors were broadcast (0 at world size 1).
-    """
-    tensors = [t for t in tensors if t.numel()]
-    if not is_distributed() or not tensors:
-        return 0
-    comm = device() if dist.get_backend() == "nccl" else torch.device("cpu")
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for (dtype, _), group in groups.items():
-        flat = torch.cat([t.detach().reshape(-1) for t in group]).to(comm)
-        wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # gloo has no bool broadcast
-        dist.broadcast(wire, src=src)
-        with torch.no_grad():
-            for tensor, part in zip(group, torch.split(flat, [t.numel() for t in group]), strict=True):
-                tensor.copy_(part.view_as(tensor))
-    return len(tensors)
 
 
 def agree_replicated(state: Any, src: int = 0) -> int:

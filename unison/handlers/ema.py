@@ -50,7 +50,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from unison.distributed.fsdp import is_dtensor, is_sharded
 from unison.distributed.model import unwrap_model
-from unison.distributed.replicated import broadcast_tensors
+from unison.distributed.primitives import broadcast_tensors
 from unison.engine.events import UpdateEvents
 
 _Tensors = tuple[torch.Tensor, ...] | list[torch.Tensor]
