@@ -14,10 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from unison.cli.resolve import Resolved
-from unison.cli.steps import Datasets, RunParts, build_run
 from unison.config import Config
 from unison.metrics import Accuracy, Loss
+from unison.recipe.resolve import Resolved
+from unison.recipe.steps import Datasets, RunParts, build_run
 
 
 def tiny_datasets(seed: int, n: int = 24, test: bool = True) -> tuple[TensorDataset, ...]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from unison.cli.history import HISTORY_FILE, RunHistory
 from unison.distributed import get_rank
+from unison.recipe.history import HISTORY_FILE, RunHistory
 
 
 def killed_and_restored(folder: str) -> dict[str, Any]:

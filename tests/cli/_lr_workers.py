@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from _cli_parts import config, resolved
 
-from unison.cli.steps import build_model, build_run
 from unison.config.schema import LRScalingConfig
 from unison.distributed import get_world_size, prepare_model, unwrap_model
+from unison.recipe.steps import build_model, build_run
 
 
 def effective_lrs(batch_size: int, max_epochs: int = 5) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from unison.cli.run import train_from_config
 from unison.config import load_config
+from unison.recipe.run import train_from_config
 
 
 class _Lines(logging.Handler):

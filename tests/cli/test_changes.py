@@ -13,9 +13,9 @@ import pytest
 import torch.multiprocessing
 
 import unison.distributed.launcher as launcher
-from unison.cli.changes import CHANGES_FILE, config_changes
-from unison.cli.run import run, train_from_config
 from unison.config import Config, ConfigError, load_config
+from unison.recipe.changes import CHANGES_FILE, config_changes
+from unison.recipe.run import run, train_from_config
 
 DATA_MODULE = """\
 import torch

@@ -1,4 +1,4 @@
-"""unison/cli/dead_keys.py: arguments of an object the config does not build are refused, by a run
+"""unison/recipe/dead_keys.py: arguments of an object the config does not build are refused, by a run
 and by a sweep's search space, before anything is spawned, naming the file, the line and the key."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from test_tune import LR, write_config
 
-from unison.cli.dead_keys import changes_nothing, unowned
-from unison.cli.resolve import resolve
-from unison.cli.run import run
 from unison.config import ConfigError, load_config
+from unison.recipe.dead_keys import changes_nothing, unowned
+from unison.recipe.resolve import resolve
+from unison.recipe.run import run
 
 OPTIMIZER = "  optimizer_kwargs: {lr: 0.5}\n"
 
@@ -48,7 +48,9 @@ def test_a_run_refuses_arguments_of_an_object_it_does_not_build(
 
 
 def test_scheduler_kwargs_with_their_scheduler_resolve(tmp_path: Path) -> None:
-    training = "  scheduler_type: !pyobject torch.optim.lr_scheduler.StepLR\n  scheduler_kwargs: {step_size: 1}\n"
+    training = (
+        "  scheduler_type: !pyobject torch.optim.lr_scheduler.StepLR\n  scheduler_kwargs: {step_size: 1}\n"
+    )
     resolved = resolve(load_config(_with(tmp_path, training)))
     assert resolved.scheduler_kwargs == {"step_size": 1}
 
@@ -74,7 +76,7 @@ def test_scheduler_kwargs_with_their_scheduler_resolve(tmp_path: Path) -> None:
 def test_a_search_space_key_that_changes_nothing_is_refused_before_any_trial(
     tmp_path: Path, training: str, space: str, key: str, says: str
 ) -> None:
-    from unison.cli.tune_space import plan_sweep
+    from unison.recipe.tune_space import plan_sweep
 
     path = _with(tmp_path, training, space=space)
     with pytest.raises(ConfigError, match="changes nothing") as info:
@@ -87,9 +89,11 @@ def test_a_search_space_key_that_changes_nothing_is_refused_before_any_trial(
 
 def test_a_search_space_key_with_its_owner_set_is_taken(tmp_path: Path) -> None:
     pytest.importorskip("optuna")
-    from unison.cli.tune_space import plan_sweep
+    from unison.recipe.tune_space import plan_sweep
 
-    training = "  scheduler_type: !pyobject torch.optim.lr_scheduler.StepLR\n  scheduler_kwargs: {step_size: 1}\n"
+    training = (
+        "  scheduler_type: !pyobject torch.optim.lr_scheduler.StepLR\n  scheduler_kwargs: {step_size: 1}\n"
+    )
     space = "    training.scheduler_kwargs.gamma: {type: float, low: 0.1, high: 0.9}\n"
     plan = plan_sweep(_with(tmp_path, training, space=space), [])
     assert "training.scheduler_kwargs.gamma" in plan.space

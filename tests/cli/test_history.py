@@ -1,4 +1,4 @@
-"""unison/cli/history.py: a run's validation history is complete across resumes, each epoch once.
+"""unison/recipe/history.py: a run's validation history is complete across resumes, each epoch once.
 
 A run killed between checkpoints validated epochs past the checkpoint it is resumed from; the
 resumed run validates them again. Its ``metrics.json`` lists every epoch of the run once, as
@@ -16,9 +16,9 @@ import pytest
 from _cli_parts import config, resolved
 from ignite.engine import Engine, Events
 
-from unison.cli.history import HISTORY_FILE, RunHistory, read_rows
-from unison.cli.run import _train
-from unison.cli.steps import RunParts
+from unison.recipe.history import HISTORY_FILE, RunHistory, read_rows
+from unison.recipe.run import _train
+from unison.recipe.steps import RunParts
 from unison.utils.events import read_scalars
 
 EPOCHS, ITERS = 4, 3  # four epochs of three iterations
@@ -116,7 +116,9 @@ def test_a_run_killed_between_checkpoints_and_resumed_records_each_epoch_once(tm
     expected = json.loads((whole / "metrics.json").read_text())
     written = json.loads((broken / "metrics.json").read_text())
     assert [row["epoch"] for row in expected["history"]] == [1, 2, 3, 4]
-    assert written["history"] == expected["history"] == resumed["history"]  # every epoch, once, the same values
+    assert (
+        written["history"] == expected["history"] == resumed["history"]
+    )  # every epoch, once, the same values
     assert {k: v for k, v in written.items() if k != "run_dir"} == {
         k: v for k, v in expected.items() if k != "run_dir"
     }

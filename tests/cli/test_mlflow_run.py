@@ -1,4 +1,4 @@
-"""unison/cli/tracking.py: `logging.mlflow` in `unison run` and `unison tune`, read back with MLflow's client.
+"""unison/recipe/tracking.py: `logging.mlflow` in `unison run` and `unison tune`, read back with MLflow's client.
 
 The checks and the pieces (store, parameters, git commit) run in this process. The runs
 are real: `unison run` and `unison tune` in a subprocess of their own session, 2 spawned
@@ -20,8 +20,10 @@ from _cli_parts import parts_of, resolved
 from _procs import run_in_session
 
 from unison.cli import main
-from unison.cli.run import collect_results
-from unison.cli.tracking import (
+from unison.config import ConfigError, load_config
+from unison.config.mlflow_config import MLflowConfig
+from unison.recipe.run import collect_results
+from unison.recipe.tracking import (
     RUN_FILE,
     SweepRun,
     check_tracking,
@@ -31,8 +33,6 @@ from unison.cli.tracking import (
     store,
     trial_overrides,
 )
-from unison.config import ConfigError, load_config
-from unison.config.mlflow_config import MLflowConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240
@@ -357,5 +357,5 @@ def test_mlflow_is_imported_inside_functions_only() -> None:
     assert {p for p, _ in found} <= {
         "unison/handlers/mlflow.py",
         "unison/handlers/mlflow_store.py",
-        "unison/cli/tracking.py",
+        "unison/recipe/tracking.py",
     }

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from _cli_parts import config
 
-from unison.cli.run import ResumeError, previous_run
+from unison.recipe.run import ResumeError, previous_run
 
 
 def _run(tmp_path: Path) -> Path:
@@ -26,5 +26,7 @@ def test_a_sharded_checkpoint_folder_names_its_run_and_itself(tmp_path: Path) ->
 def test_a_sharded_checkpoint_folder_outside_a_run_is_refused(tmp_path: Path) -> None:
     stray = tmp_path / "weights" / "ckpt-e0001-i000000010.dcp"
     stray.mkdir(parents=True)
-    with pytest.raises(ResumeError, match=r"this checkpoint is not in a unison run folder .*\.pt, or a sharded <name>\.dcp"):
+    with pytest.raises(
+        ResumeError, match=r"this checkpoint is not in a unison run folder .*\.pt, or a sharded <name>\.dcp"
+    ):
         previous_run(config(), str(stray))

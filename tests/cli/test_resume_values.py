@@ -1,4 +1,4 @@
-"""unison/cli/resume_values.py: on resume, the optimizer's values the config derives or changed win.
+"""unison/recipe/resume_values.py: on resume, the optimizer's values the config derives or changed win.
 
 The truth is the lr every update used (read at the step) and what the log says: after a
 world-size change under ``lr_scaling: linear`` the run trains at the new scaled rate, and
@@ -65,22 +65,29 @@ def test_world_size_change_and_a_new_lr_are_trained_as_logged(tmp_path: Path) ->
     assert _close(first["used"], 0.2), first["used"]  # 0.1 x 2 ranks; StepLR halves it after epoch 1
 
     run_dir = first["run_dir"]
-    grown = run_distributed(trained_lrs, str(config), run_dir, ["training.max_epochs=2"], nproc=3, timeout=120)[0]
+    grown = run_distributed(
+        trained_lrs, str(config), run_dir, ["training.max_epochs=2"], nproc=3, timeout=120
+    )[0]
     assert _close(grown["used"], 0.15), grown["used"]  # the schedule's 0.5 of the new base 0.3
-    assert "learning rate on resume: 0.1 -> 0.15 (this config's base 0.3 at 3 ranks; the checkpoint's 0.2 at 2 ranks)" in grown["log"]
+    assert (
+        "learning rate on resume: 0.1 -> 0.15 (this config's base 0.3 at 3 ranks; the checkpoint's 0.2 at 2 ranks)"
+        in grown["log"]
+    )
 
     changed = ["training.max_epochs=3", "training.lr=0.01", "training.optimizer_kwargs.momentum=0.0"]
     again = run_distributed(trained_lrs, str(config), run_dir, changed, nproc=3, timeout=120)[0]
     assert _close(again["used"], 0.0075), again["used"]  # 0.25 of the new base 0.03
-    assert any(line.startswith("learning rate on resume: 0.075 -> 0.0075") for line in again["log"]), again["log"]
+    assert any(line.startswith("learning rate on resume: 0.075 -> 0.0075") for line in again["log"]), again[
+        "log"
+    ]
     assert "optimizer momentum on resume: 0.0 (changed from 0.5)" in again["log"]
 
 
 def test_schedulers_that_set_the_lr_get_their_lr_arguments_scaled() -> None:
     from torch.optim.lr_scheduler import CyclicLR, OneCycleLR, StepLR
 
-    from unison.cli.lr_scaling import scaled_scheduler_kwargs
     from unison.config import Config
+    from unison.recipe.lr_scaling import scaled_scheduler_kwargs
 
     c = Config()
     c.training.lr_scaling = "linear"

@@ -1,4 +1,4 @@
-"""unison/cli/run.py: a run built in steps, resumed, trained and tested, in one process.
+"""unison/recipe/run.py: a run built in steps, resumed, trained and tested, in one process.
 
 Real runs of whole configs, spawned on 2 ranks, are in tests/cli/test_cli.py and
 tests/recipes/; each build step on its own is in tests/cli/test_run_steps.py.
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from _cli_parts import config, parts_of, resolved
 
-from unison.cli.run import collect_results, finish_run, resume_run
+from unison.recipe.run import collect_results, finish_run, resume_run
 
 # -- resume ------------------------------------------------------------------------------------
 
@@ -64,7 +64,7 @@ def _files(folder: Path) -> dict[str, int]:
 
 
 def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path: Path) -> None:
-    from unison.cli.run import _train
+    from unison.recipe.run import _train
 
     c = config(tmp_path)
     c.training.max_epochs = 2
@@ -78,7 +78,7 @@ def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path: Path) -> N
 
 
 def test_a_finished_run_resumed_with_more_epochs_goes_on_from_its_end(tmp_path: Path) -> None:
-    from unison.cli.run import _train
+    from unison.recipe.run import _train
 
     c = config(tmp_path)
     c.training.max_epochs = 2
@@ -87,11 +87,15 @@ def test_a_finished_run_resumed_with_more_epochs_goes_on_from_its_end(tmp_path: 
     more = _train(c, resolved(), tmp_path, "auto")
     assert "complete" not in more
     assert (more["epochs"], more["iterations"]) == (3, 9)
-    assert [row["epoch"] for row in more["history"]] == [1, 2, 3]  # the run's whole history, the new epoch added
+    assert [row["epoch"] for row in more["history"]] == [
+        1,
+        2,
+        3,
+    ]  # the run's whole history, the new epoch added
 
 
 def test_run_folders_are_ordered_as_made_not_as_text(tmp_path: Path) -> None:
-    from unison.cli.run import _run_order
+    from unison.recipe.run import _run_order
 
     names = ["20261123-101500", "20261123-101500-2", "20261123-101500-10", "20261123-101501"]
     manifests = [tmp_path / name / "checkpoints" / "manifest.json" for name in reversed(names)]
@@ -102,7 +106,7 @@ def test_run_folders_are_ordered_as_made_not_as_text(tmp_path: Path) -> None:
 
 
 def test_resume_of_a_missing_path_is_an_error_not_a_fresh_run(tmp_path: Path) -> None:
-    from unison.cli.run import ResumeError, previous_run
+    from unison.recipe.run import ResumeError, previous_run
 
     with pytest.raises(ResumeError, match=r"--resume .*nope.pt: no such file or folder"):
         previous_run(config(), str(tmp_path / "nope.pt"))
@@ -110,7 +114,7 @@ def test_resume_of_a_missing_path_is_an_error_not_a_fresh_run(tmp_path: Path) ->
 
 def test_a_checkpoint_outside_a_run_folder_is_refused(tmp_path: Path) -> None:
     """A file whose grandparent is a project folder must not make that folder 'the run'."""
-    from unison.cli.run import ResumeError, previous_run
+    from unison.recipe.run import ResumeError, previous_run
 
     project = tmp_path / "project"
     (project / "weights").mkdir(parents=True)
@@ -124,7 +128,7 @@ def test_a_checkpoint_outside_a_run_folder_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_run_folder_and_its_checkpoints_resume(tmp_path: Path) -> None:
-    from unison.cli.run import _train, previous_run
+    from unison.recipe.run import _train, previous_run
 
     c = config(tmp_path)
     _train(c, resolved(), tmp_path, None)
@@ -136,7 +140,7 @@ def test_a_run_folder_and_its_checkpoints_resume(tmp_path: Path) -> None:
 
 
 def test_a_hook_that_fails_after_training_loses_no_results(tmp_path: Path) -> None:
-    from unison.cli.run import _train
+    from unison.recipe.run import _train
 
     def broken(context: Any) -> None:
         context.results["from_hook"] = 1

@@ -15,8 +15,8 @@ import pytest
 from _procs import kill_tree
 
 from unison.checkpoint.lock import LOCK_FILE
-from unison.cli.run import train_from_config
 from unison.config import load_config
+from unison.recipe.run import train_from_config
 
 TIMEOUT_S = 240
 
@@ -74,8 +74,14 @@ def test_two_resumes_of_one_run_folder_one_proceeds(tmp_path: Path, monkeypatch)
     cmd = [sys.executable, "-m", "unison", "run", str(config), "--nproc", "1", "--resume", str(run_dir),
            "--set", "training.max_epochs=2"]  # fmt: skip
     procs = [
-        subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)  # fmt: skip
+        subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
         for _ in range(2)
     ]
     try:

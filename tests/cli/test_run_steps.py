@@ -1,4 +1,4 @@
-"""unison/cli/steps.py: the steps that build a run from a config, one at a time, in one process.
+"""unison/recipe/steps.py: the steps that build a run from a config, one at a time, in one process.
 
 Each step takes the config (and what earlier steps built) and is called here on its own.
 Training a run built in steps is in tests/cli/test_run.py; real runs of whole configs,
@@ -14,7 +14,9 @@ import torch
 from _cli_parts import config, datasets, parts_of, resolved, tiny_datasets
 from torch.nn import functional as F
 
-from unison.cli.steps import (
+from unison.config import ConfigError
+from unison.engine import TrainStep
+from unison.recipe.steps import (
     build_datasets,
     build_evaluator,
     build_loaders,
@@ -23,8 +25,6 @@ from unison.cli.steps import (
     build_trainer,
     checkpoint_objects,
 )
-from unison.config import ConfigError
-from unison.engine import TrainStep
 
 # -- data --------------------------------------------------------------------------------------
 
@@ -184,14 +184,18 @@ def test_checkpoint_holds_model_optimizer_scheduler_and_early_stopping(tmp_path:
 
 
 @pytest.mark.parametrize(("every", "steps"), [("epoch", 2), ("update", 4)])
-def test_the_scheduler_steps_per_epoch_or_per_optimizer_update(tmp_path: Path, every: str, steps: int) -> None:
+def test_the_scheduler_steps_per_epoch_or_per_optimizer_update(
+    tmp_path: Path, every: str, steps: int
+) -> None:
     """12 training samples in batches of 4, 2 micro-batches per update: each epoch is 3 iterations
     and 2 updates (the last window is short), so 2 epochs are 2 scheduler steps or 4."""
     c = config()
     c.training.max_epochs = 2
     c.training.accumulation_steps = 2
     c.training.scheduler_every = every  # type: ignore[assignment]  # a Literal set from a str
-    r = resolved(scheduler_type=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 1, "gamma": 0.5})
+    r = resolved(
+        scheduler_type=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 1, "gamma": 0.5}
+    )
     parts = parts_of(c, r, tmp_path)
     parts.trainer.run(parts.train_loader, max_epochs=2)
     assert parts.trainer.state.update == 4

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from ignite.engine import Engine
 
-import unison.cli.tracking as tracking
 import unison.handlers.mlflow as mlflow_handler
-from unison.cli.run import train_from_config
+import unison.recipe.tracking as tracking
 from unison.config import ConfigError, load_config
 from unison.handlers.mlflow import MLflowLogger
 from unison.handlers.mlflow_store import artifacts_beside, make_client
+from unison.recipe.run import train_from_config
 from unison.utils import setup_logging
 
 PASSWORD = "Tr0ub4dor-s3cret"
@@ -70,7 +70,9 @@ class _Proxy:
         return getattr(self._client, name)
 
     def create_experiment(self, name: str, artifact_location: str | None = None, **kwargs: Any) -> str:
-        return self._client.create_experiment(name, artifact_location or artifacts_beside(self._local), **kwargs)
+        return self._client.create_experiment(
+            name, artifact_location or artifacts_beside(self._local), **kwargs
+        )
 
 
 @pytest.fixture
@@ -112,7 +114,9 @@ def _config(tmp_path: Path, epochs: int) -> Path:
     module = f"secret_data_{tmp_path.name[-12:].replace('-', '_')}_{uuid.uuid5(uuid.NAMESPACE_URL, str(tmp_path)).hex[:8]}"
     (tmp_path / f"{module}.py").write_text(DATA)
     path = tmp_path / f"config-{epochs}.yaml"
-    text = CONFIG.format(module=module, epochs=epochs, root=tmp_path / "runs", uri=TRACKING_URI, storage=STORAGE)
+    text = CONFIG.format(
+        module=module, epochs=epochs, root=tmp_path / "runs", uri=TRACKING_URI, storage=STORAGE
+    )
     path.write_text(text)
     return path
 
@@ -126,7 +130,9 @@ def _holding(folder: Path, secrets: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.slow  # two short runs into a new MLflow store: seconds
-def test_a_run_and_its_resume_open_the_real_url_and_write_no_password(tmp_path: Path, store, console, monkeypatch) -> None:
+def test_a_run_and_its_resume_open_the_real_url_and_write_no_password(
+    tmp_path: Path, store, console, monkeypatch
+) -> None:
     opened, local = store
     monkeypatch.setattr(sys, "path", list(sys.path))
     first = train_from_config(load_config(_config(tmp_path, epochs=1)))
@@ -146,7 +152,9 @@ def test_a_run_and_its_resume_open_the_real_url_and_write_no_password(tmp_path: 
 
     client = make_client(local)
     (run,) = client.search_runs([client.get_experiment_by_name("secret").experiment_id])  # resumed: one run
-    assert run.data.params["logging.mlflow.tracking_uri"] == "postgresql://mlflow:***@db.example.org:5432/runs"
+    assert (
+        run.data.params["logging.mlflow.tracking_uri"] == "postgresql://mlflow:***@db.example.org:5432/runs"
+    )
     assert run.data.params["tuning.storage"] == "postgresql://optuna:***@db.example.org/sweeps"
     changed = {k for k in run.data.tags if k.startswith("changed_on_resume.")}
     assert changed == {"changed_on_resume.training.max_epochs"}  # the masked URL is no change
@@ -165,7 +173,9 @@ def test_config_errors_that_quote_a_url_mask_its_password(tmp_path: Path) -> Non
 def test_a_saved_config_with_its_password_masked_says_where_the_password_goes(tmp_path: Path) -> None:
     path = _config(tmp_path, epochs=1)
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_PASSWORD") as info:
-        tracking.check_tracking(load_config(path, ['logging.mlflow.tracking_uri="postgresql://mlflow:***@db/runs"']))
+        tracking.check_tracking(
+            load_config(path, ['logging.mlflow.tracking_uri="postgresql://mlflow:***@db/runs"'])
+        )
     assert info.value.key_path == "logging.mlflow.tracking_uri" and "PGPASSWORD" in str(info.value)
 
 

@@ -19,10 +19,10 @@ from _cli_parts import config, parts_of, resolved
 from _procs import run_in_session
 
 from unison.cli import build_parser
-from unison.cli.run import collect_results
-from unison.cli.tracking_tb import profile_overrides
 from unison.config import Config, load_config
 from unison.config.loader import PyObjectRef
+from unison.recipe.run import collect_results
+from unison.recipe.tracking_tb import profile_overrides
 from unison.utils.events import read_scalars
 
 pytest.importorskip("tensorboard")

@@ -18,16 +18,16 @@ import torch
 from _cli_parts import config, parts_of, resolved
 from _lr_workers import ddp_find_unused, effective_lrs, sync_batchnorm_on_cpu
 
-import unison.cli.preflight
-import unison.cli.resolve
+import unison.recipe.preflight
+import unison.recipe.resolve
 from unison.checkpoint import load_checkpoint
-from unison.cli.run import collect_results, finish_run
-from unison.cli.steps import build_model, build_optimizer
 from unison.config import ConfigError, load_config
 from unison.config.schema import EMAConfig, LRScalingConfig
 from unison.distributed import find_unused_from_env
 from unison.engine import create_evaluator
 from unison.metrics import Accuracy, Loss
+from unison.recipe.run import collect_results, finish_run
+from unison.recipe.steps import build_model, build_optimizer
 from unison.testing import run_distributed
 
 # -- EMA -----------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_one_line_says_the_learning_rate() -> None:
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("unison.cli.run")
+    logger = logging.getLogger("unison.recipe.run")
     saved = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -222,9 +222,11 @@ def test_a_bad_variable_fails_before_spawn_unless_the_config_decides(
     monkeypatch.setenv("DDP_FIND_UNUSED_PARAMETERS", "maybe")
     c = load_config(_config_file(tmp_path, ""))
     with pytest.raises(ConfigError) as info:
-        unison.cli.preflight.preflight(c, unison.cli.resolve.resolve(c))
+        unison.recipe.preflight.preflight(c, unison.recipe.resolve.resolve(c))
     message = str(info.value)
     assert "parallel.find_unused_parameters" in message and "DDP_FIND_UNUSED_PARAMETERS='maybe'" in message
     assert "expected true or false" in message
     given = load_config(_config_file(tmp_path, "parallel:\n  find_unused_parameters: false\n"))
-    unison.cli.preflight.preflight(given, unison.cli.resolve.resolve(given))  # the config decides: no error
+    unison.recipe.preflight.preflight(
+        given, unison.recipe.resolve.resolve(given)
+    )  # the config decides: no error

@@ -197,7 +197,7 @@ def test_a_config_without_a_tuning_section_is_untouched(tmp_path: Path) -> None:
 def test_optuna_classes_and_drawn_values_are_checked_before_spawning(
     tmp_path: Path, setting: str, key: str, says: str
 ) -> None:
-    from unison.cli.tune_space import plan_sweep
+    from unison.recipe.tune_space import plan_sweep
 
     with pytest.raises(ConfigError, match=says) as info:
         plan_sweep(write_config(tmp_path), [setting])
@@ -284,7 +284,7 @@ def test_a_pruned_trial_stops_every_rank_at_once_and_the_sweep_goes_on_and_resum
     assert [t.number for t in trials] == [0, 1, 2] and trials[2].state.name in ("PRUNED", "COMPLETE")
     assert "2 finished trials" in again.stderr and "running 1 more" in again.stderr
 
-    import unison.cli.run
+    import unison.recipe.run
     from unison.cli.tune import tune
 
     done = tune(config, trials=3, nproc=2)  # nothing left to run: nothing is spawned
@@ -294,7 +294,7 @@ def test_a_pruned_trial_stops_every_rank_at_once_and_the_sweep_goes_on_and_resum
     best = tmp_path / "runs" / "tiny" / "tune-tiny" / "best.yaml"
     saved_path = list(sys.path)
     try:
-        results = unison.cli.run.run(str(best), overrides=["training.max_epochs=1"])
+        results = unison.recipe.run.run(str(best), overrides=["training.max_epochs=1"])
     finally:
         sys.path[:] = saved_path
     assert results["world_size"] == 1 and results["iterations"] == 2 * ITERS_PER_EPOCH

@@ -23,7 +23,7 @@ optuna = pytest.importorskip("optuna")
 import unison.cli.tune as tune_module  # noqa: E402
 from unison.cli import main  # noqa: E402
 from unison.cli.tune import tune  # noqa: E402
-from unison.cli.tune_space import plan_sweep  # noqa: E402
+from unison.recipe.tune_space import plan_sweep  # noqa: E402
 
 
 def _storage(folder: Path) -> str:
@@ -40,7 +40,13 @@ class FakeLaunch:
         self.calls = 0
 
     def __call__(
-        self, config: Any, resume: Any, nproc: Any, attach: Any, start_method: str = "spawn", quiet: bool = False
+        self,
+        config: Any,
+        resume: Any,
+        nproc: Any,
+        attach: Any,
+        start_method: str = "spawn",
+        quiet: bool = False,
     ) -> list:
         self.calls += 1
         if self.before is not None:

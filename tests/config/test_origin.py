@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from unison.cli.references import _References
 from unison.config import Config, ConfigError, Origin, apply_overrides, dump_config, load_config, load_yaml
+from unison.recipe.references import _References
 
 BASE = """\
 name: base

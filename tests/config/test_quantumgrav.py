@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison.cli.resolve import resolve
 from unison.config import ConfigError, PyObjectRef, load_config
 from unison.config.resolve import Scope
 from unison.handlers import EarlyStopping
+from unison.recipe.resolve import resolve
 
 BLOCK = (Path(__file__).parent / "data" / "quantumgrav_ddp.yaml").read_text()
 
@@ -240,8 +240,8 @@ def test_early_stopping_errors_name_the_key_and_the_fix(qg, old, new, key, words
 
 def test_early_stopping_type_names_unisons_handler_or_a_subclass_in_the_imports(qg):
     config = load_config(qg(_user_block()))
-    from unison.cli.early_stop import early_stopping_slot
-    from unison.cli.references import _References
+    from unison.recipe.early_stop import early_stopping_slot
+    from unison.recipe.references import _References
 
     cls, args, extra = early_stopping_slot(config, _References.of(config))
     assert (cls, args, extra) == (EarlyStopping, [], {})  # DefaultEarlyStopping
@@ -340,7 +340,7 @@ def test_main_under_unison_run_says_what_to_write_instead(qg, monkeypatch, tmp_p
     message = str(info.value)
     assert message.startswith(f"{path}:1: criterion: !pyobject __main__.compute_loss: ")
     assert "`!pyobject mymodule.compute_loss` with `imports: [mymodule]`" in message
-    assert "unison.cli.run.run(path" in message
+    assert "unison.recipe.run.run(path" in message
     if shape != "no file":
         assert "under `unison run`, `__main__` is the unison command itself" in message
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import unison.cli.resolve
+import unison.recipe.resolve
 from unison.config import Config, ConfigError, PyObjectRef, load_config, load_yaml, schema_reference, validate
 from unison.config.schema import REQUIRED, _hints, section_in
 
@@ -239,7 +239,7 @@ FILLED_IN = "imports: [qg_data]\ndata:\n  build: !pyobject qg_data.build\n  kwar
 def quantumgrav(tmp_path, monkeypatch):
     """tests/config/data/quantumgrav_ddp.yaml (QuantumGrav's DDP guide, verbatim) with the user's data
     section appended; their `qg_data` module on sys.path (not next to it), and `__main__` their script,
-    defining `compute_loss`, as when they run the config through `unison.cli.run.run`."""
+    defining `compute_loss`, as when they run the config through `unison.recipe.run.run`."""
     code = tmp_path / "code"
     code.mkdir()
     (code / "qg_data.py").write_text(QG_DATA)
@@ -284,7 +284,7 @@ def _check_quantumgrav(config: Config) -> None:
     assert (es.type, es.args, es.kwargs, es.patience) == ("DefaultEarlyStopping", [], {}, 5)  # kwargs -> keys
     assert config.criterion == config.training.loss == PyObjectRef("__main__.compute_loss")
     assert config.model.type == "GNNModel"
-    resolved = unison.cli.resolve.resolve(config)
+    resolved = unison.recipe.resolve.resolve(config)
     assert resolved.optimizer_type is torch.optim.AdamW
     assert resolved.model_type is sys.modules["qg_data"].GNNModel  # the name, found under imports:
     assert resolved.loss is sys.modules["__main__"].compute_loss  # the user's script
@@ -314,7 +314,7 @@ def test_quantumgrav_config_needs_its_import(quantumgrav, tmp_path):
     path.write_text(text.replace("imports: [qg_data]\n", ""))
     config = load_config(path)
     with pytest.raises(ConfigError) as info:
-        unison.cli.resolve.resolve(config)
+        unison.recipe.resolve.resolve(config)
     line = next(i for i, row in enumerate(path.read_text().splitlines(), 1) if "qg_data.build" in row)
     assert str(info.value).startswith(f"{path}:{line}: data.build: ")
     assert "imports: [qg_data]" in str(info.value)

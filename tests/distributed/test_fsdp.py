@@ -91,8 +91,8 @@ def test_the_auto_rule_shards_the_repeated_blocks_outermost_first():
 def test_a_shard_rule_naming_no_class_of_the_model_fails_before_spawning(tmp_path):
     from pathlib import Path
 
-    from unison.cli.run import run
     from unison.config import ConfigError
+    from unison.recipe.run import run
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "digits" / "config.yaml"
     overrides = ["parallel.strategy=fsdp", "parallel.fsdp.shard=[Bogus]", f"logging.root={tmp_path}"]

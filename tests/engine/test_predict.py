@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from unison.cli.resolve import scaled_lr
 from unison.engine.predict import predict
+from unison.recipe.resolve import scaled_lr
 from unison.testing import run_distributed
 
 
@@ -45,7 +45,13 @@ def test_single_process_predicts_in_order_and_restores_the_mode() -> None:
 
 @pytest.mark.parametrize(
     ("rule", "world", "expected"),
-    [("none", 4, 0.1), ("linear", 4, 0.4), ("sqrt", 4, 0.2), ("linear", 1, 0.1), ("sqrt", 2, 0.1 * math.sqrt(2))],
+    [
+        ("none", 4, 0.1),
+        ("linear", 4, 0.4),
+        ("sqrt", 4, 0.2),
+        ("linear", 1, 0.1),
+        ("sqrt", 2, 0.1 * math.sqrt(2)),
+    ],
 )
 def test_lr_scaling_rules(rule: str, world: int, expected: float) -> None:
     assert scaled_lr(0.1, rule, world) == pytest.approx(expected)

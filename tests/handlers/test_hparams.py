@@ -11,13 +11,13 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison.cli.tracking_tb import LEFT_OUT, hparams_of
 from unison.config import Config, load_config, to_plain
 from unison.config.loader import PyObjectRef
 from unison.engine import Engine, Events, create_evaluator, create_trainer
 from unison.handlers.hparams import HParamsLogger
 from unison.handlers.tensorboard import TensorBoardLogger
 from unison.metrics import Loss
+from unison.recipe.tracking_tb import LEFT_OUT, hparams_of
 from unison.utils.events import event_files, read_scalars
 
 pytest.importorskip("tensorboard")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from _procs import run_in_session
 
-import unison.cli.run
+import unison.recipe.run
 from unison.config import load_config, to_plain
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def single(tmp_path_factory):
     try:
         # The config asks for 2 ranks (parallel.nproc_per_node: 2); null means this process.
         overrides = [*short_run(root), "parallel.nproc_per_node=null"]
-        results = unison.cli.run.run(str(CONFIG), nproc=None, overrides=overrides)
+        results = unison.recipe.run.run(str(CONFIG), nproc=None, overrides=overrides)
         after = list(logger.handlers)
     finally:
         sys.path[:] = saved_path

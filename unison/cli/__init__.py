@@ -2,9 +2,9 @@
 ``export`` its weights.
 
 The parser and :func:`main` live here; each command's code is in modules of this package,
-imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.cli.run`
-(with :mod:`unison.cli.resolve` and :mod:`unison.cli.steps`), :mod:`unison.cli.tune` (with
-:mod:`unison.cli.tune_space`, :mod:`unison.cli.tune_server` and :mod:`unison.cli.tune_best`),
+imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.recipe.run`
+(with :mod:`unison.recipe.resolve` and :mod:`unison.recipe.steps`), :mod:`unison.cli.tune` (with
+:mod:`unison.recipe.tune_space`, :mod:`unison.cli.tune_server` and :mod:`unison.cli.tune_best`),
 :mod:`unison.cli.doctor` (with :mod:`unison.cli.checks` and :mod:`unison.cli.launch_checks`)
 and :mod:`unison.cli.plot`, :mod:`unison.cli.export`.
 """
@@ -19,16 +19,16 @@ __all__ = ["build_parser", "main"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from unison.cli.run import ResumeError, run
     from unison.config import ConfigError
     from unison.distributed import RankFailedError, detect_launcher
+    from unison.recipe.run import ResumeError, run
     from unison.utils.secrets import redact_url
 
     first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own
     try:
         overrides = args.set
         if args.profile is not None:  # --profile [ACTIVE]; a --set of training.profile wins
-            from unison.cli.tracking_tb import profile_overrides
+            from unison.recipe.tracking_tb import profile_overrides
 
             active = args.profile or None  # 0: a bare --profile
             overrides = [*profile_overrides(args.config, active), *args.set]
@@ -52,8 +52,8 @@ def _run(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     from unison.cli.tune import SweepStopped, tune
     from unison.cli.tune_best import summary_lines
-    from unison.cli.tune_space import MissingOptunaError
     from unison.distributed import RankFailedError
+    from unison.recipe.tune_space import MissingOptunaError
     from unison.utils.logging import setup_logging
 
     setup_logging()  # the sweep's progress lines, at INFO

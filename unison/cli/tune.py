@@ -2,7 +2,7 @@
 
 How a sweep goes:
 
-- :func:`~unison.cli.tune_space.plan_sweep` reads the config and checks the ``tuning:``
+- :func:`~unison.recipe.tune_space.plan_sweep` reads the config and checks the ``tuning:``
   section, Optuna's sampler and pruner, and every value the search space can draw, before
   any process is spawned.
 - This process (the *sweep process*) opens the study (default: a SQLite file in the sweep
@@ -47,15 +47,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from unison.cli.preflight import check_port, preflight
-from unison.cli.resolve import resolve
-from unison.cli.run import launch_config
-from unison.cli.tracking import SweepRun, sweep_tracking, trial_overrides
 from unison.cli.tune_best import run_command, write_best
 from unison.cli.tune_loop import Loop, counts, finished, short_of, used_up
 from unison.cli.tune_mlflow import mark_best, mark_trial
 from unison.cli.tune_server import AttachPruning, DecisionServer
-from unison.cli.tune_space import (
+from unison.cli.tune_storage import fail_stale_trials, make_storage, optuna_quiet
+from unison.config import load_config
+from unison.distributed import detect_launcher
+from unison.recipe.preflight import check_port, preflight
+from unison.recipe.resolve import resolve
+from unison.recipe.run import launch_config
+from unison.recipe.tracking import SweepRun, sweep_tracking, trial_overrides
+from unison.recipe.tune_space import (
     SweepPlan,
     as_overrides,
     import_optuna,
@@ -63,9 +66,6 @@ from unison.cli.tune_space import (
     plan_sweep,
     suggest,
 )
-from unison.cli.tune_storage import fail_stale_trials, make_storage, optuna_quiet
-from unison.config import load_config
-from unison.distributed import detect_launcher
 from unison.utils import get_logger
 from unison.utils.secrets import redact_url
 

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from unison.cli.tune_space import SweepPlan, as_overrides
 from unison.config import dump_config, load_config
+from unison.recipe.tune_space import SweepPlan, as_overrides
 from unison.utils import get_logger
 
 _log = get_logger("unison.cli.tune")

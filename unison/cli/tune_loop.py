@@ -13,8 +13,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from unison.cli.tune_space import import_optuna
 from unison.cli.tune_storage import optuna_quiet
+from unison.recipe.tune_space import import_optuna
 from unison.utils import get_logger
 
 _log = get_logger("unison.cli.tune")

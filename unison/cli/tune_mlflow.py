@@ -1,7 +1,7 @@
 """How a sweep's trials ended, in MLflow: each trial's run says its state, the sweep's run the best.
 
 With ``logging.mlflow``, every trial trains into a run nested under the sweep's run
-(:func:`~unison.cli.tracking.sweep_tracking`). Rank 0 ends that run FINISHED when training
+(:func:`~unison.recipe.tracking.sweep_tracking`). Rank 0 ends that run FINISHED when training
 returns, whatever the study makes of it; the sweep process, which tells the study how the
 trial ended, tells MLflow too (:func:`mark_trial`):
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from unison.cli.tracking import RUN_FILE, SweepRun
 from unison.handlers.mlflow_store import key, make_client, recorded_run
+from unison.recipe.tracking import RUN_FILE, SweepRun
 from unison.utils import get_logger
 
 _log = get_logger("unison.cli.tune")
@@ -55,7 +55,13 @@ def mark_trial(sweep: SweepRun | None, run_dir: Path | None, record: dict[str, A
         else:
             client.update_run(run_id, status=STATUS[state])
     except Exception as err:
-        _log.warning("MLflow: trial %s's run not marked %s: %s: %s", record.get("number"), state, type(err).__name__, err)
+        _log.warning(
+            "MLflow: trial %s's run not marked %s: %s: %s",
+            record.get("number"),
+            state,
+            type(err).__name__,
+            err,
+        )
 
 
 def mark_best(sweep: SweepRun | None, study: Any, metric: str) -> None:

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from unison.cli.steps import RunParts
 from unison.handlers.pruning import AgreedPruning
+from unison.recipe.steps import RunParts
 from unison.utils import get_logger
 
 _log = get_logger("unison.cli.tune")
@@ -308,7 +308,7 @@ def die_with_sweep(sweep_pid: int) -> None:
 
 @dataclass(frozen=True)
 class AttachPruning:
-    """``attach`` of :func:`~unison.cli.run.train_from_config`: every rank attaches
+    """``attach`` of :func:`~unison.recipe.run.train_from_config`: every rank attaches
     :class:`~unison.handlers.pruning.AgreedPruning` to its evaluator; rank 0's judge asks the sweep.
     Every rank also ends with the sweep process (:func:`die_with_sweep`). A pruned trial takes no
     test phase: the ``ended_early`` it returns says so, alike on every rank (the verdict is agreed)."""
@@ -323,6 +323,10 @@ class AttachPruning:
         pruning.attach(parts.evaluator)
 
         def ended_early() -> str | None:
-            return f"the sweep pruned the trial after epoch {parts.trainer.state.epoch}" if pruning.pruned else None
+            return (
+                f"the sweep pruned the trial after epoch {parts.trainer.state.epoch}"
+                if pruning.pruned
+                else None
+            )
 
         return ended_early

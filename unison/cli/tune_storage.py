@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from unison.cli.tune_space import import_optuna
 from unison.config.tuning import storage_file, storage_kind
+from unison.recipe.tune_space import import_optuna
 
 HEARTBEAT_S = 30
 """How often the sweep process records that its running trial is alive (database storages)."""

@@ -80,7 +80,7 @@ def reference_markdown() -> str:
         "  installed ones); modules beside the config file; and your own modules named under",
         "  `imports:`. Nothing else, and never private names (`_x`), `os`, `subprocess`,",
         "  `builtins`, `torch.hub`, `torch.load` and the like. `__main__` is your own script when",
-        "  that script runs the config (`unison.cli.run.run(path)`); under `unison run` it is",
+        "  that script runs the config (`unison.recipe.run.run(path)`); under `unison run` it is",
         "  unison itself, and naming it is an error that says what to write instead.",
         '- **A plain name** (`model.type: "GNNModel"`, `early_stopping.type: DefaultEarlyStopping`,',
         "  as QuantumGrav's configs write them) is looked for in the modules under `imports:` (and",

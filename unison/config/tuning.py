@@ -6,7 +6,7 @@ takes the values it draws; its bounds, ``log``, ``step`` and ``choices``), the w
 metric and the direction (filled in when left out, refused when they contradict), the
 storage URL, the study name, and that the sampler's and pruner's names and keyword
 arguments are plain data. Which Optuna class a name means is looked up by ``unison tune``
-(:mod:`unison.cli.tune_space`), among Optuna's samplers and pruners only.
+(:mod:`unison.recipe.tune_space`), among Optuna's samplers and pruners only.
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ MAIN_MODULES = ("__main__", "__mp_main__")
 MAIN_FIX = (
     "Put {name} in a module of your own and name it there: `!pyobject mymodule.{name}` with "
     "`imports: [mymodule]` (or mymodule.py beside the config); or run the config from your own script "
-    "with `unison.cli.run.run(path, nproc=...)`, where `__main__` is that script"
+    "with `unison.recipe.run.run(path, nproc=...)`, where `__main__` is that script"
 )
 """What to do instead of naming ``__main__`` where it is not the user's script."""
 
@@ -250,7 +250,7 @@ def main_problem() -> str | None:
     """Why ``!pyobject __main__.x`` cannot name the user's code in this process, or None when it can.
 
     ``__main__`` is the user's own script when that script runs the config through unison's
-    Python API (``unison.cli.run.run(path)``); its spawned ranks import it again as
+    Python API (``unison.recipe.run.run(path)``); its spawned ranks import it again as
     ``__mp_main__``. Under ``unison run`` (``python -m unison``, the ``unison`` console
     script, torchrun or srun running either) ``__main__`` is unison itself.
     """

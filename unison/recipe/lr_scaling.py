@@ -23,7 +23,7 @@ from unison.engine import Engine
 from unison.handlers import LRWarmup, scale_lr
 from unison.utils import get_logger
 
-_log = get_logger("unison.cli.run")
+_log = get_logger("unison.recipe.run")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ def plan_of(training: Mapping[str, Any], world_size: int) -> LRPlan:
     if isinstance(ls, str):
         return LRPlan(ls, world_size * one_rank, one_rank, 0)
     reference = ls.get("reference_batch_size") or one_rank
-    return LRPlan(ls.get("rule", "none"), world_size * one_rank, int(reference), int(ls.get("warmup_steps", 0)))
+    return LRPlan(
+        ls.get("rule", "none"), world_size * one_rank, int(reference), int(ls.get("warmup_steps", 0))
+    )
 
 
 SETS_LR_ITSELF = {"OneCycleLR": ("max_lr",), "CyclicLR": ("base_lr", "max_lr")}
@@ -58,7 +60,9 @@ SETS_LR_ITSELF = {"OneCycleLR": ("max_lr",), "CyclicLR": ("base_lr", "max_lr")}
 
 def sets_lr_itself(scheduler_type: Any) -> bool:
     """Whether ``scheduler_type`` is (a subclass of) a scheduler of :data:`SETS_LR_ITSELF`."""
-    names = {c.__name__ for c in getattr(scheduler_type, "__mro__", ()) if c.__module__.startswith("torch.optim")}
+    names = {
+        c.__name__ for c in getattr(scheduler_type, "__mro__", ()) if c.__module__.startswith("torch.optim")
+    }
     return bool(names & SETS_LR_ITSELF.keys())
 
 

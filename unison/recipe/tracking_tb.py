@@ -23,7 +23,7 @@ from unison.handlers.hparams import HParamsLogger, HParamValue
 from unison.handlers.profiler import Profiler
 
 if TYPE_CHECKING:
-    from unison.cli.steps import RunParts
+    from unison.recipe.steps import RunParts
 
 LEFT_OUT = ("tuning",)
 """Sections not written as hparams: ``tuning`` describes a sweep, the same for all its trials."""

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from unison.cli.eval_loaders import eval_batch_size
 from unison.config import Config
 from unison.distributed import device as rank_device
 from unison.distributed import get_rank
+from unison.recipe.eval_loaders import eval_batch_size
 from unison.utils import get_logger
 
-_log = get_logger("unison.cli.run")  # the run's logger
+_log = get_logger("unison.recipe.run")  # the run's logger
 
 
 def ddp_options(config: Config, device: torch.device | None = None) -> dict[str, Any]:

@@ -5,7 +5,7 @@ family at a time (metrics and the metric that checkpoints and early stopping wat
 optimizer, scheduler, loss, model, data, hooks). Each object is checked against its typed
 slot (:data:`unison.config.resolve.SLOTS`) before anything is called, and every kwargs
 mapping is bound against the signature it will be called with
-(:mod:`unison.cli.references`). :func:`unison.cli.preflight.preflight` then builds the
+(:mod:`unison.recipe.references`). :func:`unison.recipe.preflight.preflight` then builds the
 model on the ``meta`` device and checks the run. :func:`make_metrics` and
 :func:`scaled_lr` turn what :func:`resolve` found into the objects and numbers a run uses.
 """
@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from unison.cli.dead_keys import unowned
-from unison.cli.early_stop import early_stopping_slot
-from unison.cli.references import _References
 from unison.config import Config, ConfigError, PyObjectRef, resolve_tree
 from unison.config.names import resolve_name
 from unison.config.usercode import describe
 from unison.metrics import Loss
+from unison.recipe.dead_keys import unowned
+from unison.recipe.early_stop import early_stopping_slot
+from unison.recipe.references import _References
 
 
 @dataclass
@@ -62,7 +62,7 @@ def resolve(config: Config) -> Resolved:
     Raises:
         ConfigError: for the first reference that is refused, missing or of the wrong kind,
             kwargs that do not fit the signature they will be called with, or kwargs given for
-            an object the config does not build (:func:`~unison.cli.dead_keys.unowned`).
+            an object the config does not build (:func:`~unison.recipe.dead_keys.unowned`).
     """
     refs = _References.of(config)
     dead = unowned(config)  # scheduler_kwargs without scheduler_type: read by nothing
@@ -172,7 +172,12 @@ def _optimizer_slots(config: Config, refs: _References) -> tuple[type, dict[str,
     kwargs = refs.tree(t.optimizer_kwargs, "training.optimizer_kwargs")
     scope = refs.scope
     args = list(
-        resolve_tree(t.optimizer_args, key="training.optimizer_args", imports=scope.imports, config_dir=scope.config_dir)
+        resolve_tree(
+            t.optimizer_args,
+            key="training.optimizer_args",
+            imports=scope.imports,
+            config_dir=scope.config_dir,
+        )
     )
     refs.bind(
         cls,
@@ -225,7 +230,9 @@ def _loss_slot(config: Config, refs: _References) -> Callable[..., torch.Tensor]
         return loss()
     if not isinstance(loss, nn.Module):
         try:
-            refs.bind(loss, type_key=key, kwargs_key=key, kwargs={}, args=(None, None), how="(output, target)")
+            refs.bind(
+                loss, type_key=key, kwargs_key=key, kwargs={}, args=(None, None), how="(output, target)"
+            )
         except ConfigError as err:
             raise refs.error(
                 key,
@@ -241,7 +248,11 @@ def _model_slots(config: Config, refs: _References) -> tuple[Callable[..., nn.Mo
     named = config.model.type
     if isinstance(named, str):
         model_type = resolve_name(
-            named, slot="model", key="model.type", scope=refs.scope, fail=lambda m: refs.error("model.type", m)
+            named,
+            slot="model",
+            key="model.type",
+            scope=refs.scope,
+            fail=lambda m: refs.error("model.type", m),
         )
     else:
         model_type = refs.ref(named, "model", "model.type")

@@ -5,7 +5,7 @@
 ``!pyobject`` against its slot, resolves a kwargs mapping, makes a
 :class:`~unison.config.ConfigError` at a dotted key path through the origin's one
 locator, and checks that a kwargs mapping binds to the signature it will be called with.
-Used by :mod:`unison.cli.resolve` and :mod:`unison.cli.preflight`.
+Used by :mod:`unison.recipe.resolve` and :mod:`unison.recipe.preflight`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A run's test phase, after training: the test set, predictions, the recipe's hook, ``metrics.json``.
 
 :func:`finish_run` runs on every rank once the trainer has returned
-(:func:`~unison.cli.run.train_from_config`): the test set evaluated with the best
+(:func:`~unison.recipe.run.train_from_config`): the test set evaluated with the best
 checkpoint's weights (:func:`evaluate_test_set`), the predictions (:func:`write_predictions`),
 ``hooks.after_training`` with a :class:`RunContext`, and ``<run>/metrics.json``, written
 before the hook and again after it. A run that ends before its test phase (a trial its sweep
@@ -18,19 +18,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from unison.cli.ema import evaluated_model, load_best_weights
-from unison.cli.eval_loaders import eval_loader
-from unison.cli.resolve import Resolved, make_metrics
-from unison.cli.steps import RunParts
-from unison.cli.tracking import log_test_metrics
 from unison.config import Config
 from unison.distributed import broadcast_object, get_rank
 from unison.engine import create_evaluator
 from unison.engine.predict import predict
+from unison.recipe.ema import evaluated_model, load_best_weights
+from unison.recipe.eval_loaders import eval_loader
+from unison.recipe.resolve import Resolved, make_metrics
+from unison.recipe.steps import RunParts
+from unison.recipe.tracking import log_test_metrics
 from unison.utils import get_logger
 from unison.utils.secrets import redact_url
 
-_log = get_logger("unison.cli.run")  # the run's logger
+_log = get_logger("unison.recipe.run")  # the run's logger
 
 
 @dataclass

@@ -18,11 +18,11 @@ from typing import Any
 
 from ignite.engine import Engine
 
-from unison.cli.references import _References
 from unison.config import Config, PyObjectRef, resolve_tree
 from unison.config.compat import EARLY_STOPPING_NAMES
 from unison.config.names import resolve_name
 from unison.handlers import EarlyStopping
+from unison.recipe.references import _References
 
 KEY = "early_stopping.type"
 

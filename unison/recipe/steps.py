@@ -5,13 +5,13 @@
 1. data: :func:`build_datasets`, :func:`build_loaders`;
 2. model: :func:`build_model`;
 3. optimizer and scheduler: :func:`build_optimizer`;
-4. trainer: :func:`build_trainer`, its LR warmup and EMA (:mod:`unison.cli.lr_scaling`, :mod:`unison.cli.ema`);
+4. trainer: :func:`build_trainer`, its LR warmup and EMA (:mod:`unison.recipe.lr_scaling`, :mod:`unison.recipe.ema`);
 5. evaluator: :func:`build_evaluator`, :func:`attach_validation`, :func:`attach_scheduler`;
 6. handlers: :func:`attach_handlers` (:func:`checkpoint_objects`, then early stopping and
    guards in :func:`attach_control`, checkpoint and preemption in
    :func:`attach_checkpoint`, TensorBoard and progress in :func:`attach_logging`).
 
-Each step takes the config and what :func:`unison.cli.resolve.resolve` imported, and can
+Each step takes the config and what :func:`unison.recipe.resolve.resolve` imported, and can
 be called on its own.
 """
 
@@ -26,15 +26,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from unison.cli.accepted import compile_options, ddp_options
-from unison.cli.early_stop import make_early_stopping
-from unison.cli.ema import EMA, attach_ema, evaluated_model
-from unison.cli.eval_loaders import eval_loader
-from unison.cli.history import RunHistory
-from unison.cli.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
-from unison.cli.resolve import Resolved, make_metrics
-from unison.cli.tracking import attach_tracking
-from unison.cli.tracking_tb import attach_hparams, attach_profiler
 from unison.config import Config, ConfigError, to_plain
 from unison.distributed import prepare_loaders, prepare_model
 from unison.engine import Engine, Events, TrainStep, UpdateEvents, create_evaluator, create_trainer
@@ -46,10 +37,19 @@ from unison.handlers import (
     TimeLimit,
     Watchdog,
 )
+from unison.recipe.accepted import compile_options, ddp_options
+from unison.recipe.early_stop import make_early_stopping
+from unison.recipe.ema import EMA, attach_ema, evaluated_model
+from unison.recipe.eval_loaders import eval_loader
+from unison.recipe.history import RunHistory
+from unison.recipe.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
+from unison.recipe.resolve import Resolved, make_metrics
+from unison.recipe.tracking import attach_tracking
+from unison.recipe.tracking_tb import attach_hparams, attach_profiler
 from unison.utils import get_logger, manual_seed
 from unison.utils.secrets import redact
 
-_log = get_logger("unison.cli.run")  # the run's logger: its lines keep the name they had before the split
+_log = get_logger("unison.recipe.run")  # the run's logger: its lines keep the name they had before the split
 
 
 @dataclass
@@ -77,9 +77,9 @@ class RunParts:
         watched: the validation metric that checkpoints, early stopping and a
             ``ReduceLROnPlateau`` scheduler watch.
         history: one row per validation, appended by the handler of :func:`attach_validation`
-            (from the run's start: a resumed run restores the rows it has, :mod:`unison.cli.history`).
+            (from the run's start: a resumed run restores the rows it has, :mod:`unison.recipe.history`).
         checkpoint: the checkpoint handler, None when ``checkpoint.enabled`` is false.
-        ema: the average of the weights (``training.ema``), or None (:mod:`unison.cli.ema`).
+        ema: the average of the weights (``training.ema``), or None (:mod:`unison.recipe.ema`).
     """
 
     datasets: Datasets
@@ -101,12 +101,12 @@ def build_run(config: Config, resolved: Resolved, run_dir: Path, world_size: int
 
     Args:
         config: the run's config.
-        resolved: the objects it names (:func:`~unison.cli.resolve.resolve`).
+        resolved: the objects it names (:func:`~unison.recipe.resolve.resolve`).
         run_dir: the run directory, the same on every rank.
         world_size: the number of ranks (it scales the learning rate).
 
     Returns:
-        The parts, ready for :func:`~unison.cli.run.resume_run` and ``parts.trainer.run``.
+        The parts, ready for :func:`~unison.recipe.run.resume_run` and ``parts.trainer.run``.
     """
     datasets = build_datasets(config, resolved)
     train_loader, val_loader = build_loaders(config, datasets)
@@ -147,7 +147,7 @@ def build_loaders(config: Config, datasets: Datasets) -> tuple[DataLoader | None
     The training loader takes the ``training`` section's loader keys (``batch_size``,
     ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``drop_last``); the validation
     loader takes the ``validation`` section's, each defaulting to the training one
-    (:func:`unison.cli.eval_loaders.eval_loader`).
+    (:func:`unison.recipe.eval_loaders.eval_loader`).
 
     Returns:
         ``(train_loader, val_loader)``, each None when its dataset is None.
@@ -195,7 +195,7 @@ def build_optimizer(
     """Optimizer and scheduler: ``training.lr`` overrides the optimizer's ``lr``, then scaled.
 
     The learning rate is scaled by ``training.lr_scaling`` in the global batch of
-    ``world_size`` ranks (see :mod:`unison.cli.lr_scaling`).
+    ``world_size`` ranks (see :mod:`unison.recipe.lr_scaling`).
 
     Returns:
         ``(optimizer, scheduler)``; the scheduler is None without ``training.scheduler_type``.
@@ -208,7 +208,9 @@ def build_optimizer(
         config, resolved.optimizer_type, opt_kwargs, world_size, resolved.optimizer_args
     )
     optimizer = resolved.optimizer_type(model.parameters(), *resolved.optimizer_args, **opt_kwargs)
-    scheduler_kwargs = scaled_scheduler_kwargs(config, resolved.scheduler_type, resolved.scheduler_kwargs, world_size)
+    scheduler_kwargs = scaled_scheduler_kwargs(
+        config, resolved.scheduler_type, resolved.scheduler_kwargs, world_size
+    )
     scheduler = resolved.scheduler_type(optimizer, **scheduler_kwargs) if resolved.scheduler_type else None
     return optimizer, scheduler
 
@@ -256,7 +258,7 @@ def attach_validation(config: Config, parts: RunParts, run_dir: Path) -> None:
 
     Each evaluation appends a row (epoch, training loss, ``val_<metric>``) to
     ``parts.history`` (and ``<run>/history.jsonl``, so a resumed run's history is complete:
-    :mod:`unison.cli.history`) and logs one line.
+    :mod:`unison.recipe.history`) and logs one line.
 
     Distributed:
         Every rank attaches it: evaluating is a collective.
@@ -331,7 +333,9 @@ def attach_control(config: Config, parts: RunParts, run_dir: Path, to_save: dict
     """
     t = config.training
     trainer, evaluator = parts.trainer, parts.evaluator
-    stopper = make_early_stopping(config, trainer, parts.watched)  # early_stopping.type, default EarlyStopping
+    stopper = make_early_stopping(
+        config, trainer, parts.watched
+    )  # early_stopping.type, default EarlyStopping
     if stopper is not None:
         stopper.attach(evaluator)
         to_save["early_stopping"] = stopper
@@ -378,7 +382,7 @@ def attach_checkpoint(
 
 def attach_logging(config: Config, parts: RunParts, run_dir: Path) -> None:
     """TensorBoard event files in ``run_dir/tb`` (with the HParams session and profiler traces of
-    :mod:`unison.cli.tracking_tb`) and the progress bar, as ``logging`` asks."""
+    :mod:`unison.recipe.tracking_tb`) and the progress bar, as ``logging`` asks."""
     if config.logging.tensorboard:
         try:
             from unison.handlers.tensorboard import TensorBoardLogger
@@ -393,7 +397,7 @@ def attach_logging(config: Config, parts: RunParts, run_dir: Path) -> None:
             ).attach(parts.trainer)
     attach_hparams(config, parts, run_dir)  # logging.tensorboard: the settings for the HParams view
     attach_profiler(config, parts, run_dir)  # training.profile: a trace of a few iterations per rank
-    attach_tracking(config, parts, run_dir)  # logging.mlflow (unison.cli.tracking)
+    attach_tracking(config, parts, run_dir)  # logging.mlflow (unison.recipe.tracking)
     if config.logging.progress:
         ProgressBar().attach(parts.trainer)
 

@@ -3,12 +3,12 @@
 ``training.scheduler_kwargs`` are the scheduler's arguments; without
 ``training.scheduler_type`` no scheduler is built and they are read by nothing. The same
 holds for early stopping's ``kwargs`` and ``args`` without ``early_stopping.patience``. A
-run refuses such a config (:func:`unowned`, called by :func:`~unison.cli.resolve.resolve`),
+run refuses such a config (:func:`unowned`, called by :func:`~unison.recipe.resolve.resolve`),
 as the schema refuses other keys that would be silently ignored (an unknown key,
 ``prefetch_factor`` without workers, an early stopping ``type`` without patience): a value
 the user wrote and believes in must not be dropped without a word. A sweep refuses a
 search-space key that changes nothing (:func:`changes_nothing`, called by
-:func:`~unison.cli.tune_space.check_space`): every trial would train alike.
+:func:`~unison.recipe.tune_space.check_space`): every trial would train alike.
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from unison.cli.dead_keys import changes_nothing
-from unison.cli.preflight import preflight
-from unison.cli.references import _References
-from unison.cli.resolve import resolve
 from unison.config import Config, ConfigError, load_config
+from unison.recipe.dead_keys import changes_nothing
+from unison.recipe.preflight import preflight
+from unison.recipe.references import _References
+from unison.recipe.resolve import resolve
 
 EXTRA = "pip install 'unison[tune]'"
 """How to install what ``unison tune`` needs (Optuna)."""
@@ -132,7 +132,7 @@ class SweepPlan:
 def check_space(plan: SweepPlan) -> None:
     """Each value the search space can draw (bounds, each choice) makes a config ``unison run``
     accepts: validated, resolved, and checked by its preflight (the model built on ``meta``); and
-    each key changes the run (:func:`~unison.cli.dead_keys.changes_nothing`), the rule by which a run
+    each key changes the run (:func:`~unison.recipe.dead_keys.changes_nothing`), the rule by which a run
     refuses arguments of an object it does not build."""
     for key, spec in plan.space.items():
         why = changes_nothing(plan.config, key)

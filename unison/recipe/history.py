@@ -120,7 +120,9 @@ class RunHistory:
         if self.path.is_file() and self.path.read_text() != text:
             dropped = sorted({at for at in map(_epoch, found) if at is not None and at > epoch})
             if dropped:
-                _log.info("history: the rows of epochs %s, past the resumed epoch %d, are dropped", dropped, epoch)
+                _log.info(
+                    "history: the rows of epochs %s, past the resumed epoch %d, are dropped", dropped, epoch
+                )
             temp = self.path.with_name(self.path.name + ".tmp")
             with open(temp, "w") as f:
                 f.write(text)
@@ -133,5 +135,3 @@ class RunHistory:
 def _line(row: dict[str, Any]) -> str:
     """One row as a JSON line (as ``metrics.json`` writes values: NaN kept, anything else as text)."""
     return json.dumps(row, default=str) + "\n"
-
-

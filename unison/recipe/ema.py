@@ -23,7 +23,7 @@ from unison.engine import Engine
 from unison.handlers import EMA
 from unison.utils import get_logger
 
-_log = get_logger("unison.cli.run")
+_log = get_logger("unison.recipe.run")
 
 
 def attach_ema(config: Config, model: nn.Module, trainer: Engine) -> EMA | None:

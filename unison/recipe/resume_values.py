@@ -25,15 +25,15 @@ from typing import Any
 import torch
 
 from unison.checkpoint.sharded_files import REST
-from unison.cli.lr_scaling import default_lr, plan_of, sets_lr_itself
-from unison.cli.resolve import Resolved
-from unison.cli.steps import RunParts
 from unison.config import Config, to_plain
 from unison.distributed import get_world_size
 from unison.handlers.lr_scaling import rebase_lr, scale_lr
+from unison.recipe.lr_scaling import default_lr, plan_of, sets_lr_itself
+from unison.recipe.resolve import Resolved
+from unison.recipe.steps import RunParts
 from unison.utils import get_logger
 
-_log = get_logger("unison.cli.run")
+_log = get_logger("unison.recipe.run")
 
 
 def _saved(path: Path) -> tuple[Mapping[str, Any] | None, int]:
@@ -67,7 +67,10 @@ def apply_on_resume(config: Config, resolved: Resolved, parts: RunParts, resumed
         return resumed
     old, new = saved["training"], to_plain(config)["training"]
     world = get_world_size()
-    (old_lr, old_scale), (new_lr, new_scale) = _base_lr(old, resolved, saved_world), _base_lr(new, resolved, world)
+    (old_lr, old_scale), (new_lr, new_scale) = (
+        _base_lr(old, resolved, saved_world),
+        _base_lr(new, resolved, world),
+    )
     if sets_lr_itself(resolved.scheduler_type):  # its own lr arguments, scaled: only the scale can move
         old_lr, new_lr = old_scale, new_scale
     optimizer = parts.optimizer
@@ -84,6 +87,8 @@ def apply_on_resume(config: Config, resolved: Resolved, parts: RunParts, resumed
             continue  # unchanged, or left out now: the checkpoint's value stays
         value = resolved.optimizer_kwargs[key]
         for group in optimizer.param_groups:
-            group[key] = tuple(value) if isinstance(group.get(key), tuple) and isinstance(value, list) else value
+            group[key] = (
+                tuple(value) if isinstance(group.get(key), tuple) and isinstance(value, list) else value
+            )
         _log.info("optimizer %s on resume: %r (changed from %r)", key, value, old_kw.get(key))
     return resumed

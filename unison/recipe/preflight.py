@@ -1,6 +1,6 @@
 """Checking the run in the launching process, before any rank is spawned.
 
-:func:`preflight` takes what :func:`~unison.cli.resolve.resolve` imported and builds what
+:func:`preflight` takes what :func:`~unison.recipe.resolve.resolve` imported and builds what
 it can without memory or data: the model on the ``meta`` device, its optimizer and
 scheduler, the validation metrics; and checks ``training.device`` against this machine
 and that the output folder can be written.
@@ -15,18 +15,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from unison.cli.references import _References
-from unison.cli.resolve import Resolved
-from unison.cli.tracking import check_tracking
 from unison.config import Config, ConfigError
 from unison.config.usercode import describe
 from unison.distributed.env import port_is_free
 from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
 from unison.metrics import Loss
+from unison.recipe.references import _References
+from unison.recipe.resolve import Resolved
+from unison.recipe.tracking import check_tracking
 from unison.utils import get_logger
 
-_log = get_logger("unison.cli.preflight")
+_log = get_logger("unison.recipe.preflight")
 
 
 def preflight(config: Config, resolved: Resolved) -> None:
@@ -36,7 +36,7 @@ def preflight(config: Config, resolved: Resolved) -> None:
     (``training.path`` or ``logging.root``) can be written; builds the model on the
     ``meta`` device (no memory, no data), the optimizer on its parameters and the
     scheduler on that optimizer, and the validation metrics. The data builder is not
-    called (it may be expensive): :func:`~unison.cli.resolve.resolve` checked its signature.
+    called (it may be expensive): :func:`~unison.recipe.resolve.resolve` checked its signature.
 
     Raises:
         ConfigError: naming the file, line and key of the first problem.
@@ -69,7 +69,9 @@ def _check_shard_rule(config: Config, model: nn.Module, refs: _References) -> No
     try:
         named_units(model, [shard] if isinstance(shard, str) else list(shard))
     except ValueError as err:
-        raise refs.error("parallel.fsdp.shard", str(err).replace("parallel.fsdp.shard names", "names")) from None
+        raise refs.error(
+            "parallel.fsdp.shard", str(err).replace("parallel.fsdp.shard names", "names")
+        ) from None
 
 
 def _check_find_unused(config: Config, refs: _References) -> None:

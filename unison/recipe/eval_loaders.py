@@ -6,7 +6,7 @@ left out falls back to the section before it: testing to validation, validation 
 training (``batch_size``, ``pin_memory``, ``prefetch_factor``; workers default to 0 for
 validation). Each rank's shard comes from an :class:`~unison.distributed.EvalSampler`
 (no padding, each sample once), so metrics are exact, unless ``drop_last`` drops each
-rank's last incomplete batch: :mod:`unison.cli.accepted` warns about that once.
+rank's last incomplete batch: :mod:`unison.recipe.accepted` warns about that once.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ from urllib.parse import urlsplit
 
 import torch
 
-from unison.cli.references import _References
 from unison.config import Config, ConfigError, PyObjectRef
 from unison.distributed import get_rank, get_world_size
 from unison.handlers.mlflow import MLflowLogger
@@ -44,6 +43,7 @@ from unison.handlers.mlflow_store import (
     recorded_run,
 )
 from unison.handlers.mlflow_store import key as metric_key
+from unison.recipe.references import _References
 from unison.utils import get_logger
 from unison.utils.confine import ConfinementError, confined_path
 from unison.utils.git import git_commit
@@ -51,10 +51,10 @@ from unison.utils.secrets import MASK, redact_url
 from unison.utils.version import __version__
 
 if TYPE_CHECKING:
-    from unison.cli.steps import RunParts
-    from unison.cli.tune_space import SweepPlan
+    from unison.recipe.steps import RunParts
+    from unison.recipe.tune_space import SweepPlan
 
-_log = get_logger("unison.cli.run")
+_log = get_logger("unison.recipe.run")
 
 EXTRA = "pip install 'unison[mlflow]'"
 URL_SCHEMES = ("http", "https", "databricks", "databricks-uc", "postgresql", "mysql", "mssql")
@@ -270,7 +270,9 @@ def log_test_metrics(config: Config, run_dir: Path, metrics: dict[str, float]) -
     client = make_client(uri)
     run_id = recorded_run(client, run_dir / RUN_FILE)
     if run_id is None:
-        _log.warning("MLflow: no run recorded in %s; the test metrics are not logged there", run_dir / RUN_FILE)
+        _log.warning(
+            "MLflow: no run recorded in %s; the test metrics are not logged there", run_dir / RUN_FILE
+        )
         return
     for name, value in metrics.items():
         client.log_metric(run_id, metric_key(f"test/{name}"), float(value))

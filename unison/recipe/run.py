@@ -1,0 +1,337 @@
+"""``unison run``: a validated config, trained on every rank, then tested; the run's phases.
+
+A run takes three modules, one idea each:
+
+- :mod:`unison.recipe.resolve`: everything a config names is imported and type-checked in
+  the launching process, before any rank is spawned (:func:`~unison.recipe.resolve.resolve`);
+- :mod:`unison.recipe.steps`: each rank builds the same objects and attaches the same
+  handlers, one named step at a time, into a :class:`~unison.recipe.steps.RunParts`
+  (:func:`~unison.recipe.steps.build_run`): data, model, optimizer and scheduler, trainer,
+  evaluator, handlers;
+- this module: :func:`run` launches the ranks; each runs :func:`train_from_config`, which
+  picks the run directory and its log files, builds the run, resumes it
+  (:func:`resume_run`), trains, collects the results (:func:`collect_results`) and takes
+  the test phase (:func:`~unison.recipe.finish.finish_run`: test set, predictions, the
+  recipe's hook, ``metrics.json``), unless the caller's ``attach`` says the run ended before
+  it (a pruned trial of a sweep).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from unison.checkpoint.lock import hold_folder
+from unison.config import Config, dump_config, load_config
+from unison.distributed import (
+    barrier,
+    broadcast_object,
+    detect_launcher,
+    get_rank,
+    get_world_size,
+    launch,
+)
+from unison.recipe.accepted import report_accepted
+from unison.recipe.changes import check_resume, record
+from unison.recipe.finish import RunContext as RunContext
+from unison.recipe.finish import evaluate_test_set as evaluate_test_set
+from unison.recipe.finish import finish_run, skip_test_phase
+from unison.recipe.finish import write_predictions as write_predictions
+from unison.recipe.history import RunHistory
+from unison.recipe.preflight import check_port, preflight
+from unison.recipe.resolve import Resolved, resolve
+from unison.recipe.resume_values import apply_on_resume
+from unison.recipe.run_folder import new_run_folder, refuse_if_held
+from unison.recipe.steps import RunParts, build_run
+from unison.utils import get_logger
+from unison.utils.logging import console_level
+from unison.utils.secrets import RedactingFilter, redact_url
+
+_log = get_logger(__name__)
+
+Attach = Callable[[RunParts], Callable[[], str | None] | None]
+"""``attach(parts)`` of :func:`train_from_config`: attaches the caller's handlers; it may return
+``ended_early()``, asked once training returns: why the run takes no test phase, or None."""
+
+
+class ResumeError(ValueError):
+    """A ``--resume`` that names no run to continue; raised before any rank is spawned."""
+
+
+RUN_MARKER = ".unison-run"
+"""The file that marks a folder as a unison run folder (written when the run is created)."""
+
+
+def is_run_dir(folder: Path) -> bool:
+    """Whether ``folder`` is a unison run folder: it has the marker, or a checkpoint manifest."""
+    return (folder / RUN_MARKER).is_file() or (folder / "checkpoints" / "manifest.json").is_file()
+
+
+def previous_run(config: Config, resume: str | None) -> tuple[Path, str] | None:
+    """The run a ``resume`` continues, and what to resume it from; None for a fresh run.
+
+    ``"auto"``: the newest run of this config's name with a checkpoint manifest (None when
+    there is none); a checkpoint file inside a run folder (``<run>/checkpoints/<file>``); or
+    a run folder. Reads the filesystem only, so it runs before any rank is spawned.
+
+    Raises:
+        ResumeError: when ``resume`` names a path that does not exist, or one that is not in
+            a unison run folder (a run is never resumed, and nothing is written, elsewhere).
+    """
+    if resume is None:
+        return None
+    if resume == "auto":
+        root = Path(config.training.path or config.logging.root) / config.name
+        previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order)
+        return (previous[-1].parent.parent, "auto") if previous else None
+    target = Path(resume)
+    expected = "a checkpoint (<run>/checkpoints/<name>.pt, or a sharded <name>.dcp), a run folder, or 'auto'"
+    if not target.exists():
+        raise ResumeError(f"--resume {resume}: no such file or folder. Give {expected}.")
+    if target.is_file() or target.suffix == ".dcp":  # a checkpoint file, or a sharded checkpoint's folder
+        run_dir = target.parent.parent
+        if target.parent.name != "checkpoints" or not is_run_dir(run_dir):
+            raise ResumeError(
+                f"--resume {resume}: this checkpoint is not in a unison run folder (<run>/checkpoints/<name>, the "
+                f"run holding {RUN_MARKER} or checkpoints/manifest.json), so there is no run to continue and "
+                f"nothing may be written beside it. Give {expected}."
+            )
+        return run_dir, str(target)
+    for run_dir in (target, target.parent):
+        if is_run_dir(run_dir) and (run_dir == target or target.name == "checkpoints"):
+            return run_dir, "auto"
+    raise ResumeError(
+        f"--resume {resume}: this folder is not a unison run folder (it holds neither {RUN_MARKER} nor "
+        f"checkpoints/manifest.json). Give {expected}."
+    )
+
+
+def _run_dir(config: Config, resume: str | None) -> tuple[Path, str | None]:
+    """Rank 0 picks the run directory (and the checkpoint to resume); every rank gets it."""
+    choice: tuple[str, str | None] | None = None
+    if get_rank() == 0:
+        found = previous_run(config, resume)
+        if found is not None:
+            choice = (str(found[0]), found[1])
+        else:
+            root = Path(config.training.path or config.logging.root) / config.name
+            run_dir = new_run_folder(root, time.strftime("%Y%m%d-%H%M%S"))  # made now: never shared
+            choice = (str(run_dir), None)
+            if resume == "auto":
+                _log.info("resume=auto: no earlier run of %r under %s; starting fresh.", config.name, root)
+    choice = broadcast_object(choice)
+    assert choice is not None
+    return Path(choice[0]), choice[1]
+
+
+def _run_order(manifest: Path) -> tuple[str, int]:
+    """Run folders in the order they were made: ``<stamp>``, ``<stamp>-1``, ..., ``<stamp>-10``."""
+    head, _, tail = manifest.parent.parent.name.rpartition("-")
+    if head and tail.isdigit() and "-" in head:  # <date>-<time>-<n>
+        return head, int(tail)
+    return manifest.parent.parent.name, 0
+
+
+def _file_logging(run_dir: Path) -> logging.Handler:
+    """Copies the ``unison`` logger's records to ``run_dir/logs/rank<N>.log``; returns the handler."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(logs / f"rank{get_rank()}.log")
+    handler.setFormatter(
+        logging.Formatter(f"[rank {get_rank()}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    handler.addFilter(RedactingFilter())
+    logging.getLogger("unison").addHandler(handler)
+    return handler
+
+
+def train_from_config(
+    config: Config, resume: str | None = None, attach: Attach | None = None, quiet: bool = False
+) -> dict[str, Any]:
+    """Runs on every rank: builds the run a config describes, trains, tests, and returns results.
+
+    ``attach(parts)``, when given, runs on every rank once the run is built, before it resumes
+    and trains: it attaches handlers of the caller's own (``unison tune`` attaches pruning), and
+    may return ``ended_early()``: a reason there (the same on every rank) skips the test phase.
+    ``quiet`` keeps all but errors off the console; the run's log files keep everything
+    (``unison tune`` prints one line per trial).
+
+    Distributed:
+        Call it on every rank (``launch`` does): it is full of collectives.
+    """
+    with console_level(logging.ERROR if quiet else None):
+        return _in_run_folder(config, resume, attach)
+
+
+def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) -> dict[str, Any]:
+    """:func:`train_from_config` inside the run folder it picks and holds, logging to its files."""
+    resolved = resolve(config)
+    run_dir, resume_from = _run_dir(config, resume)
+    with hold_folder(run_dir):  # one job per run folder (unison.checkpoint.lock): refused on every rank
+        if get_rank() == 0:
+            (run_dir / RUN_MARKER).touch()
+            if resume_from is not None:
+                _record_changes(config, run_dir)
+            (run_dir / "config.yaml").write_text(redact_url(dump_config(config)))  # URL credentials masked
+        barrier()  # the folder exists before any rank writes into it
+        log_file = _file_logging(run_dir)
+        try:
+            return _train(config, resolved, run_dir, resume_from, attach)
+        finally:
+            logging.getLogger("unison").removeHandler(log_file)
+            log_file.close()
+
+
+def _record_changes(config: Config, run_dir: Path) -> None:
+    """Rank 0: logs and records what changed since the saved run (refusals happened before spawn)."""
+    changes = check_resume(config, run_dir)
+    for change in changes:
+        _log.warning("changed on resume: %s", change)
+    if changes:
+        record(run_dir, changes)
+
+
+def _train(
+    config: Config,
+    resolved: Resolved,
+    run_dir: Path,
+    resume_from: str | None,
+    attach: Attach | None = None,
+) -> dict[str, Any]:
+    """Builds the run in its steps, resumes it when asked, trains, then tests and writes results."""
+    world = get_world_size()
+    _log.info("run directory: %s (world size %d)", run_dir, world)
+    report_accepted(config)  # keys of other trainers' configs that are not needed here, once
+    parts = build_run(config, resolved, run_dir, world)
+    ended_early = attach(parts) if attach is not None else None
+    t = config.training
+    resumed = apply_on_resume(
+        config, resolved, parts, resume_run(parts, resume_from)
+    )  # the config's values win
+    if resumed is not None and parts.trainer.is_complete(t.max_epochs):
+        _log.info(
+            "the run in %s is complete (epoch %d of %d): nothing to do, nothing written. Set a larger "
+            "training.max_epochs to train further.",
+            run_dir,
+            parts.trainer.state.epoch,
+            t.max_epochs,
+        )
+        RunHistory(run_dir, parts.history).restore(
+            parts.trainer.state.epoch
+        )  # the run's rows, as metrics.json has
+        return {**collect_results(parts, run_dir, world), "complete": True}
+    parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
+    results = collect_results(parts, run_dir, world)
+    why = ended_early() if ended_early is not None else None
+    if why is not None:  # a pruned trial: its test set is not the sweep's to measure
+        skip_test_phase(run_dir, results, why)
+    else:
+        finish_run(config, resolved, parts, run_dir, results)
+    return results
+
+
+def resume_run(parts: RunParts, resume_from: str | None) -> Path | None:
+    """Resume: loads ``resume_from`` (``"auto"`` or a checkpoint file) into the parts.
+
+    Nothing happens without a checkpoint handler or without ``resume_from``.
+
+    Returns:
+        The checkpoint file resumed from, or None for a fresh start.
+
+    Distributed:
+        Collective: call on every rank, before ``parts.trainer.run``.
+    """
+    if parts.checkpoint is None or resume_from is None:
+        return None
+    return parts.checkpoint.resume(resume_from)
+
+
+def collect_results(parts: RunParts, run_dir: Path, world_size: int) -> dict[str, Any]:
+    """The results of training: counters, final training loss and validation metrics, history."""
+    trainer, evaluator = parts.trainer, parts.evaluator
+    return {
+        "run_dir": str(run_dir),
+        "world_size": world_size,
+        "epochs": trainer.state.epoch,
+        "iterations": trainer.state.iteration,
+        "train_loss": trainer.state.metrics.get("loss"),
+        "validation": {k: v for k, v in evaluator.state.metrics.items() if isinstance(v, float)},
+        "history": parts.history,
+    }
+
+
+def run(
+    config: Config | str | os.PathLike[str],
+    *,
+    nproc: int | None = None,
+    overrides: list[str] | None = None,
+    resume: str | None = None,
+) -> dict[str, Any]:
+    """Trains what a config describes: spawned locally, or as one rank under torchrun/SLURM.
+
+    The config is read, validated and every ``!pyobject`` resolved here, before any rank
+    starts: a mistake fails at once, naming the file, the line and the key.
+
+    Args:
+        config: a config file, or a :class:`~unison.config.Config`.
+        nproc: ranks to spawn; default ``parallel.nproc_per_node`` (ignored under a
+            launcher, which has started the ranks already).
+        overrides: ``KEY.PATH=VALUE`` settings, as ``--set`` on the command line.
+        resume: ``"auto"`` (the newest run of this config's name with a checkpoint),
+            a checkpoint file, or a run directory.
+
+    Returns:
+        Rank 0's results: run directory, final metrics, history (and test metrics).
+    """
+    if not isinstance(config, Config):
+        config = load_config(config, overrides)
+    elif overrides:
+        raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
+    preflight(config, resolve(config))  # fail before spawning: every slot, kwargs, the model on meta
+    found = previous_run(config, resume)
+    if found is not None:
+        check_resume(config, found[0])  # a change no checkpoint can follow fails here, not in a rank
+    launcher = detect_launcher()
+    if launcher.kind != "none":
+        if nproc is not None:
+            raise ValueError(
+                f"--nproc {nproc} was given, but this process is already one rank started by {launcher.describe()}; "
+                "leave --nproc out under torchrun or srun."
+            )
+        nproc_per_node = None
+    else:
+        nproc_per_node = nproc if nproc is not None else config.parallel.nproc_per_node
+        check_port(config)  # a busy port fails here, not after the ranks started
+        refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
+    return launch_config(config, resume, nproc_per_node)[0]
+
+
+def launch_config(
+    config: Config,
+    resume: str | None,
+    nproc_per_node: int | None,
+    attach: Attach | None = None,
+    start_method: str = "spawn",
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
+    """Runs :func:`train_from_config` on every rank, started with the config's ``parallel`` keys
+    (its address and port only when unison spawns the ranks); returns each rank's results.
+    ``quiet``: the ranks print errors only (their log files keep everything)."""
+    p = config.parallel
+    return launch(
+        train_from_config,
+        config,
+        resume,
+        attach,
+        quiet,
+        nproc_per_node=nproc_per_node,
+        backend=p.backend,
+        timeout=p.timeout,
+        master_addr=p.master_addr,
+        master_port=None if p.master_port is None else int(p.master_port),
+        start_method=start_method,
+    )
