@@ -183,6 +183,13 @@ def _user_function(obj: Any, via_user: bool, scope: Scope) -> bool:
     return _function(obj) and scope.is_users(obj)
 
 
+def _data_function(obj: Any, via_user: bool, scope: Scope) -> bool:
+    """A function of the user's, or a callable object (not a class) their module holds."""
+    if _function(obj):
+        return scope.is_users(obj)
+    return via_user and callable(obj) and not isinstance(obj, (type, types.ModuleType))
+
+
 def _early_stopping(obj: Any, via_user: bool, scope: Scope) -> bool:
     names = {f"{c.__module__}.{c.__qualname__}" for c in getattr(obj, "__mro__", ())}  # config imports no handlers
     return isinstance(obj, type) and "unison.handlers.early_stopping.EarlyStopping" in names
@@ -226,6 +233,11 @@ SLOTS: dict[str, Slot] = {
         "write `def build(seed, ...)` returning (train, val[, test]) datasets in a module beside the config",
     ),
     "hook": Slot(_USER + ": fn(context)", _user_function, "write the hook in a module beside the config"),
+    "data_function": Slot(
+        _USER + ", or a callable object one of them holds (a reader, a transform of a file-backed dataset)",
+        _data_function,
+        "write the function in a module beside the config",
+    ),
     "early_stopping": Slot(
         "unison.handlers.EarlyStopping (also named EarlyStopping or DefaultEarlyStopping), or a subclass of it",
         _early_stopping,

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from unison.config.data_config import DataConfig
 from unison.config.loader import KeyPath, PyObjectRef
 from unison.config.mlflow_config import MLflowConfig
 from unison.config.origin import NO_ORIGIN, Origin
@@ -200,14 +201,6 @@ class ModelConfig:
         slot="model",
     )
     kwargs: dict[str, Any] = option({}, "keyword arguments of the model")
-
-
-@dataclass
-class DataConfig:
-    build: PyObjectRef | None = option(
-        None, "fn(seed, **kwargs) -> (train, val, test) datasets; test may be None", slot="data"
-    )
-    kwargs: dict[str, Any] = option({}, "keyword arguments of build")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 
 from unison.config.checks_base import matches, metric_direction, takes_float
 from unison.config.compat import apply_compat
+from unison.config.data_config import check_data
 from unison.config.loader import KeyPath, RawConfig
 from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
 from unison.config.tuning import check_tuning
@@ -78,6 +79,9 @@ def validate(raw: RawConfig) -> Config:
     """
     config = _build(Config, raw.data, raw, ())
     for path in REQUIRED:
+        if path == ("data", "build"):
+            check_data(config.data, raw)  # data.build, or data.files and data.reader
+            continue
         section = getattr(config, path[0])
         if getattr(section, path[1]) is None:
             raise raw.origin.error(

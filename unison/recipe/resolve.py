@@ -23,11 +23,13 @@ import torch
 from torch import nn
 
 from unison.config import Config, ConfigError, PyObjectRef, resolve_tree
+from unison.config.data_config import uses_files
 from unison.config.names import resolve_name
 from unison.config.usercode import describe
 from unison.metrics import Loss
 from unison.recipe.dead_keys import unowned
 from unison.recipe.early_stop import early_stopping_slot
+from unison.recipe.file_data import file_data_slots
 from unison.recipe.references import _References
 
 
@@ -280,7 +282,10 @@ def _checked_factory(fn: Callable[..., Any], refs: _References) -> Callable[...,
 
 
 def _data_slots(config: Config, refs: _References) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """``data.build`` (a function of the user's returning the datasets) and ``data.kwargs``."""
+    """``data.build`` (a function of the user's returning the datasets) and ``data.kwargs``; with
+    ``data.files``, the file-backed dataset that takes its place (:mod:`unison.recipe.file_data`)."""
+    if uses_files(config.data):
+        return file_data_slots(config, refs), {}
     build = refs.ref(config.data.build, "data", "data.build")
     kwargs = refs.tree(config.data.kwargs, "data.kwargs")
     refs.bind(
