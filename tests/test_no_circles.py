@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ACYCLIC = ("unison.checkpoint", "unison.config", "unison.engine")
+ACYCLIC = ("unison.checkpoint", "unison.config", "unison.engine", "unison.recipe")
 """Packages whose modules import each other one way only."""
 
 

@@ -16,8 +16,10 @@ from torch.utils.data import TensorDataset
 
 from unison.config import Config
 from unison.metrics import Accuracy, Loss
+from unison.recipe.parts import Datasets, RunParts
+from unison.recipe.plan import RunPlan, plan
 from unison.recipe.resolve import Resolved
-from unison.recipe.steps import Datasets, RunParts, build_run
+from unison.recipe.steps import build_run
 
 
 def tiny_datasets(seed: int, n: int = 24, test: bool = True) -> tuple[TensorDataset, ...]:
@@ -64,6 +66,11 @@ def datasets() -> Datasets:
     return Datasets(*tiny_datasets(0))
 
 
+def planned(c: Config, r: Resolved | None = None) -> RunPlan:
+    """The plan of ``c`` with what ``resolve`` returns for the small classifier (or ``r``)."""
+    return plan(c, r if r is not None else resolved())
+
+
 def parts_of(c: Config, r: Resolved, run_dir: Path) -> RunParts:
     """Every build step, in order, at world size 1."""
-    return build_run(c, r, run_dir, world_size=1)
+    return build_run(plan(c, r), run_dir, world_size=1)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _cli_parts import config, resolved
+from _cli_parts import config, planned, resolved
 
 from unison.config.schema import LRScalingConfig
 from unison.distributed import get_world_size, prepare_model, unwrap_model
@@ -36,7 +36,7 @@ def effective_lrs(batch_size: int, max_epochs: int = 5) -> dict[str, Any]:
         c.training.max_epochs = max_epochs
         c.training.lr_scaling = form
         with tempfile.TemporaryDirectory() as run_dir:
-            parts = build_run(c, resolved(), Path(run_dir), get_world_size())
+            parts = build_run(planned(c), Path(run_dir), get_world_size())
             used: list[float] = []
             parts.optimizer.register_step_pre_hook(
                 lambda opt, a, k, used=used: used.append(opt.param_groups[0]["lr"])

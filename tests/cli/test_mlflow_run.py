@@ -23,16 +23,9 @@ from unison.cli import main
 from unison.config import ConfigError, load_config
 from unison.config.mlflow_config import MLflowConfig
 from unison.recipe.run import collect_results
-from unison.recipe.tracking import (
-    RUN_FILE,
-    SweepRun,
-    check_tracking,
-    git_commit,
-    params_of,
-    run_tags,
-    store,
-    trial_overrides,
-)
+from unison.recipe.tracking import RUN_FILE, git_commit, params_of, run_tags
+from unison.recipe.tracking_store import check_tracking, store
+from unison.recipe.tracking_sweep import SweepRun, trial_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240
@@ -358,4 +351,5 @@ def test_mlflow_is_imported_inside_functions_only() -> None:
         "unison/handlers/mlflow.py",
         "unison/handlers/mlflow_store.py",
         "unison/recipe/tracking.py",
+        "unison/recipe/tracking_sweep.py",
     }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli_parts import config, datasets, parts_of, resolved
+from _cli_parts import config, datasets, parts_of, planned, resolved
 from _procs import run_in_session
 
 import unison.recipe.steps
@@ -39,7 +39,7 @@ BLOCK = ROOT / "tests" / "config" / "data" / "quantumgrav_ddp.yaml"
 def test_optimizer_args_reach_the_optimizer_after_the_parameters() -> None:
     c = config()
     r = resolved(optimizer_type=torch.optim.SGD, optimizer_kwargs={"momentum": 0.5}, optimizer_args=[0.05])
-    optimizer, _ = build_optimizer(c, r, torch.nn.Linear(4, 2), world_size=1)
+    optimizer, _ = build_optimizer(planned(c, r), torch.nn.Linear(4, 2), world_size=1)
     assert (optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["momentum"]) == (0.05, 0.5)
 
 
@@ -90,7 +90,7 @@ def test_the_test_phase_reads_the_testing_sections_loader(tmp_path: Path) -> Non
     c.testing.batch_size, c.testing.drop_last = 4, True
     r = resolved()
     parts = parts_of(c, r, tmp_path)
-    values = evaluate_test_set(c, r, parts)
+    values = evaluate_test_set(planned(c, r), parts)
     x, y = parts.datasets.test[:4]
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(parts.model(x), y).item()
@@ -176,18 +176,18 @@ def test_default_early_stopping_with_kwargs_stops_the_run(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: 'cuda' is a device here")
 def test_cuda_on_a_cpu_machine_fails_before_spawn_naming_the_override(tmp_path: Path) -> None:
     from unison.config import ConfigError
+    from unison.recipe.plan import plan
     from unison.recipe.preflight import preflight
-    from unison.recipe.resolve import resolve
 
     path = _user_config(tmp_path, "!pyobject qg_user.compute_loss")
     config = load_config(path, [f"training.path={tmp_path}"])
     with pytest.raises(ConfigError) as info:
-        preflight(config, resolve(config))
+        preflight(plan(config))
     line = next(i for i, row in enumerate(path.read_text().splitlines(), 1) if 'device: "cuda"' in row)
     assert str(info.value).startswith(f"{path}:{line}: training.device: 'cuda' asks for cuda")
     assert "--set training.device=cpu" in str(info.value)
     config = load_config(path, [f"training.path={tmp_path}", "training.device=cpu"])
-    preflight(config, resolve(config))
+    preflight(plan(config))
 
 
 # -- the guide's block, end to end ---------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _cli_parts import config
 
 from unison.recipe.run import ResumeError, previous_run
 
@@ -20,7 +19,7 @@ def _run(tmp_path: Path) -> Path:
 def test_a_sharded_checkpoint_folder_names_its_run_and_itself(tmp_path: Path) -> None:
     run = _run(tmp_path)
     folder = run / "checkpoints" / "ckpt-e0001-i000000010.dcp"
-    assert previous_run(config(), str(folder)) == (run, str(folder))
+    assert previous_run(Path("runs/run"), str(folder)) == (run, str(folder))
 
 
 def test_a_sharded_checkpoint_folder_outside_a_run_is_refused(tmp_path: Path) -> None:
@@ -29,4 +28,4 @@ def test_a_sharded_checkpoint_folder_outside_a_run_is_refused(tmp_path: Path) ->
     with pytest.raises(
         ResumeError, match=r"this checkpoint is not in a unison run folder .*\.pt, or a sharded <name>\.dcp"
     ):
-        previous_run(config(), str(stray))
+        previous_run(Path("runs/run"), str(stray))

@@ -87,14 +87,14 @@ def test_schedulers_that_set_the_lr_get_their_lr_arguments_scaled() -> None:
     from torch.optim.lr_scheduler import CyclicLR, OneCycleLR, StepLR
 
     from unison.config import Config
-    from unison.recipe.lr_scaling import scaled_scheduler_kwargs
+    from unison.recipe.lr_scaling import lr_plan, scaled_scheduler_kwargs
 
     c = Config()
     c.training.lr_scaling = "linear"
-    one_cycle = scaled_scheduler_kwargs(c, OneCycleLR, {"max_lr": 0.1, "total_steps": 10}, 3)
+    one_cycle = scaled_scheduler_kwargs(lr_plan(c, 3), OneCycleLR, {"max_lr": 0.1, "total_steps": 10})
     assert one_cycle["max_lr"] == pytest.approx(0.3) and one_cycle["total_steps"] == 10
-    cyclic = scaled_scheduler_kwargs(c, CyclicLR, {"base_lr": 0.01, "max_lr": [0.1]}, 2)
+    cyclic = scaled_scheduler_kwargs(lr_plan(c, 2), CyclicLR, {"base_lr": 0.01, "max_lr": [0.1]})
     assert cyclic["base_lr"] == pytest.approx(0.02) and cyclic["max_lr"] == [pytest.approx(0.2)]
-    assert scaled_scheduler_kwargs(c, StepLR, {"step_size": 1}, 2) == {"step_size": 1}
+    assert scaled_scheduler_kwargs(lr_plan(c, 2), StepLR, {"step_size": 1}) == {"step_size": 1}
     c.training.lr_scaling = "none"
-    assert scaled_scheduler_kwargs(c, OneCycleLR, {"max_lr": 0.1}, 3) == {"max_lr": 0.1}
+    assert scaled_scheduler_kwargs(lr_plan(c, 3), OneCycleLR, {"max_lr": 0.1}) == {"max_lr": 0.1}

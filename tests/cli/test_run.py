@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cli_parts import config, parts_of, resolved
+from _cli_parts import config, parts_of, planned, resolved
 
 from unison.recipe.run import collect_results, finish_run, resume_run
+
+RUNS = Path("runs/run")
+"""The folder of a config's runs (``plan.run_root``): read only by ``--resume auto``."""
 
 # -- resume ------------------------------------------------------------------------------------
 
@@ -43,7 +46,7 @@ def test_a_run_built_in_steps_trains_validates_tests_and_writes_results(tmp_path
     resume_run(parts, None)
     parts.trainer.run(parts.train_loader, max_epochs=c.training.max_epochs)
     results = collect_results(parts, tmp_path, 1)
-    finish_run(c, r, parts, tmp_path, results)
+    finish_run(planned(c, r), parts, tmp_path, results)
 
     assert (results["epochs"], results["iterations"]) == (2, 6)
     assert [row["epoch"] for row in results["history"]] == [1, 2]
@@ -68,9 +71,9 @@ def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path: Path) -> N
 
     c = config(tmp_path)
     c.training.max_epochs = 2
-    first = _train(c, resolved(), tmp_path, None)
+    first = _train(planned(c), tmp_path, None)
     before = _files(tmp_path)
-    again = _train(c, resolved(), tmp_path, "auto")
+    again = _train(planned(c), tmp_path, "auto")
     assert again["complete"] and (again["epochs"], again["iterations"]) == (2, 6)
     assert again["history"] == first["history"] and [row["epoch"] for row in first["history"]] == [1, 2]
     assert _files(tmp_path) == before  # no checkpoint, metrics or predictions rewritten
@@ -82,9 +85,9 @@ def test_a_finished_run_resumed_with_more_epochs_goes_on_from_its_end(tmp_path: 
 
     c = config(tmp_path)
     c.training.max_epochs = 2
-    _train(c, resolved(), tmp_path, None)
+    _train(planned(c), tmp_path, None)
     c.training.max_epochs = 3
-    more = _train(c, resolved(), tmp_path, "auto")
+    more = _train(planned(c), tmp_path, "auto")
     assert "complete" not in more
     assert (more["epochs"], more["iterations"]) == (3, 9)
     assert [row["epoch"] for row in more["history"]] == [
@@ -109,7 +112,7 @@ def test_resume_of_a_missing_path_is_an_error_not_a_fresh_run(tmp_path: Path) ->
     from unison.recipe.run import ResumeError, previous_run
 
     with pytest.raises(ResumeError, match=r"--resume .*nope.pt: no such file or folder"):
-        previous_run(config(), str(tmp_path / "nope.pt"))
+        previous_run(RUNS, str(tmp_path / "nope.pt"))
 
 
 def test_a_checkpoint_outside_a_run_folder_is_refused(tmp_path: Path) -> None:
@@ -122,21 +125,21 @@ def test_a_checkpoint_outside_a_run_folder_is_refused(tmp_path: Path) -> None:
     stray = project / "weights" / "model.pt"
     stray.write_bytes(b"x")
     with pytest.raises(ResumeError, match="not in a unison run folder"):
-        previous_run(config(), str(stray))
+        previous_run(RUNS, str(stray))
     with pytest.raises(ResumeError, match="not a unison run folder"):
-        previous_run(config(), str(project))
+        previous_run(RUNS, str(project))
 
 
 def test_a_run_folder_and_its_checkpoints_resume(tmp_path: Path) -> None:
     from unison.recipe.run import _train, previous_run
 
     c = config(tmp_path)
-    _train(c, resolved(), tmp_path, None)
+    _train(planned(c), tmp_path, None)
     (tmp_path / ".unison-run").touch()
     newest = sorted((tmp_path / "checkpoints").glob("*.pt"))[-1]
-    assert previous_run(c, str(tmp_path)) == (tmp_path, "auto")
-    assert previous_run(c, str(tmp_path / "checkpoints")) == (tmp_path, "auto")
-    assert previous_run(c, str(newest)) == (tmp_path, str(newest))
+    assert previous_run(RUNS, str(tmp_path)) == (tmp_path, "auto")
+    assert previous_run(RUNS, str(tmp_path / "checkpoints")) == (tmp_path, "auto")
+    assert previous_run(RUNS, str(newest)) == (tmp_path, str(newest))
 
 
 def test_a_hook_that_fails_after_training_loses_no_results(tmp_path: Path) -> None:
@@ -147,6 +150,6 @@ def test_a_hook_that_fails_after_training_loses_no_results(tmp_path: Path) -> No
         raise RuntimeError("the hook broke")
 
     with pytest.raises(RuntimeError, match="the hook broke"):
-        _train(config(tmp_path), resolved(after_training=broken), tmp_path, None)
+        _train(planned(config(tmp_path), resolved(after_training=broken)), tmp_path, None)
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert written["epochs"] == 1 and "validation" in written and "from_hook" not in written

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli_parts import config, datasets, parts_of, resolved, tiny_datasets
+from _cli_parts import config, datasets, parts_of, planned, resolved, tiny_datasets
 from torch.nn import functional as F
 
 from unison.config import ConfigError
@@ -120,7 +120,7 @@ def test_training_lr_overrides_the_optimizer_kwargs_then_scales(
     c.training.lr = 0.5
     c.training.lr_scaling = rule  # type: ignore[assignment]
     model = build_model(c, resolved())
-    optimizer, scheduler = build_optimizer(c, resolved(), model, world)
+    optimizer, scheduler = build_optimizer(planned(c), model, world)
     assert isinstance(optimizer, torch.optim.SGD) and scheduler is None
     assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
 
@@ -128,7 +128,7 @@ def test_training_lr_overrides_the_optimizer_kwargs_then_scales(
 def test_build_optimizer_makes_the_scheduler_of_the_optimizer() -> None:
     r = resolved(scheduler_type=torch.optim.lr_scheduler.StepLR, scheduler_kwargs={"step_size": 2})
     model = build_model(config(), r)
-    optimizer, scheduler = build_optimizer(config(), r, model, 1)
+    optimizer, scheduler = build_optimizer(planned(config(), r), model, 1)
     assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.optimizer is optimizer
 
 
@@ -141,7 +141,7 @@ def test_the_trainer_steps_as_the_training_section_asks() -> None:
     c.training.clip_grad_norm = 1.5
     r = resolved()
     model = build_model(c, r)
-    optimizer, _ = build_optimizer(c, r, model, 1)
+    optimizer, _ = build_optimizer(planned(c, r), model, 1)
     step = build_trainer(c, r, model, optimizer).process_function
     assert isinstance(step, TrainStep)
     assert (step.optimizer, step.loss_fn, step.accumulation_steps, step.clip_grad_norm) == (

@@ -16,6 +16,7 @@ from ignite.engine import Engine
 
 import unison.handlers.mlflow as mlflow_handler
 import unison.recipe.tracking as tracking
+import unison.recipe.tracking_store as tracking_store
 from unison.config import ConfigError, load_config
 from unison.handlers.mlflow import MLflowLogger
 from unison.handlers.mlflow_store import artifacts_beside, make_client
@@ -165,7 +166,7 @@ def test_config_errors_that_quote_a_url_mask_its_password(tmp_path: Path) -> Non
     path = _config(tmp_path, epochs=1)
     bad = f"ftp://mlflow:{PASSWORD}@db.example.org/runs"
     with pytest.raises(ConfigError) as info:
-        tracking.check_tracking(load_config(path, [f'logging.mlflow.tracking_uri="{bad}"']))
+        tracking_store.check_tracking(load_config(path, [f'logging.mlflow.tracking_uri="{bad}"']))
     assert "ftp://mlflow:***@db.example.org/runs" in str(info.value) and PASSWORD not in str(info.value)
     assert PASSWORD not in info.value.problem
 
@@ -173,7 +174,7 @@ def test_config_errors_that_quote_a_url_mask_its_password(tmp_path: Path) -> Non
 def test_a_saved_config_with_its_password_masked_says_where_the_password_goes(tmp_path: Path) -> None:
     path = _config(tmp_path, epochs=1)
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_PASSWORD") as info:
-        tracking.check_tracking(
+        tracking_store.check_tracking(
             load_config(path, ['logging.mlflow.tracking_uri="postgresql://mlflow:***@db/runs"'])
         )
     assert info.value.key_path == "logging.mlflow.tracking_uri" and "PGPASSWORD" in str(info.value)

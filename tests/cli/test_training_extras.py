@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli_parts import config, parts_of, resolved
+from _cli_parts import config, parts_of, planned, resolved
 from _lr_workers import ddp_find_unused, effective_lrs, sync_batchnorm_on_cpu
 
 import unison.recipe.preflight
-import unison.recipe.resolve
 from unison.checkpoint import load_checkpoint
 from unison.config import ConfigError, load_config
 from unison.config.schema import EMAConfig, LRScalingConfig
 from unison.distributed import find_unused_from_env
 from unison.engine import create_evaluator
 from unison.metrics import Accuracy, Loss
+from unison.recipe.plan import plan
 from unison.recipe.run import collect_results, finish_run
 from unison.recipe.steps import build_model, build_optimizer
 from unison.testing import run_distributed
@@ -42,7 +42,7 @@ def _trained(tmp_path: Path, evaluate: bool = True, epochs: int = 3):
     parts = parts_of(c, r, tmp_path)
     parts.trainer.run(parts.train_loader, max_epochs=epochs)
     results = collect_results(parts, tmp_path, 1)
-    finish_run(c, r, parts, tmp_path, results)
+    finish_run(planned(c, r), parts, tmp_path, results)
     return parts, results
 
 
@@ -110,7 +110,7 @@ def test_the_optimizer_gets_the_scaled_lr(form, accumulation: int, world: int, e
     c.training.lr = 0.5
     c.training.accumulation_steps = accumulation
     c.training.lr_scaling = form
-    optimizer, _ = build_optimizer(c, resolved(), build_model(c, resolved()), world)
+    optimizer, _ = build_optimizer(planned(c), build_model(c, resolved()), world)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
 
 
@@ -118,7 +118,7 @@ def test_the_optimizers_default_lr_is_scaled_too() -> None:
     c = config()
     c.training.lr_scaling = "linear"
     r = resolved(optimizer_type=torch.optim.Adam, optimizer_kwargs={})
-    optimizer, _ = build_optimizer(c, r, build_model(c, r), 3)
+    optimizer, _ = build_optimizer(planned(c, r), build_model(c, r), 3)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 3)
 
 
@@ -135,7 +135,7 @@ def test_one_line_says_the_learning_rate() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        build_optimizer(c, resolved(), build_model(c, resolved()), 2)
+        build_optimizer(planned(c), build_model(c, resolved()), 2)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(saved)
@@ -222,11 +222,9 @@ def test_a_bad_variable_fails_before_spawn_unless_the_config_decides(
     monkeypatch.setenv("DDP_FIND_UNUSED_PARAMETERS", "maybe")
     c = load_config(_config_file(tmp_path, ""))
     with pytest.raises(ConfigError) as info:
-        unison.recipe.preflight.preflight(c, unison.recipe.resolve.resolve(c))
+        unison.recipe.preflight.preflight(plan(c))
     message = str(info.value)
     assert "parallel.find_unused_parameters" in message and "DDP_FIND_UNUSED_PARAMETERS='maybe'" in message
     assert "expected true or false" in message
     given = load_config(_config_file(tmp_path, "parallel:\n  find_unused_parameters: false\n"))
-    unison.recipe.preflight.preflight(
-        given, unison.recipe.resolve.resolve(given)
-    )  # the config decides: no error
+    unison.recipe.preflight.preflight(plan(given))  # the config decides: no error

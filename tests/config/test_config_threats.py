@@ -20,6 +20,7 @@ import unison
 import unison.recipe.preflight
 import unison.recipe.resolve
 from unison.config import ConfigError, apply_overrides, load_config, load_yaml
+from unison.recipe.plan import plan
 
 ROOT = Path(unison.__file__).resolve().parents[1]  # the subprocesses import this checkout
 
@@ -147,7 +148,7 @@ def test_a_module_beside_the_config_is_named_without_imports_and_its_function_ch
     with pytest.raises(ConfigError, match="returned a str"):
         resolved.model_type()
     with pytest.raises(ConfigError, match=r"c.yaml:2: model.type: .*returned a str"):
-        unison.recipe.preflight.preflight(load_config(path), resolved)
+        unison.recipe.preflight.preflight(plan(load_config(path), resolved))
 
 
 # -- 4. YAML bombs: refused, naming the file, in well under a second --------------------------
@@ -237,7 +238,7 @@ def test_preflight_builds_nothing_real_and_calls_no_data_builder(tmp_path):
         code.read_text().replace("def build(seed, n=8):", "def build(seed, n=8):\n    raise SystemExit(3)")
     )
     config = load_config(path)
-    unison.recipe.preflight.preflight(config, unison.recipe.resolve.resolve(config))
+    unison.recipe.preflight.preflight(plan(config))
     assert not (tmp_path / "runs").exists()
 
 

@@ -17,6 +17,7 @@ import torch
 from unison.config import ConfigError, PyObjectRef, load_config
 from unison.config.resolve import Scope
 from unison.handlers import EarlyStopping
+from unison.recipe.plan import plan
 from unison.recipe.resolve import resolve
 
 BLOCK = (Path(__file__).parent / "data" / "quantumgrav_ddp.yaml").read_text()
@@ -264,7 +265,7 @@ def test_early_stopping_type_names_unisons_handler_or_a_subclass_in_the_imports(
 def test_an_early_stopping_type_that_is_no_handler_is_refused_with_candidates(qg, name, words):
     path = qg(_user_block(**{'"DefaultEarlyStopping"': name}))
     with pytest.raises(ConfigError) as info:
-        resolve(load_config(path))
+        plan(load_config(path))
     assert str(info.value).startswith(f"{path}:{_line(path, 'type: ' + name)}: early_stopping.type: ")
     assert words in str(info.value)
 

@@ -54,10 +54,10 @@ from unison.cli.tune_server import AttachPruning, DecisionServer
 from unison.cli.tune_storage import fail_stale_trials, make_storage, optuna_quiet
 from unison.config import load_config
 from unison.distributed import detect_launcher
+from unison.recipe.plan import plan as plan_run
 from unison.recipe.preflight import check_port, preflight
-from unison.recipe.resolve import resolve
 from unison.recipe.run import launch_config
-from unison.recipe.tracking import SweepRun, sweep_tracking, trial_overrides
+from unison.recipe.tracking_sweep import SweepRun, sweep_tracking, trial_overrides
 from unison.recipe.tune_space import (
     SweepPlan,
     as_overrides,
@@ -207,7 +207,7 @@ def run_trial(
             *trial_overrides(tracking, trial.number),
         ]
         config = load_config(plan.path, [*plan.overrides, *sets, *layout])
-        preflight(config, resolve(config))
+        preflight(plan_run(config))
         _log.debug("trial %d: %s", trial.number, "  ".join(sets))  # its one line comes when it ends
         with DecisionServer(trial, plan.metric) as server:
             if detect_launcher().kind == "none" and nproc is not None:

@@ -1,7 +1,7 @@
 """How a sweep's trials ended, in MLflow: each trial's run says its state, the sweep's run the best.
 
 With ``logging.mlflow``, every trial trains into a run nested under the sweep's run
-(:func:`~unison.recipe.tracking.sweep_tracking`). Rank 0 ends that run FINISHED when training
+(:func:`~unison.recipe.tracking_sweep.sweep_tracking`). Rank 0 ends that run FINISHED when training
 returns, whatever the study makes of it; the sweep process, which tells the study how the
 trial ended, tells MLflow too (:func:`mark_trial`):
 
@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from unison.handlers.mlflow_store import key, make_client, recorded_run
-from unison.recipe.tracking import RUN_FILE, SweepRun
+from unison.recipe.tracking import RUN_FILE
+from unison.recipe.tracking_sweep import SweepRun
 from unison.utils import get_logger
 
 _log = get_logger("unison.cli.tune")

@@ -1,18 +1,20 @@
-"""The recipe layer: a config turned into checked objects, and a run built from them.
+"""The recipe layer: a config turned into a checked plan, and a run built from the plan.
 
 ``cli`` parses the command line and calls in here; ``recipe`` is the only part besides
 ``cli`` that reads a :class:`~unison.config.Config`. A run goes through three phases:
 
-- resolve (:mod:`unison.recipe.resolve`): every ``!pyobject`` slot imported and checked,
-  in the launching process;
-- preflight (:mod:`unison.recipe.preflight`): the whole run checked before any rank is
-  spawned (the model built on the meta device, the loaders' arguments, the tracking store);
-- build (:mod:`unison.recipe.steps`): each rank builds the same objects and attaches the same
-  handlers, one named step at a time.
+- plan (:func:`plan`, :mod:`unison.recipe.plan`): one pass resolves every ``!pyobject`` slot
+  and computes every value the run derives (the watched metric, amp, compile and DDP/FSDP
+  options, the learning-rate plan, the tracking store, early stopping) into a :class:`RunPlan`;
+- preflight (:mod:`unison.recipe.preflight`): the plan checked before any rank is spawned
+  (the model built on the meta device, the loaders' arguments, the tracking store);
+- build (:mod:`unison.recipe.steps`): each rank builds the same objects from the plan and
+  attaches the same handlers, one named step at a time.
 
 :func:`run` runs a config from Python, as ``unison run`` does.
 """
 
+from unison.recipe.plan import RunPlan, plan
 from unison.recipe.run import run
 
-__all__ = ["run"]
+__all__ = ["RunPlan", "plan", "run"]

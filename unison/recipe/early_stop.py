@@ -7,13 +7,15 @@ name found in the modules under ``imports:`` or a ``!pyobject`` names a subclass
 as ``type(trainer, *args, metric=..., patience=..., mode=..., ..., **kwargs)``: the
 section's keys (which :func:`unison.config.compat.apply_compat` filled from QuantumGrav's
 ``kwargs``), then what ``kwargs`` holds besides them. :func:`early_stopping_slot` checks
-that call against the class's signature before any rank starts; :func:`make_early_stopping`
-makes it on every rank.
+that call against the class's signature; :func:`early_stopping_plan` turns it, once, into the
+:class:`EarlyStoppingPlan` the run's plan holds; :func:`make_early_stopping` makes the handler
+from it on every rank.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 from ignite.engine import Engine
@@ -23,6 +25,7 @@ from unison.config.compat import EARLY_STOPPING_NAMES
 from unison.config.names import resolve_name
 from unison.handlers import EarlyStopping
 from unison.recipe.references import _References
+from unison.recipe.watched import Watched, watched_of
 
 KEY = "early_stopping.type"
 
@@ -43,13 +46,22 @@ def _handler_class(config: Config, refs: _References) -> type[EarlyStopping]:
     )
 
 
-def section_kwargs(config: Config, watched: str) -> dict[str, Any]:
-    """The handler's keyword arguments from the section's keys; the metric defaults to ``watched``."""
+@dataclass(frozen=True)
+class EarlyStoppingPlan:
+    """The handler a run builds: ``cls(trainer, *args, **kwargs)``, resolved and bound once."""
+
+    cls: type[EarlyStopping]
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+
+def section_kwargs(config: Config, watched: Watched) -> dict[str, Any]:
+    """The handler's keyword arguments from the section's keys, its metric and mode as ``watched`` says."""
     es = config.early_stopping
     return {
-        "metric": es.metric or watched,
+        "metric": watched.stop_metric,
         "patience": es.patience,
-        "mode": es.mode or config.checkpoint.mode,
+        "mode": watched.stop_mode,
         "min_delta": es.min_delta,
         "threshold_mode": es.threshold_mode,
         "cumulative_delta": es.cumulative_delta,
@@ -67,7 +79,7 @@ def _positional_names(cls: type, args: list[Any]) -> set[str]:
 
 
 def early_stopping_slot(
-    config: Config, refs: _References, watched: str = "loss"
+    config: Config, refs: _References, watched: Watched | None = None
 ) -> tuple[type[EarlyStopping], list[Any], dict[str, Any]] | None:
     """The handler class, its positional ``args`` and its other ``kwargs``; None without ``patience``.
 
@@ -86,7 +98,7 @@ def early_stopping_slot(
         resolve_tree(es.args, key="early_stopping.args", imports=scope.imports, config_dir=scope.config_dir)
     )
     extra = refs.tree(es.kwargs, "early_stopping.kwargs")
-    given = section_kwargs(config, watched)
+    given = section_kwargs(config, watched or watched_of(config))
     for name in _positional_names(cls, args):
         given.pop(name, None)
     refs.bind(
@@ -101,19 +113,30 @@ def early_stopping_slot(
     return cls, args, extra
 
 
-def make_early_stopping(config: Config, trainer: Engine, watched: str) -> EarlyStopping | None:
-    """The early stopping handler the section describes, for ``trainer``; None without ``patience``.
+def early_stopping_plan(config: Config, refs: _References, watched: Watched) -> EarlyStoppingPlan | None:
+    """The checked handler of the section, with every keyword it is built with; None without ``patience``.
 
-    Distributed:
-        Build it on every rank (and attach it to the evaluator on every rank).
+    Raises:
+        ConfigError: as :func:`early_stopping_slot`.
     """
-    slot = early_stopping_slot(config, _References.of(config), watched)
+    slot = early_stopping_slot(config, refs, watched)
     if slot is None:
         return None
     cls, args, extra = slot
     kwargs = section_kwargs(config, watched)
     for name in _positional_names(cls, args):
         kwargs.pop(name, None)
-    build: Any = cls  # a subclass may take positional arguments of its own (args)
-    stopper: EarlyStopping = build(trainer, *args, **kwargs, **extra)
+    return EarlyStoppingPlan(cls, args, {**kwargs, **extra})
+
+
+def make_early_stopping(plan: EarlyStoppingPlan | None, trainer: Engine) -> EarlyStopping | None:
+    """The early stopping handler ``plan`` describes, for ``trainer``; None without one.
+
+    Distributed:
+        Build it on every rank (and attach it to the evaluator on every rank).
+    """
+    if plan is None:
+        return None
+    build: Any = plan.cls  # a subclass may take positional arguments of its own (args)
+    stopper: EarlyStopping = build(trainer, *plan.args, **plan.kwargs)
     return stopper

@@ -18,21 +18,21 @@ from torch import nn
 from unison.checkpoint import load_checkpoint
 from unison.checkpoint.attached import attached_states
 from unison.checkpoint.loading import load_states
-from unison.config import Config
 from unison.engine import Engine
 from unison.handlers import EMA
+from unison.recipe.plan import RunPlan
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.run")
 
 
-def attach_ema(config: Config, model: nn.Module, trainer: Engine) -> EMA | None:
+def attach_ema(plan: RunPlan, model: nn.Module, trainer: Engine) -> EMA | None:
     """The average of ``training.ema``, attached to the trainer; None when it is off.
 
     Distributed:
         Every rank attaches it alike; it issues no collective (see :mod:`unison.handlers.ema`).
     """
-    e = config.training.ema
+    e = plan.config.training.ema
     if e is None:
         return None
     ema = EMA(model, e.decay, every=e.every, warmup=e.warmup)
@@ -47,13 +47,12 @@ def attach_ema(config: Config, model: nn.Module, trainer: Engine) -> EMA | None:
     return ema
 
 
-def evaluated_model(config: Config, model: nn.Module, ema: EMA | None) -> nn.Module:
+def evaluated_model(plan: RunPlan, model: nn.Module, ema: EMA | None) -> nn.Module:
     """The model a run validates, tests and predicts with: the average when ``training.ema.evaluate``."""
-    e = config.training.ema
-    return ema.module if ema is not None and e is not None and e.evaluate else model
+    return ema.module if ema is not None and plan.ema_evaluated else model
 
 
-def load_best_weights(config: Config, model: nn.Module, ema: EMA | None, trainer: Engine, path: str) -> None:
+def load_best_weights(plan: RunPlan, model: nn.Module, ema: EMA | None, trainer: Engine, path: str) -> None:
     """Loads a checkpoint's weights for testing: the model's, and the average's when it is evaluated.
 
     Either kind of checkpoint: a file, or a sharded folder (read at this run's world size).
@@ -63,7 +62,7 @@ def load_best_weights(config: Config, model: nn.Module, ema: EMA | None, trainer
     """
     state = load_checkpoint(path)
     objects: dict[str, Any] = {"model": model}
-    if evaluated_model(config, model, ema) is not model and ema is not None:
+    if evaluated_model(plan, model, ema) is not model and ema is not None:
         name = next((n for n, obj in attached_states(trainer, []).items() if obj is ema), None)
         if name is None or (name not in state["objects"] and name not in state["meta"].get("sharded", [])):
             _log.warning("the best checkpoint holds no EMA state: testing the average as training left it")

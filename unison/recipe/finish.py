@@ -24,8 +24,9 @@ from unison.engine import create_evaluator
 from unison.engine.predict import predict
 from unison.recipe.ema import evaluated_model, load_best_weights
 from unison.recipe.eval_loaders import eval_loader
-from unison.recipe.resolve import Resolved, make_metrics
-from unison.recipe.steps import RunParts
+from unison.recipe.parts import RunParts
+from unison.recipe.plan import RunPlan
+from unison.recipe.resolve import make_metrics
 from unison.recipe.tracking import log_test_metrics
 from unison.utils import get_logger
 from unison.utils.secrets import redact_url
@@ -47,9 +48,7 @@ class RunContext:
     results: dict[str, Any] = field(default_factory=dict)
 
 
-def finish_run(
-    config: Config, resolved: Resolved, parts: RunParts, run_dir: Path, results: dict[str, Any]
-) -> None:
+def finish_run(plan: RunPlan, parts: RunParts, run_dir: Path, results: dict[str, Any]) -> None:
     """Test phase: the test set, predictions, the recipe's ``hooks.after_training``, metrics.json.
 
     Adds ``test`` and ``predictions`` to ``results`` when they are made; rank 0 writes
@@ -59,12 +58,12 @@ def finish_run(
     Distributed:
         Collective: call on every rank.
     """
-    datasets = parts.datasets
+    config, resolved, datasets = plan.config, plan.resolved, parts.datasets
     if datasets.test is not None and config.testing.enabled:
-        results["test"] = evaluate_test_set(config, resolved, parts)
-        log_test_metrics(config, run_dir, results["test"])  # logging.mlflow: into the training's run
+        results["test"] = evaluate_test_set(plan, parts)
+        log_test_metrics(plan, run_dir, results["test"])  # logging.mlflow: into the training's run
     if config.predict.enabled:
-        written = write_predictions(config, parts, run_dir)
+        written = write_predictions(plan, parts, run_dir)
         if written is not None:
             results["predictions"] = str(written)
     context = RunContext(
@@ -101,7 +100,7 @@ def _write_metrics(run_dir: Path, results: dict[str, Any]) -> None:
         (run_dir / "metrics.json").write_text(redact_url(json.dumps(results, indent=2, default=str)) + "\n")
 
 
-def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> dict[str, float]:
+def evaluate_test_set(plan: RunPlan, parts: RunParts) -> dict[str, float]:
     """Test phase: evaluates the test set, with the best checkpoint's weights if ``testing.use_best``
     (with ``training.ema.evaluate``, the best checkpoint's average of them).
 
@@ -111,25 +110,22 @@ def evaluate_test_set(config: Config, resolved: Resolved, parts: RunParts) -> di
     Distributed:
         Collective: call on every rank.
     """
-    checkpoint, model = parts.checkpoint, parts.model
+    config, checkpoint, model = plan.config, parts.checkpoint, parts.model
     if config.testing.use_best and checkpoint is not None:
         best = checkpoint.best if get_rank() == 0 else None
         path = broadcast_object(None if best is None else str(checkpoint.folder / best.file))
         if path is not None:
-            load_best_weights(config, model, parts.ema, parts.trainer, path)
+            load_best_weights(plan, model, parts.ema, parts.trainer, path)
             _log.info("testing the best checkpoint %s", path)
-    metrics = make_metrics(resolved)
-    amp = config.training.amp
+    metrics = make_metrics(plan.resolved)
     test_loader = eval_loader(config, "testing", parts.datasets.test)  # the testing section's loader keys
-    tester = create_evaluator(
-        evaluated_model(config, model, parts.ema), metrics, amp=None if amp == "none" else amp
-    )
+    tester = create_evaluator(evaluated_model(plan, model, parts.ema), metrics, amp=plan.amp)
     values = {k: v for k, v in tester.run(test_loader).metrics.items() if isinstance(v, float)}
     _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
     return values
 
 
-def write_predictions(config: Config, parts: RunParts, run_dir: Path) -> Path | None:
+def write_predictions(plan: RunPlan, parts: RunParts, run_dir: Path) -> Path | None:
     """Test phase: predicts the test set (else the validation set) into ``run_dir/predictions.pt``.
 
     Returns:
@@ -138,10 +134,10 @@ def write_predictions(config: Config, parts: RunParts, run_dir: Path) -> Path | 
     Distributed:
         Collective: call on every rank; rank 0 gathers and writes.
     """
-    datasets = parts.datasets
+    config, datasets = plan.config, parts.datasets
     target = datasets.test if datasets.test is not None else datasets.val
     batch = config.predict.batch_size or config.validation.batch_size or config.training.batch_size
-    out = predict(evaluated_model(config, parts.model, parts.ema), target, batch_size=batch)
+    out = predict(evaluated_model(plan, parts.model, parts.ema), target, batch_size=batch)
     if get_rank() != 0 or out is None:
         return None
     path = run_dir / "predictions.pt"

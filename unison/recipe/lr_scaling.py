@@ -11,6 +11,7 @@ scheduler). Rank 0 logs the learning rate the run uses, once, when the optimizer
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,12 +29,25 @@ _log = get_logger("unison.recipe.run")
 
 @dataclass(frozen=True)
 class LRPlan:
-    """How a run's learning rate is scaled and warmed up."""
+    """How a run's learning rate is scaled and warmed up, at ``world_size`` ranks."""
 
     rule: str
     global_batch: int
     reference_batch: int
     warmup_steps: int
+    world_size: int = 1
+    batch_size: int = 1
+    accumulation_steps: int = 1
+
+    def at(self, world_size: int) -> LRPlan:
+        """The same plan at ``world_size`` ranks (the global batch grows with it).
+
+        Example:
+            >>> LRPlan("linear", 8, 8, 0, 1, 4, 2).at(3).global_batch
+            24
+        """
+        one_rank = self.batch_size * self.accumulation_steps
+        return dataclasses.replace(self, global_batch=world_size * one_rank, world_size=world_size)
 
 
 def lr_plan(config: Config, world_size: int) -> LRPlan:
@@ -43,14 +57,15 @@ def lr_plan(config: Config, world_size: int) -> LRPlan:
 
 def plan_of(training: Mapping[str, Any], world_size: int) -> LRPlan:
     """:func:`lr_plan` of a ``training`` section as plain data (what a checkpoint stores)."""
-    one_rank = int(training.get("batch_size", 1)) * int(training.get("accumulation_steps", 1))
+    batch, accumulation = int(training.get("batch_size", 1)), int(training.get("accumulation_steps", 1))
+    one_rank = batch * accumulation
     ls = training.get("lr_scaling", "none")
     if isinstance(ls, str):
-        return LRPlan(ls, world_size * one_rank, one_rank, 0)
-    reference = ls.get("reference_batch_size") or one_rank
-    return LRPlan(
-        ls.get("rule", "none"), world_size * one_rank, int(reference), int(ls.get("warmup_steps", 0))
-    )
+        rule, reference, warmup = ls, one_rank, 0
+    else:
+        rule, reference = ls.get("rule", "none"), int(ls.get("reference_batch_size") or one_rank)
+        warmup = int(ls.get("warmup_steps", 0))
+    return LRPlan(rule, world_size * one_rank, reference, warmup, world_size, batch, accumulation)
 
 
 SETS_LR_ITSELF = {"OneCycleLR": ("max_lr",), "CyclicLR": ("base_lr", "max_lr")}
@@ -66,12 +81,10 @@ def sets_lr_itself(scheduler_type: Any) -> bool:
     return bool(names & SETS_LR_ITSELF.keys())
 
 
-def scaled_scheduler_kwargs(
-    config: Config, scheduler_type: Any, kwargs: dict[str, Any], world_size: int
-) -> dict[str, Any]:
+def scaled_scheduler_kwargs(plan: LRPlan, scheduler_type: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` of a scheduler that sets the learning rate itself (``OneCycleLR``'s ``max_lr``,
-    ``CyclicLR``'s ``base_lr`` and ``max_lr``) scaled as ``training.lr_scaling`` says; others as given."""
-    plan = lr_plan(config, world_size)
+    ``CyclicLR``'s ``base_lr`` and ``max_lr``) scaled as ``plan`` (``training.lr_scaling`` at the
+    run's world size) says; others as given."""
     if plan.rule == "none" or not sets_lr_itself(scheduler_type):
         return kwargs
     scale = scale_lr(1.0, plan.rule, plan.global_batch, plan.reference_batch)
@@ -101,19 +114,18 @@ def default_lr(optimizer_type: type) -> float | None:
 
 
 def scaled_optimizer_kwargs(
-    config: Config, optimizer_type: type, kwargs: dict[str, Any], world_size: int, args: Sequence[Any] = ()
+    plan: LRPlan, optimizer_type: type, kwargs: dict[str, Any], args: Sequence[Any] = ()
 ) -> dict[str, Any]:
-    """``kwargs`` with ``lr`` scaled as ``training.lr_scaling`` says; logs the plan on rank 0.
+    """``kwargs`` with ``lr`` scaled as ``plan`` (``training.lr_scaling`` at the run's world size)
+    says; logs the plan on rank 0.
 
     Without ``lr`` in ``kwargs`` the optimizer's own default is scaled (when its signature
     has a number there, and no positional ``args`` could be giving it).
     """
-    plan = lr_plan(config, world_size)
     base = kwargs.get("lr", None if args else default_lr(optimizer_type))
     if base is None or isinstance(base, torch.Tensor) or (plan.rule == "none" and not plan.warmup_steps):
         return kwargs
     lr = scale_lr(float(base), plan.rule, plan.global_batch, plan.reference_batch)
-    t = config.training
     warmup = (
         f"; warmup over {plan.warmup_steps} optimizer updates, the first at {lr / plan.warmup_steps:g}"
         if plan.warmup_steps
@@ -125,22 +137,23 @@ def scaled_optimizer_kwargs(
         float(base),
         plan.rule,
         plan.global_batch,
-        world_size,
-        t.batch_size,
-        t.accumulation_steps,
+        plan.world_size,
+        plan.batch_size,
+        plan.accumulation_steps,
         plan.reference_batch,
         warmup,
     )
     return {**kwargs, "lr": lr}
 
 
-def attach_lr_warmup(config: Config, optimizer: torch.optim.Optimizer, trainer: Engine) -> LRWarmup | None:
-    """Attaches the warmup of ``training.lr_scaling.warmup_steps`` to the trainer; None without one.
+def attach_lr_warmup(plan: LRPlan, optimizer: torch.optim.Optimizer, trainer: Engine) -> LRWarmup | None:
+    """Attaches the warmup of ``plan`` (``training.lr_scaling.warmup_steps``) to the trainer; None
+    without one.
 
     Distributed:
         Every rank attaches it alike (no collective).
     """
-    steps = lr_plan(config, 1).warmup_steps
+    steps = plan.warmup_steps
     if not steps:
         return None
     warmup = LRWarmup(optimizer, steps)

@@ -1,6 +1,6 @@
 """Checking the run in the launching process, before any rank is spawned.
 
-:func:`preflight` takes what :func:`~unison.recipe.resolve.resolve` imported and builds what
+:func:`preflight` takes the run's plan (:func:`~unison.recipe.plan.plan`) and builds what
 it can without memory or data: the model on the ``meta`` device, its optimizer and
 scheduler, the validation metrics; and checks ``training.device`` against this machine
 and that the output folder can be written.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,15 +20,16 @@ from unison.distributed.env import port_is_free
 from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
 from unison.metrics import Loss
+from unison.recipe.plan import RunPlan
 from unison.recipe.references import _References
 from unison.recipe.resolve import Resolved
-from unison.recipe.tracking import check_tracking
+from unison.recipe.tracking_store import check_tracking
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.preflight")
 
 
-def preflight(config: Config, resolved: Resolved) -> None:
+def preflight(plan: RunPlan) -> None:
     """Checks, in the launching process, what would otherwise fail only once ranks run.
 
     Checks ``training.device`` against this machine and that the output folder
@@ -41,14 +41,15 @@ def preflight(config: Config, resolved: Resolved) -> None:
     Raises:
         ConfigError: naming the file, line and key of the first problem.
     """
+    config, resolved = plan.config, plan.resolved
     refs = _References.of(config)
     _check_device(config, refs)
-    _check_output_root(config, refs)
+    _check_output_root(plan, refs)
     _check_find_unused(config, refs)
-    check_tracking(config)  # logging.mlflow: installed, a store a config may name
+    check_tracking(config)  # logging.mlflow: installed, names given, every at sync points
     model = _meta_model(resolved, refs)
     if model is not None:
-        _meta_optimizer(config, resolved, model, refs)
+        _meta_optimizer(plan, model, refs)
         _check_shard_rule(config, model, refs)
     for name, (cls, kwargs) in resolved.metrics.items():
         if issubclass(cls, Loss) and "loss_fn" not in kwargs:
@@ -119,11 +120,10 @@ def _check_device(config: Config, refs: _References) -> None:
         )
 
 
-def _check_output_root(config: Config, refs: _References) -> None:
+def _check_output_root(plan: RunPlan, refs: _References) -> None:
     """The run folder ``<root>/<name>`` can be made: its nearest existing parent is a writable folder."""
-    key = "training.path" if config.training.path else "logging.root"
-    root = Path(config.training.path or config.logging.root)
-    probe = root / config.name
+    key, root = plan.root_key, plan.root
+    probe = plan.run_root
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
@@ -168,16 +168,15 @@ def _meta_model(resolved: Resolved, refs: _References) -> nn.Module | None:
         ) from err
 
 
-def _meta_optimizer(config: Config, resolved: Resolved, model: nn.Module, refs: _References) -> None:
+def _meta_optimizer(plan: RunPlan, model: nn.Module, refs: _References) -> None:
     """The optimizer on the meta model's parameters, and the scheduler on that optimizer."""
+    resolved = plan.resolved
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise refs.error(
             "model.type", f"{describe(resolved.model_type)} built a model with no trainable parameters"
         )
-    kwargs = dict(resolved.optimizer_kwargs)
-    if config.training.lr is not None:
-        kwargs["lr"] = config.training.lr
+    kwargs = dict(plan.optimizer_kwargs)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -5,8 +5,9 @@ family at a time (metrics and the metric that checkpoints and early stopping wat
 optimizer, scheduler, loss, model, data, hooks). Each object is checked against its typed
 slot (:data:`unison.config.resolve.SLOTS`) before anything is called, and every kwargs
 mapping is bound against the signature it will be called with
-(:mod:`unison.recipe.references`). :func:`unison.recipe.preflight.preflight` then builds the
-model on the ``meta`` device and checks the run. :func:`make_metrics` and
+(:mod:`unison.recipe.references`). :func:`unison.recipe.plan.plan` adds what a run derives
+(the early-stopping handler among it); :func:`unison.recipe.preflight.preflight` then builds
+the model on the ``meta`` device and checks the run. :func:`make_metrics` and
 :func:`scaled_lr` turn what :func:`resolve` found into the objects and numbers a run uses.
 """
 
@@ -28,7 +29,6 @@ from unison.config.names import resolve_name
 from unison.config.usercode import describe
 from unison.metrics import Loss
 from unison.recipe.dead_keys import unowned
-from unison.recipe.early_stop import early_stopping_slot
 from unison.recipe.file_data import file_data_slots
 from unison.recipe.references import _References
 
@@ -77,7 +77,6 @@ def resolve(config: Config) -> Resolved:
     loss = _loss_slot(config, refs)
     model_type, model_kwargs = _model_slots(config, refs)
     data_build, data_kwargs = _data_slots(config, refs)
-    early_stopping_slot(config, refs, config.checkpoint.metric or next(iter(metrics), "loss"))
     return Resolved(
         optimizer_type=optimizer_type,
         optimizer_kwargs=optimizer_kwargs,

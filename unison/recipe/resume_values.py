@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from unison.checkpoint.sharded_files import REST
-from unison.config import Config, to_plain
+from unison.config import to_plain
 from unison.distributed import get_world_size
 from unison.handlers.lr_scaling import rebase_lr, scale_lr
 from unison.recipe.lr_scaling import default_lr, plan_of, sets_lr_itself
+from unison.recipe.parts import RunParts
+from unison.recipe.plan import RunPlan
 from unison.recipe.resolve import Resolved
-from unison.recipe.steps import RunParts
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.run")
@@ -55,7 +56,7 @@ def _base_lr(training: Mapping[str, Any], resolved: Resolved, world_size: int) -
     return (float(lr) * scale if isinstance(lr, (int, float)) else None), scale
 
 
-def apply_on_resume(config: Config, resolved: Resolved, parts: RunParts, resumed: Path | None) -> Path | None:
+def apply_on_resume(plan: RunPlan, parts: RunParts, resumed: Path | None) -> Path | None:
     """After the checkpoint ``resumed`` loaded: applies the optimizer values this config derives or
     changed (see the module's docstring). Returns ``resumed``.
 
@@ -65,7 +66,8 @@ def apply_on_resume(config: Config, resolved: Resolved, parts: RunParts, resumed
     saved, saved_world = _saved(resumed) if resumed is not None else (None, 0)
     if saved is None or not isinstance(saved.get("training"), Mapping):
         return resumed
-    old, new = saved["training"], to_plain(config)["training"]
+    resolved = plan.resolved
+    old, new = saved["training"], to_plain(plan.config)["training"]
     world = get_world_size()
     (old_lr, old_scale), (new_lr, new_scale) = (
         _base_lr(old, resolved, saved_world),

@@ -1,15 +1,18 @@
 """``unison run``: a validated config, trained on every rank, then tested; the run's phases.
 
-A run takes three modules, one idea each:
+A run takes three phases, one module each:
 
-- :mod:`unison.recipe.resolve`: everything a config names is imported and type-checked in
-  the launching process, before any rank is spawned (:func:`~unison.recipe.resolve.resolve`);
-- :mod:`unison.recipe.steps`: each rank builds the same objects and attaches the same
-  handlers, one named step at a time, into a :class:`~unison.recipe.steps.RunParts`
-  (:func:`~unison.recipe.steps.build_run`): data, model, optimizer and scheduler, trainer,
-  evaluator, handlers;
-- this module: :func:`run` launches the ranks; each runs :func:`train_from_config`, which
-  picks the run directory and its log files, builds the run, resumes it
+- plan (:mod:`unison.recipe.plan`): everything a config names is imported and type-checked,
+  and every value the run derives is computed once, into a
+  :class:`~unison.recipe.plan.RunPlan`; :func:`~unison.recipe.preflight.preflight` checks it
+  in the launching process, before any rank is spawned;
+- build (:mod:`unison.recipe.steps`): each rank builds the same objects from the plan and
+  attaches the same handlers, one named step at a time, into a
+  :class:`~unison.recipe.parts.RunParts` (:func:`~unison.recipe.steps.build_run`): data, model,
+  optimizer and scheduler, trainer, evaluator, handlers;
+- run (this module): :func:`run` launches the ranks; each runs :func:`train_from_config`, which
+  plans again (the objects a config names do not travel between processes), picks the run
+  directory and its log files, builds the run, resumes it
   (:func:`resume_run`), trains, collects the results (:func:`collect_results`) and takes
   the test phase (:func:`~unison.recipe.finish.finish_run`: test set, predictions, the
   recipe's hook, ``metrics.json``), unless the caller's ``attach`` says the run ended before
@@ -42,11 +45,12 @@ from unison.recipe.finish import evaluate_test_set as evaluate_test_set
 from unison.recipe.finish import finish_run, skip_test_phase
 from unison.recipe.finish import write_predictions as write_predictions
 from unison.recipe.history import RunHistory
+from unison.recipe.parts import RunParts
+from unison.recipe.plan import RunPlan, plan
 from unison.recipe.preflight import check_port, preflight
-from unison.recipe.resolve import Resolved, resolve
 from unison.recipe.resume_values import apply_on_resume
 from unison.recipe.run_folder import new_run_folder, refuse_if_held
-from unison.recipe.steps import RunParts, build_run
+from unison.recipe.steps import build_run
 from unison.utils import get_logger
 from unison.utils.logging import console_level
 from unison.utils.secrets import RedactingFilter, redact_url
@@ -71,10 +75,11 @@ def is_run_dir(folder: Path) -> bool:
     return (folder / RUN_MARKER).is_file() or (folder / "checkpoints" / "manifest.json").is_file()
 
 
-def previous_run(config: Config, resume: str | None) -> tuple[Path, str] | None:
+def previous_run(run_root: Path, resume: str | None) -> tuple[Path, str] | None:
     """The run a ``resume`` continues, and what to resume it from; None for a fresh run.
 
-    ``"auto"``: the newest run of this config's name with a checkpoint manifest (None when
+    ``run_root`` is the folder of the config's runs (``plan.run_root``: ``<root>/<name>``).
+    ``"auto"``: the newest run under it with a checkpoint manifest (None when
     there is none); a checkpoint file inside a run folder (``<run>/checkpoints/<file>``); or
     a run folder. Reads the filesystem only, so it runs before any rank is spawned.
 
@@ -85,8 +90,7 @@ def previous_run(config: Config, resume: str | None) -> tuple[Path, str] | None:
     if resume is None:
         return None
     if resume == "auto":
-        root = Path(config.training.path or config.logging.root) / config.name
-        previous = sorted(root.glob("*/checkpoints/manifest.json"), key=_run_order)
+        previous = sorted(run_root.glob("*/checkpoints/manifest.json"), key=_run_order)
         return (previous[-1].parent.parent, "auto") if previous else None
     target = Path(resume)
     expected = "a checkpoint (<run>/checkpoints/<name>.pt, or a sharded <name>.dcp), a run folder, or 'auto'"
@@ -110,19 +114,21 @@ def previous_run(config: Config, resume: str | None) -> tuple[Path, str] | None:
     )
 
 
-def _run_dir(config: Config, resume: str | None) -> tuple[Path, str | None]:
+def _run_dir(plan: RunPlan, resume: str | None) -> tuple[Path, str | None]:
     """Rank 0 picks the run directory (and the checkpoint to resume); every rank gets it."""
     choice: tuple[str, str | None] | None = None
     if get_rank() == 0:
-        found = previous_run(config, resume)
+        root = plan.run_root
+        found = previous_run(root, resume)
         if found is not None:
             choice = (str(found[0]), found[1])
         else:
-            root = Path(config.training.path or config.logging.root) / config.name
             run_dir = new_run_folder(root, time.strftime("%Y%m%d-%H%M%S"))  # made now: never shared
             choice = (str(run_dir), None)
             if resume == "auto":
-                _log.info("resume=auto: no earlier run of %r under %s; starting fresh.", config.name, root)
+                _log.info(
+                    "resume=auto: no earlier run of %r under %s; starting fresh.", plan.config.name, root
+                )
     choice = broadcast_object(choice)
     assert choice is not None
     return Path(choice[0]), choice[1]
@@ -163,14 +169,15 @@ def train_from_config(
     Distributed:
         Call it on every rank (``launch`` does): it is full of collectives.
     """
-    with console_level(logging.ERROR if quiet else None):
+    level = None if config.log_level is None else logging.getLevelName(config.log_level)  # log_level, every rank
+    with console_level(logging.ERROR if quiet else level):
         return _in_run_folder(config, resume, attach)
 
 
 def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) -> dict[str, Any]:
     """:func:`train_from_config` inside the run folder it picks and holds, logging to its files."""
-    resolved = resolve(config)
-    run_dir, resume_from = _run_dir(config, resume)
+    planned = plan(config)  # the same plan on every rank: it reads the config and the user's modules
+    run_dir, resume_from = _run_dir(planned, resume)
     with hold_folder(run_dir):  # one job per run folder (unison.checkpoint.lock): refused on every rank
         if get_rank() == 0:
             (run_dir / RUN_MARKER).touch()
@@ -180,7 +187,7 @@ def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) ->
         barrier()  # the folder exists before any rank writes into it
         log_file = _file_logging(run_dir)
         try:
-            return _train(config, resolved, run_dir, resume_from, attach)
+            return _train(planned, run_dir, resume_from, attach)
         finally:
             logging.getLogger("unison").removeHandler(log_file)
             log_file.close()
@@ -196,22 +203,16 @@ def _record_changes(config: Config, run_dir: Path) -> None:
 
 
 def _train(
-    config: Config,
-    resolved: Resolved,
-    run_dir: Path,
-    resume_from: str | None,
-    attach: Attach | None = None,
+    plan: RunPlan, run_dir: Path, resume_from: str | None, attach: Attach | None = None
 ) -> dict[str, Any]:
     """Builds the run in its steps, resumes it when asked, trains, then tests and writes results."""
     world = get_world_size()
     _log.info("run directory: %s (world size %d)", run_dir, world)
-    report_accepted(config)  # keys of other trainers' configs that are not needed here, once
-    parts = build_run(config, resolved, run_dir, world)
+    report_accepted(plan.config)  # keys of other trainers' configs that are not needed here, once
+    parts = build_run(plan, run_dir, world)
     ended_early = attach(parts) if attach is not None else None
-    t = config.training
-    resumed = apply_on_resume(
-        config, resolved, parts, resume_run(parts, resume_from)
-    )  # the config's values win
+    t = plan.config.training
+    resumed = apply_on_resume(plan, parts, resume_run(parts, resume_from))  # the config's values win
     if resumed is not None and parts.trainer.is_complete(t.max_epochs):
         _log.info(
             "the run in %s is complete (epoch %d of %d): nothing to do, nothing written. Set a larger "
@@ -230,7 +231,7 @@ def _train(
     if why is not None:  # a pruned trial: its test set is not the sweep's to measure
         skip_test_phase(run_dir, results, why)
     else:
-        finish_run(config, resolved, parts, run_dir, results)
+        finish_run(plan, parts, run_dir, results)
     return results
 
 
@@ -291,8 +292,9 @@ def run(
         config = load_config(config, overrides)
     elif overrides:
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
-    preflight(config, resolve(config))  # fail before spawning: every slot, kwargs, the model on meta
-    found = previous_run(config, resume)
+    planned = plan(config)  # every slot resolved, every derived value computed once
+    preflight(planned)  # fail before spawning: kwargs, the model on meta, the device, the output folder
+    found = previous_run(planned.run_root, resume)
     if found is not None:
         check_resume(config, found[0])  # a change no checkpoint can follow fails here, not in a rank
     launcher = detect_launcher()

@@ -11,14 +11,14 @@
    guards in :func:`attach_control`, checkpoint and preemption in
    :func:`attach_checkpoint`, TensorBoard and progress in :func:`attach_logging`).
 
-Each step takes the config and what :func:`unison.recipe.resolve.resolve` imported, and can
-be called on its own.
+Each step takes what it needs of the run's plan (:func:`unison.recipe.plan.plan`), and can be
+called on its own; the data, model, trainer and evaluator steps take the plan's config and
+what it resolved.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -39,10 +39,12 @@ from unison.handlers import (
 )
 from unison.recipe.accepted import compile_options, ddp_options
 from unison.recipe.early_stop import make_early_stopping
-from unison.recipe.ema import EMA, attach_ema, evaluated_model
+from unison.recipe.ema import attach_ema, evaluated_model
 from unison.recipe.eval_loaders import eval_loader
 from unison.recipe.history import RunHistory
 from unison.recipe.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
+from unison.recipe.parts import Datasets, RunParts
+from unison.recipe.plan import RunPlan
 from unison.recipe.resolve import Resolved, make_metrics
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
@@ -52,76 +54,41 @@ from unison.utils.secrets import redact
 _log = get_logger("unison.recipe.run")  # the run's logger: its lines keep the name they had before the split
 
 
-@dataclass
-class Datasets:
-    """The datasets ``data.build`` returned; ``test`` is None when it returned two."""
-
-    train: Any
-    val: Any
-    test: Any = None
-
-
-@dataclass
-class RunParts:
-    """What the build steps make, step by step; every rank holds the same parts.
-
-    Attributes:
-        datasets: the datasets of :func:`build_datasets`.
-        train_loader: the training loader of this rank (:func:`build_loaders`).
-        val_loader: the validation loader of this rank, sharded without padding.
-        model: the model on its device, wrapped for the world size (:func:`build_model`).
-        optimizer: the optimizer over the model's parameters (:func:`build_optimizer`).
-        scheduler: the learning-rate scheduler, or None.
-        trainer: the training engine (:func:`build_trainer`).
-        evaluator: the validation engine (:func:`build_evaluator`).
-        watched: the validation metric that checkpoints, early stopping and a
-            ``ReduceLROnPlateau`` scheduler watch.
-        history: one row per validation, appended by the handler of :func:`attach_validation`
-            (from the run's start: a resumed run restores the rows it has, :mod:`unison.recipe.history`).
-        checkpoint: the checkpoint handler, None when ``checkpoint.enabled`` is false.
-        ema: the average of the weights (``training.ema``), or None (:mod:`unison.recipe.ema`).
-    """
-
-    datasets: Datasets
-    train_loader: DataLoader | None
-    val_loader: DataLoader | None
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    trainer: Engine
-    evaluator: Engine
-    watched: str
-    history: list[dict[str, Any]] = field(default_factory=list)
-    checkpoint: Checkpoint | None = None
-    ema: EMA | None = None
-
-
-def build_run(config: Config, resolved: Resolved, run_dir: Path, world_size: int) -> RunParts:
+def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
     """Collective: call on every rank. Takes the build steps in order and attaches every handler.
 
     Args:
-        config: the run's config.
-        resolved: the objects it names (:func:`~unison.recipe.resolve.resolve`).
+        plan: the run's plan (:func:`~unison.recipe.plan.plan`).
         run_dir: the run directory, the same on every rank.
         world_size: the number of ranks (it scales the learning rate).
 
     Returns:
         The parts, ready for :func:`~unison.recipe.run.resume_run` and ``parts.trainer.run``.
     """
+    config, resolved = plan.config, plan.resolved
     datasets = build_datasets(config, resolved)
     train_loader, val_loader = build_loaders(config, datasets)
     model = build_model(config, resolved)
-    optimizer, scheduler = build_optimizer(config, resolved, model, world_size)
+    optimizer, scheduler = build_optimizer(plan, model, world_size)
     trainer = build_trainer(config, resolved, model, optimizer)
-    attach_lr_warmup(config, optimizer, trainer)  # training.lr_scaling.warmup_steps
-    ema = attach_ema(config, model, trainer)  # training.ema; validation runs on evaluated_model
-    evaluator, watched = build_evaluator(config, resolved, evaluated_model(config, model, ema))
+    attach_lr_warmup(plan.lr, optimizer, trainer)  # training.lr_scaling.warmup_steps
+    ema = attach_ema(plan, model, trainer)  # training.ema; validation runs on evaluated_model
+    evaluator, _ = build_evaluator(config, resolved, evaluated_model(plan, model, ema))
     parts = RunParts(
-        datasets, train_loader, val_loader, model, optimizer, scheduler, trainer, evaluator, watched, ema=ema
+        datasets,
+        train_loader,
+        val_loader,
+        model,
+        optimizer,
+        scheduler,
+        trainer,
+        evaluator,
+        plan.watched.metric,
+        ema=ema,
     )
-    attach_validation(config, parts, run_dir)
+    attach_validation(plan, parts, run_dir)
     attach_scheduler(parts, config.training.scheduler_every)
-    attach_handlers(config, parts, run_dir)
+    attach_handlers(plan, parts, run_dir)
     return parts
 
 
@@ -189,10 +156,8 @@ def build_model(config: Config, resolved: Resolved) -> nn.Module:
     )
 
 
-def build_optimizer(
-    config: Config, resolved: Resolved, model: nn.Module, world_size: int
-) -> tuple[torch.optim.Optimizer, Any]:
-    """Optimizer and scheduler: ``training.lr`` overrides the optimizer's ``lr``, then scaled.
+def build_optimizer(plan: RunPlan, model: nn.Module, world_size: int) -> tuple[torch.optim.Optimizer, Any]:
+    """Optimizer and scheduler: ``training.lr`` overrides the optimizer's ``lr`` (in the plan), then scaled.
 
     The learning rate is scaled by ``training.lr_scaling`` in the global batch of
     ``world_size`` ranks (see :mod:`unison.recipe.lr_scaling`).
@@ -200,17 +165,12 @@ def build_optimizer(
     Returns:
         ``(optimizer, scheduler)``; the scheduler is None without ``training.scheduler_type``.
     """
-    t = config.training
-    opt_kwargs = dict(resolved.optimizer_kwargs)
-    if t.lr is not None:
-        opt_kwargs["lr"] = t.lr
+    resolved, lr = plan.resolved, plan.lr.at(world_size)
     opt_kwargs = scaled_optimizer_kwargs(
-        config, resolved.optimizer_type, opt_kwargs, world_size, resolved.optimizer_args
+        lr, resolved.optimizer_type, plan.optimizer_kwargs, resolved.optimizer_args
     )
     optimizer = resolved.optimizer_type(model.parameters(), *resolved.optimizer_args, **opt_kwargs)
-    scheduler_kwargs = scaled_scheduler_kwargs(
-        config, resolved.scheduler_type, resolved.scheduler_kwargs, world_size
-    )
+    scheduler_kwargs = scaled_scheduler_kwargs(lr, resolved.scheduler_type, resolved.scheduler_kwargs)
     scheduler = resolved.scheduler_type(optimizer, **scheduler_kwargs) if resolved.scheduler_type else None
     return optimizer, scheduler
 
@@ -253,7 +213,7 @@ def build_evaluator(config: Config, resolved: Resolved, model: nn.Module) -> tup
     return evaluator, watched
 
 
-def attach_validation(config: Config, parts: RunParts, run_dir: Path) -> None:
+def attach_validation(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
     """Evaluator, wired: evaluates every ``validation.every`` epochs and at the last one.
 
     Each evaluation appends a row (epoch, training loss, ``val_<metric>``) to
@@ -265,9 +225,10 @@ def attach_validation(config: Config, parts: RunParts, run_dir: Path) -> None:
     """
     evaluator, history = parts.evaluator, RunHistory(run_dir, parts.history)
     history.attach(parts.trainer)
+    every = plan.config.validation.every
 
     def validate(engine: Engine) -> None:
-        if engine.state.epoch % config.validation.every and engine.state.epoch != engine.state.max_epochs:
+        if engine.state.epoch % every and engine.state.epoch != engine.state.max_epochs:
             return
         values = evaluator.run(parts.val_loader).metrics
         row = {"epoch": engine.state.epoch, "train_loss": engine.state.metrics.get("loss")}
@@ -301,7 +262,7 @@ def attach_scheduler(parts: RunParts, every: str = "epoch") -> None:
         parts.trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: scheduler.step())
 
 
-def attach_handlers(config: Config, parts: RunParts, run_dir: Path) -> None:
+def attach_handlers(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
     """Handlers: early stopping and guards, the checkpoint (and preemption), logging, progress.
 
     Sets ``parts.checkpoint``.
@@ -310,9 +271,9 @@ def attach_handlers(config: Config, parts: RunParts, run_dir: Path) -> None:
         Every rank attaches every handler; each filters by rank inside its side effects.
     """
     to_save = checkpoint_objects(parts)
-    attach_control(config, parts, run_dir, to_save)
-    parts.checkpoint = attach_checkpoint(config, parts, run_dir, to_save)
-    attach_logging(config, parts, run_dir)
+    attach_control(plan, parts, run_dir, to_save)
+    parts.checkpoint = attach_checkpoint(plan, parts, run_dir, to_save)
+    attach_logging(plan, parts, run_dir)
 
 
 def checkpoint_objects(parts: RunParts) -> dict[str, Any]:
@@ -326,16 +287,14 @@ def checkpoint_objects(parts: RunParts) -> dict[str, Any]:
     return to_save
 
 
-def attach_control(config: Config, parts: RunParts, run_dir: Path, to_save: dict[str, Any]) -> None:
+def attach_control(plan: RunPlan, parts: RunParts, run_dir: Path, to_save: dict[str, Any]) -> None:
     """Handlers that stop or watch the run: early stopping, non-finite guard, time limit, watchdog.
 
     Early stopping, when ``early_stopping.patience`` is set, joins ``to_save``.
     """
-    t = config.training
+    t = plan.config.training
     trainer, evaluator = parts.trainer, parts.evaluator
-    stopper = make_early_stopping(
-        config, trainer, parts.watched
-    )  # early_stopping.type, default EarlyStopping
+    stopper = make_early_stopping(plan.early_stopping, trainer)  # early_stopping.type, default EarlyStopping
     if stopper is not None:
         stopper.attach(evaluator)
         to_save["early_stopping"] = stopper
@@ -350,14 +309,14 @@ def attach_control(config: Config, parts: RunParts, run_dir: Path, to_save: dict
 
 
 def attach_checkpoint(
-    config: Config, parts: RunParts, run_dir: Path, to_save: dict[str, Any]
+    plan: RunPlan, parts: RunParts, run_dir: Path, to_save: dict[str, Any]
 ) -> Checkpoint | None:
     """The checkpoint handler, writing ``to_save`` to ``run_dir/checkpoints``, and preemption.
 
     Returns:
         The checkpoint handler, or None when ``checkpoint.enabled`` is false.
     """
-    ck = config.checkpoint
+    config, ck = plan.config, plan.config.checkpoint
     if not ck.enabled:
         return None
     checkpoint = Checkpoint(
@@ -368,8 +327,8 @@ def attach_checkpoint(
         every_iters=ck.every_iters,
         keep_last=ck.keep_last,
         keep_best=ck.keep_best,
-        metric=parts.watched,
-        mode=ck.mode,
+        metric=plan.watched.metric,
+        mode=plan.watched.mode,
         metric_engine=parts.evaluator,
         async_save=ck.async_save,
         config=redact(to_plain(config)),  # a copy for reference: URL credentials masked
@@ -380,9 +339,10 @@ def attach_checkpoint(
     return checkpoint
 
 
-def attach_logging(config: Config, parts: RunParts, run_dir: Path) -> None:
+def attach_logging(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
     """TensorBoard event files in ``run_dir/tb`` (with the HParams session and profiler traces of
     :mod:`unison.recipe.tracking_tb`) and the progress bar, as ``logging`` asks."""
+    config = plan.config
     if config.logging.tensorboard:
         try:
             from unison.handlers.tensorboard import TensorBoardLogger
@@ -395,9 +355,9 @@ def attach_logging(config: Config, parts: RunParts, run_dir: Path) -> None:
                 evaluators={"val": parts.evaluator},
                 log_every=config.logging.log_every,
             ).attach(parts.trainer)
-    attach_hparams(config, parts, run_dir)  # logging.tensorboard: the settings for the HParams view
-    attach_profiler(config, parts, run_dir)  # training.profile: a trace of a few iterations per rank
-    attach_tracking(config, parts, run_dir)  # logging.mlflow (unison.recipe.tracking)
+    attach_hparams(plan, parts, run_dir)  # logging.tensorboard: the settings for the HParams view
+    attach_profiler(plan, parts, run_dir)  # training.profile: a trace of a few iterations per rank
+    attach_tracking(plan, parts, run_dir)  # logging.mlflow (unison.recipe.tracking)
     if config.logging.progress:
         ProgressBar().attach(parts.trainer)
 

@@ -15,15 +15,14 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from unison.config import Config, ConfigError
 from unison.config.loader import PyObjectRef, load_yaml
 from unison.handlers.hparams import HParamsLogger, HParamValue
 from unison.handlers.profiler import Profiler
-
-if TYPE_CHECKING:
-    from unison.recipe.steps import RunParts
+from unison.recipe.parts import RunParts
+from unison.recipe.plan import RunPlan
 
 LEFT_OUT = ("tuning",)
 """Sections not written as hparams: ``tuning`` describes a sweep, the same for all its trials."""
@@ -62,7 +61,7 @@ def hparams_of(config: Config) -> dict[str, HParamValue]:
     return flat
 
 
-def attach_hparams(config: Config, parts: RunParts, run_dir: Path) -> HParamsLogger | None:
+def attach_hparams(plan: RunPlan, parts: RunParts, run_dir: Path) -> HParamsLogger | None:
     """With ``logging.tensorboard``, the run's settings to ``run_dir/tb`` for the HParams dashboard.
 
     Its metric columns are the last values of the run's scalars there (``train/loss``,
@@ -71,21 +70,21 @@ def attach_hparams(config: Config, parts: RunParts, run_dir: Path) -> HParamsLog
     Distributed:
         Every rank attaches it; rank 0 writes.
     """
-    if not config.logging.tensorboard:
+    if not plan.config.logging.tensorboard:
         return None
-    logger = HParamsLogger(run_dir / "tb", hparams_of(config), trainer=parts.trainer)
+    logger = HParamsLogger(run_dir / "tb", hparams_of(plan.config), trainer=parts.trainer)
     logger.attach()
     return logger
 
 
-def attach_profiler(config: Config, parts: RunParts, run_dir: Path) -> Profiler | None:
+def attach_profiler(plan: RunPlan, parts: RunParts, run_dir: Path) -> Profiler | None:
     """With ``training.profile``, a trace of its window of iterations on every rank, into
     ``run_dir/tb/plugins/profile/iterations-<first>-<last>/rank<R>.<ns>.pt.trace.json``.
 
     Distributed:
         Every rank attaches it and writes its own trace.
     """
-    window = config.training.profile
+    window = plan.config.training.profile
     if window is None:
         return None
     profiler = Profiler(run_dir / "tb", **dataclasses.asdict(window))

@@ -4,7 +4,7 @@
 without Optuna: ``tuning.sampler`` and ``tuning.pruner`` name classes of
 ``optuna.samplers`` and ``optuna.pruners`` (nothing else: the config's typed-slot rule),
 their keyword arguments bind, and each value the search space can draw (its bounds, each
-choice) makes a config that validates, resolves and passes the preflight of ``unison run``.
+choice) makes a config that validates, plans and passes the preflight of ``unison run``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 from unison.config import Config, ConfigError, load_config
 from unison.recipe.dead_keys import changes_nothing
+from unison.recipe.plan import plan as plan_run
 from unison.recipe.preflight import preflight
 from unison.recipe.references import _References
-from unison.recipe.resolve import resolve
 
 EXTRA = "pip install 'unison[tune]'"
 """How to install what ``unison tune`` needs (Optuna)."""
@@ -131,7 +131,7 @@ class SweepPlan:
 
 def check_space(plan: SweepPlan) -> None:
     """Each value the search space can draw (bounds, each choice) makes a config ``unison run``
-    accepts: validated, resolved, and checked by its preflight (the model built on ``meta``); and
+    accepts: validated, planned, and checked by its preflight (the model built on ``meta``); and
     each key changes the run (:func:`~unison.recipe.dead_keys.changes_nothing`), the rule by which a run
     refuses arguments of an object it does not build."""
     for key, spec in plan.space.items():
@@ -145,7 +145,7 @@ def check_space(plan: SweepPlan) -> None:
         for value in _examples(spec):
             try:
                 drawn = load_config(plan.path, [*plan.overrides, *as_overrides({key: value})])
-                preflight(drawn, resolve(drawn))
+                preflight(plan_run(drawn))
             except ConfigError as err:
                 raise plan.config.origin.error(
                     ("tuning", "search_space", key),
@@ -172,10 +172,10 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str]) -> SweepPlan:
         )
     optuna_object(config, "sampler")
     optuna_object(config, "pruner")
-    preflight(config, resolve(config))
+    run = plan_run(config)
+    preflight(run)
     study_name = t.study_name or config.name
-    root = Path(config.training.path or config.logging.root).resolve()
-    folder = Path(config.training.path or config.logging.root) / config.name / f"tune-{study_name}"
+    root, folder = run.root.resolve(), run.run_root / f"tune-{study_name}"
     storage = (t.storage or "").strip() or f"sqlite:///{folder.resolve() / 'study.db'}"
     plan = SweepPlan(
         str(path), list(overrides), config, folder, storage, study_name, t.metric, str(t.direction),

@@ -1,0 +1,111 @@
+"""One pass from a config to the plan of its run: :func:`plan` returns a :class:`RunPlan`.
+
+The pass resolves every ``!pyobject`` slot (:func:`~unison.recipe.resolve.resolve`) and
+computes each value a run derives from its config, once: the watched metric and its mode,
+the amp dtype, the compile and DDP/FSDP options, the learning-rate plan, the MLflow store,
+the output root and the early-stopping handler. It starts nothing: no process, no file,
+no model. :func:`~unison.recipe.preflight.preflight` checks the plan before any rank is
+spawned; each rank builds its run from it (:func:`~unison.recipe.steps.build_run`).
+
+The plan holds the objects a config names (classes of the user's modules, imported by file
+path), which do not travel between processes: a spawned rank receives the config and plans
+again, which gives the same plan (the pass reads the config and the user's modules only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from unison.config import Config
+from unison.recipe.accepted import compile_options
+from unison.recipe.early_stop import EarlyStoppingPlan, early_stopping_plan
+from unison.recipe.lr_scaling import LRPlan, lr_plan
+from unison.recipe.references import _References
+from unison.recipe.resolve import Resolved, resolve
+from unison.recipe.tracking_store import root_setting, store
+from unison.recipe.watched import Watched, watched_of
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A config, what it names, and every value a run derives from it, each computed once.
+
+    Attributes:
+        config: the validated config (its origin names the file and line of every key).
+        resolved: the objects it names, imported and checked.
+        watched: the metric checkpoints rank by, the one early stopping follows, and their modes
+            (also what ``tuning.metric`` defaults to).
+        amp: the autocast dtype of training and evaluation (``training.amp``), None when off.
+        compile: ``torch.compile``'s options (``training.compile``): False when off, ``{}`` for
+            the defaults.
+        fsdp: the FSDP2 options (``parallel.fsdp``) with ``parallel.strategy: fsdp``, else None.
+        output_device: DDP's ``output_device`` (``parallel.output_device``), used on GPU ranks.
+        lr: the learning-rate plan at one rank (:meth:`~unison.recipe.lr_scaling.LRPlan.at`
+            gives it at a run's world size).
+        optimizer_kwargs: the optimizer's keyword arguments, ``training.lr`` applied (before scaling).
+        tracking: ``(tracking URI, artefact location)`` of ``logging.mlflow``, None when it is off.
+        early_stopping: the early-stopping handler to build, None without ``early_stopping.patience``.
+        root: the folder runs go to, as written; ``root_key`` is the key that names it.
+        ema_evaluated: whether the average of the weights (``training.ema``) is what the run
+            validates, tests and predicts with.
+    """
+
+    config: Config
+    resolved: Resolved
+    watched: Watched
+    amp: Literal["bf16", "fp16"] | None
+    compile: bool | dict[str, Any]
+    fsdp: dict[str, Any] | None
+    output_device: int | str | None
+    lr: LRPlan
+    optimizer_kwargs: dict[str, Any]
+    tracking: tuple[str, str | None] | None
+    early_stopping: EarlyStoppingPlan | None
+    root: Path
+    root_key: str
+    ema_evaluated: bool
+
+    @property
+    def run_root(self) -> Path:
+        """The folder this config's runs go to: ``<root>/<name>``."""
+        return self.root / self.config.name
+
+
+def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
+    """The plan of ``config``'s run: every slot resolved, every derived value computed once.
+
+    Args:
+        config: a validated config.
+        resolved: what :func:`~unison.recipe.resolve.resolve` returned for it, when the caller
+            has it already; resolved here otherwise.
+
+    Raises:
+        ConfigError: naming the file, line and key of the first slot that is refused, a tracking
+            store a config may not name, or an early-stopping handler that cannot be built.
+    """
+    refs = _References.of(config)
+    resolved = resolved if resolved is not None else resolve(config)
+    t, p = config.training, config.parallel
+    watched = watched_of(config, list(resolved.metrics))
+    options = compile_options(config)
+    root_key, root = root_setting(config)
+    lr = {"lr": t.lr} if t.lr is not None else {}
+    return RunPlan(
+        config=config,
+        resolved=resolved,
+        watched=watched,
+        amp=None if t.amp == "none" else t.amp,
+        compile=False if options is None else options,
+        fsdp=dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None,
+        output_device=p.output_device,
+        lr=lr_plan(config, 1),
+        optimizer_kwargs={**resolved.optimizer_kwargs, **lr},
+        tracking=None if config.logging.mlflow is None else store(config),
+        early_stopping=early_stopping_plan(config, refs, watched),
+        root=root,
+        root_key=root_key,
+        ema_evaluated=t.ema is not None and bool(t.ema.evaluate),
+    )

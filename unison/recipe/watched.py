@@ -1,0 +1,47 @@
+"""The validation metric a run watches, and which way is better: the one rule.
+
+Checkpoint ranking and a ``ReduceLROnPlateau`` scheduler watch ``checkpoint.metric`` (left
+out: the first of ``validation.metrics``, or ``loss`` without any), ranked by
+``checkpoint.mode``; early stopping watches ``early_stopping.metric`` and ``.mode``, each
+defaulting to the checkpoint's. :func:`unison.recipe.plan.plan` derives it once per run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, cast
+
+from unison.config import Config
+
+Mode = Literal["max", "min"]
+
+
+@dataclass(frozen=True)
+class Watched:
+    """The metric checkpoints rank by (``metric``, ``mode``) and the one early stopping follows."""
+
+    metric: str
+    mode: Mode
+    stop_metric: str
+    stop_mode: Mode
+
+
+def watched_of(config: Config, names: Sequence[str] = ()) -> Watched:
+    """The watched metrics of ``config``, whose validation metrics are ``names`` (what the run
+    resolved; left out, the keys of ``validation.metrics``).
+
+    Example:
+        >>> from unison.config import Config
+        >>> c = Config()
+        >>> c.validation.metrics = {"accuracy": None, "loss": None}
+        >>> c.checkpoint.mode, c.early_stopping.metric = "max", "loss"
+        >>> c.early_stopping.mode = "min"
+        >>> watched_of(c)
+        Watched(metric='accuracy', mode='max', stop_metric='loss', stop_mode='min')
+    """
+    names = list(names) or [str(name) for name in config.validation.metrics] or ["loss"]
+    metric = config.checkpoint.metric or names[0]
+    mode = cast(Mode, config.checkpoint.mode)
+    es = config.early_stopping
+    return Watched(metric, mode, es.metric or metric, cast(Mode, es.mode or mode))
