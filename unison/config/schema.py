@@ -215,6 +215,7 @@ class ValidationConfig:
     prefetch_factor: int | None = option(
         None, "batches each worker loads ahead; default training.prefetch_factor when there are workers"
     )
+    shuffle: bool = option(False, "a new order each evaluation, the same on every rank (from training.seed)")
     validator: dict[str, Any] = option(
         {}, "QuantumGrav's validator ({device: ...}): not needed, every rank evaluates on its own device (logged)"
     )
@@ -236,6 +237,7 @@ class TestingConfig:
     prefetch_factor: int | None = option(
         None, "batches each worker loads ahead; default validation.prefetch_factor"
     )
+    shuffle: bool = option(False, "a new order each evaluation, as validation.shuffle")
     tester: dict[str, Any] = option(
         {}, "QuantumGrav's tester ({device: ...}): not needed, every rank tests on its own device (logged)"
     )
@@ -344,6 +346,7 @@ class Config:
         "QuantumGrav's name for training.loss, called criterion(y_pred, y); both given and different is an error",
         slot="loss",
     )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] | None = option(None, "console log level, every rank")
     imports: list[str] = option(
         [], "your own modules (installed or on sys.path) that !pyobject may name; not stdlib or libraries"
     )

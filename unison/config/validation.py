@@ -18,6 +18,7 @@ from unison.config.data_config import check_data
 from unison.config.loader import KeyPath, RawConfig
 from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
 from unison.config.tuning import check_tuning
+from unison.config.unknown_keys import check_unknown_keys
 
 
 def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
@@ -77,6 +78,9 @@ def validate(raw: RawConfig) -> Config:
         ConfigError: naming the file, the line, the key path and the expected type; for
             an unknown key, the nearest valid one.
     """
+    check_unknown_keys(Config, raw)  # every unknown key at once, before any value is checked
+    if isinstance(raw.data.get("log_level"), str):
+        raw.data["log_level"] = raw.data["log_level"].upper()  # any case: info, Info, INFO
     config = _build(Config, raw.data, raw, ())
     for path in REQUIRED:
         if path == ("data", "build"):

@@ -63,6 +63,7 @@ def prepare_loaders(
     val_batch_size: int | None = None,
     seed: int = 0,
     shuffle: bool = True,
+    val_shuffle: bool = False,
     drop_last: bool = False,
     train_sampler: Sampler | None = None,
     num_workers: int = 0,
@@ -84,6 +85,7 @@ def prepare_loaders(
         val_batch_size: per-rank evaluation batch size; default ``batch_size``.
         seed: the shuffle seed, the same on every rank.
         shuffle: shuffle the training data each epoch.
+        val_shuffle: a new evaluation order at each pass, the same on every rank (sums unchanged).
         drop_last: drop the last, incomplete training batch (and the sampler's tail).
         train_sampler: a sampler of your own for the training data; it must shard by rank
             and have ``set_epoch(epoch)``.
@@ -141,6 +143,9 @@ def prepare_loaders(
     val_loader = None
     if val is not None:
         val_loader = DataLoader(
-            val, batch_size=val_batch_size or batch_size, sampler=EvalSampler(cast(Sized, val)), **common
+            val,
+            batch_size=val_batch_size or batch_size,
+            sampler=EvalSampler(cast(Sized, val), shuffle=val_shuffle, seed=seed),
+            **common,
         )
     return train_loader, val_loader

@@ -371,24 +371,48 @@ class EvalSampler(Sampler[int]):
     any world size. Order is deterministic: gathered per-rank outputs can be put back in
     dataset order (sample ``i`` is item ``i // world_size`` of rank ``i % world_size``).
 
+    With ``shuffle=True`` each pass (each evaluation) deals a new permutation of the dataset
+    instead, drawn from ``seed`` and the number of passes so far: the same on every rank, so
+    the shards still hold every sample exactly once and sums over them are the same.
+
     Args:
         dataset: anything with ``__len__``.
         rank: this rank; default, the process group's.
         world_size: the number of shards; default, the process group's.
+        shuffle: a new order at each pass (the shards' order is then not the dataset's).
+        seed: the seed of the orders; pass the same on every rank.
 
     Example:
         >>> [list(EvalSampler(range(5), rank=r, world_size=2)) for r in range(2)]
         [[0, 2, 4], [1, 3]]
     """
 
-    def __init__(self, dataset: Sized, *, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Sized,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+    ) -> None:
         if not hasattr(dataset, "__len__"):
             raise TypeError(f"EvalSampler needs a dataset with __len__, got {type(dataset).__name__}.")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"EvalSampler(seed=...) needs an int, got {type(seed).__name__}: {seed!r}")
         self.rank, self.world_size = _check_placement(rank, world_size)
         self.dataset_size = len(dataset)
+        self.shuffle, self.seed = bool(shuffle), seed
+        self.passes = 0
+        """Passes dealt so far (with ``shuffle``, pass ``k`` uses the ``k``-th order)."""
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.dataset_size, self.world_size))
+        if not self.shuffle:
+            return iter(range(self.rank, self.dataset_size, self.world_size))
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.passes)
+        self.passes += 1
+        order = torch.randperm(self.dataset_size, generator=gen).tolist()
+        return iter(order[self.rank :: self.world_size])
 
     def __len__(self) -> int:
         return len(range(self.rank, self.dataset_size, self.world_size))

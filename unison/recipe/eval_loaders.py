@@ -7,6 +7,8 @@ training (``batch_size``, ``pin_memory``, ``prefetch_factor``; workers default t
 validation). Each rank's shard comes from an :class:`~unison.distributed.EvalSampler`
 (no padding, each sample once), so metrics are exact, unless ``drop_last`` drops each
 rank's last incomplete batch: :mod:`unison.recipe.accepted` warns about that once.
+``shuffle`` deals a new order at each evaluation, the same on every rank, from
+``training.seed``: every sample is still evaluated once, so the metrics do not change.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ def eval_loader(config: Config, section: Section, dataset: Any) -> DataLoader | 
     kwargs = eval_loader_kwargs(config, section)
     drop_last = kwargs.pop("drop_last")
     batch_size = eval_batch_size(config, section)
-    _, loader = prepare_loaders(None, dataset, batch_size=batch_size, seed=config.training.seed, **kwargs)
+    shuffle = getattr(config, section).shuffle  # a new order each evaluation, the same on every rank
+    _, loader = prepare_loaders(
+        None, dataset, batch_size=batch_size, seed=config.training.seed, val_shuffle=shuffle, **kwargs
+    )
     if drop_last and loader is not None:  # prepare_loaders drops from training loaders only
         loader = DataLoader(dataset, batch_size=batch_size, sampler=loader.sampler, drop_last=True, **kwargs)
     return loader

@@ -97,15 +97,20 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) 
 @contextlib.contextmanager
 def console_level(level: int | None) -> Iterator[None]:
     """Inside, the console (:func:`setup_logging`'s handler) shows only records of ``level`` and above;
-    the logger's level, and so what its other handlers (a run's log files) get, is unchanged. ``None``
-    changes nothing. The console's level is put back on the way out."""
-    handlers = [h for h in logging.getLogger(_ROOT).handlers if h.get_name() == _HANDLER_NAME]
-    before = [h.level for h in handlers]
+    the logger's level, and so what its other handlers (a run's log files) get, is unchanged unless
+    ``level`` is below it (``DEBUG``, or ``INFO`` on a rank above 0): then the logger passes it too.
+    ``None`` changes nothing. Both levels are put back on the way out."""
+    logger = logging.getLogger(_ROOT)
+    handlers = [h for h in logger.handlers if h.get_name() == _HANDLER_NAME]
+    before, logger_before = [h.level for h in handlers], logger.level
     if level is not None:
         for handler in handlers:
             handler.setLevel(level)
+        if level < logger.getEffectiveLevel():
+            logger.setLevel(level)
     try:
         yield
     finally:
         for handler, previous in zip(handlers, before, strict=True):
             handler.setLevel(previous)
+        logger.setLevel(logger_before)
