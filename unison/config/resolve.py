@@ -183,11 +183,8 @@ def _user_function(obj: Any, via_user: bool, scope: Scope) -> bool:
     return _function(obj) and scope.is_users(obj)
 
 
-def _data_function(obj: Any, via_user: bool, scope: Scope) -> bool:
-    """A function of the user's, or a callable object (not a class) their module holds."""
-    if _function(obj):
-        return scope.is_users(obj)
-    return via_user and callable(obj) and not isinstance(obj, (type, types.ModuleType))
+def _data_function(obj: Any, via_user: bool, scope: Scope) -> bool:  # a user's function, or a callable they hold
+    return scope.is_users(obj) if _function(obj) else via_user and callable(obj) and not isinstance(obj, type)
 
 
 def _early_stopping(obj: Any, via_user: bool, scope: Scope) -> bool:
@@ -234,9 +231,7 @@ SLOTS: dict[str, Slot] = {
     ),
     "hook": Slot(_USER + ": fn(context)", _user_function, "write the hook in a module beside the config"),
     "data_function": Slot(
-        _USER + ", or a callable object one of them holds (a reader, a transform of a file-backed dataset)",
-        _data_function,
-        "write the function in a module beside the config",
+        _USER + ", or a callable object one of them holds", _data_function, "write it in a module beside the config"
     ),
     "early_stopping": Slot(
         "unison.handlers.EarlyStopping (also named EarlyStopping or DefaultEarlyStopping), or a subclass of it",
