@@ -15,6 +15,7 @@ MODULES = (
     "unison.handlers",
     "unison.checkpoint",
     "unison.config",
+    "unison.recipe",
     "unison.testing",
     "unison.utils",
 )
