@@ -17,6 +17,7 @@ import torch
 from unison.config import ConfigError, PyObjectRef, load_config
 from unison.config.resolve import Scope
 from unison.handlers import EarlyStopping
+from unison.metrics import BatchLoss
 from unison.recipe.plan import plan
 from unison.recipe.resolve import resolve
 
@@ -105,7 +106,8 @@ def _line(path: Path, text: str) -> int:
 def test_criterion_is_the_training_loss(qg):
     config = load_config(qg(_user_block()))
     assert config.criterion == config.training.loss == PyObjectRef("qg_user.compute_loss")
-    assert resolve(config).loss is sys.modules["qg_user"].compute_loss
+    loss = resolve(config).loss  # a function of the user's: called with the whole batch
+    assert isinstance(loss, BatchLoss) and loss.loss_fn is sys.modules["qg_user"].compute_loss
 
 
 def test_criterion_and_a_different_training_loss_is_an_error_naming_both(qg):
@@ -124,12 +126,16 @@ def test_a_training_loss_set_on_the_command_line_wins_over_the_files_criterion(q
     assert config.criterion is None and config.training.loss == PyObjectRef("torch.nn.functional.nll_loss")
 
 
-def test_quantumgravs_three_argument_criterion_says_how_to_write_it(qg):
+def test_quantumgravs_three_argument_criterion_gets_the_trainer_and_needs_an_evaluation_criterion(qg):
     path = qg(_user_block(**{"qg_user.compute_loss": "qg_user.qg_loss"}))
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError) as info:  # evaluation calls criterion(outputs, batch)
         resolve(load_config(path))
-    assert str(info.value).startswith(f"{path}:1: criterion: function qg_user.qg_loss cannot be called as ")
-    assert "compute_loss(y_pred, y)" in str(info.value)
+    assert str(info.value).startswith(f"{path}:1: criterion: function qg_user.qg_loss needs a third argument")
+    assert "validation.validator.criterion" in str(info.value)
+    spec = 'validator: {device: "cuda", criterion: !pyobject qg_user.compute_loss}'
+    text = _user_block(**{"qg_user.compute_loss": "qg_user.qg_loss", 'validator: {device: "cuda"}': spec})
+    loss = resolve(load_config(qg(text, "with_validator.yaml"))).loss
+    assert isinstance(loss, BatchLoss) and loss.with_trainer
 
 
 # -- parallel.rank, parallel.output_device ------------------------------------------------------
@@ -320,7 +326,7 @@ def _main_module(monkeypatch, *, file: str | None, cli: bool = False) -> types.M
 def test_main_names_the_users_script_run_through_the_python_api(qg, monkeypatch, tmp_path):
     script = _main_module(monkeypatch, file=str(tmp_path / "train_qg.py"))
     config = load_config(qg(BLOCK + FILLED_IN))
-    assert resolve(config).loss is script.compute_loss
+    assert resolve(config).loss.loss_fn is script.compute_loss  # the criterion, called with the whole batch
     spawned = types.FunctionType(script.compute_loss.__code__, {}, "compute_loss")
     spawned.__module__ = "__mp_main__"  # how a spawned rank sees the script's functions
     assert Scope().is_users(spawned)

@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 from unison.config.data_config import DataConfig
 from unison.config.loader import KeyPath, PyObjectRef
 from unison.config.mlflow_config import MLflowConfig
+from unison.config.model_config import ModelConfig
 from unison.config.origin import NO_ORIGIN, Origin
 from unison.config.profiling import ProfileConfig
 
@@ -160,6 +161,15 @@ class TrainingConfig:
         "loss_fn(y_pred, y) -> scalar tensor; a loss module class is built with no arguments",
         slot="loss",
     )
+    collate: PyObjectRef | None = option(
+        None, "fn(items) -> batch for the training loader; null: torch_geometric's for graphs, else torch's "
+        "default_collate", slot="collate",
+    )
+    batch: dict[str, str | int | None] | PyObjectRef | None = option(
+        None, "how a batch becomes (inputs, target), in training and evaluation: {target: <field>} keeps it "
+        "whole, or !pyobject fn(batch, device) -> (inputs, target); null: (x, y) pairs split, else whole with y",
+        slot="batch",
+    )
     amp: Literal["none", "bf16", "fp16"] = option("none", "autocast precision")
     accumulation_steps: int = option(1, "micro-batches per optimizer update")
     clip_grad_norm: float | None = option(None, "clip the total gradient norm to this value")
@@ -193,17 +203,6 @@ class TrainingConfig:
 
 
 @dataclass
-class ModelConfig:
-    type: PyObjectRef | str | None = option(
-        None,
-        "the model class (or a function returning a model): !pyobject, or a name (\"GNNModel\") found in "
-        "the modules under imports:",
-        slot="model",
-    )
-    kwargs: dict[str, Any] = option({}, "keyword arguments of the model")
-
-
-@dataclass
 class ValidationConfig:
     every: int = option(1, "evaluate every this many epochs")
     batch_size: int | None = option(None, "per-rank batch size; default training.batch_size")
@@ -215,9 +214,11 @@ class ValidationConfig:
     prefetch_factor: int | None = option(
         None, "batches each worker loads ahead; default training.prefetch_factor when there are workers"
     )
+    collate: PyObjectRef | None = option(None, "fn(items) -> batch; default training.collate", slot="collate")
     shuffle: bool = option(False, "a new order each evaluation, the same on every rank (from training.seed)")
     validator: dict[str, Any] = option(
-        {}, "QuantumGrav's validator ({device: ...}): not needed, every rank evaluates on its own device (logged)"
+        {}, "QuantumGrav's validator: criterion (!pyobject fn(outputs, batch), the loss metric) and apply_model "
+        "(the model call) are used; device is not needed, every rank evaluates on its own device (logged)",
     )
     metrics: dict[str, Any] = option(
         {}, "name -> !pyobject metric class, or {type: !pyobject ..., kwargs: {...}}"
@@ -237,9 +238,11 @@ class TestingConfig:
     prefetch_factor: int | None = option(
         None, "batches each worker loads ahead; default validation.prefetch_factor"
     )
+    collate: PyObjectRef | None = option(None, "fn(items) -> batch; default validation.collate", slot="collate")
     shuffle: bool = option(False, "a new order each evaluation, as validation.shuffle")
     tester: dict[str, Any] = option(
-        {}, "QuantumGrav's tester ({device: ...}): not needed, every rank tests on its own device (logged)"
+        {}, "QuantumGrav's tester: criterion and apply_model as validation.validator's (default theirs); "
+        "device is not needed (logged)",
     )
 
 
@@ -343,7 +346,8 @@ class Config:
     name: str = option("run", "the run's name: its directory is <logging.root>/<name>/<timestamp>/")
     criterion: PyObjectRef | None = option(
         None,
-        "QuantumGrav's name for training.loss, called criterion(y_pred, y); both given and different is an error",
+        "the loss as QuantumGrav calls it: a function of yours gets (outputs, batch), and the trainer as a third "
+        "argument when it takes one; a torch loss gets (y_pred, y). Fills training.loss; both different: an error",
         slot="loss",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] | None = option(None, "console log level, every rank")

@@ -206,6 +206,21 @@ def refused_import(entry: str, folder: Path | None) -> str | None:
     return None
 
 
+def refused_library(top: str, folder: Path | None) -> str | None:
+    """Why the installed library ``top`` may not give model parts (layer classes, an ``nn``
+    package's functions), or None when it may: installed, and neither the standard library,
+    nor a data loader, nor a library unison itself depends on, nor a module beside the config."""
+    if not _DOTTED.match(top) or top.startswith("_") or top in RESERVED or local_module(top, folder):
+        return f"{top!r} is not an installed library"
+    if in_stdlib(top) or top in LOADERS or top in dependency_modules():
+        return f"{top} loads files or runs code (it is the standard library or a loader), not model parts"
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else f"no installed library {top!r}"
+
+
 def describe(obj: object) -> str:
     """What ``obj`` is, for messages: ``function torch.utils.collect_env.run``, ``class torch.nn.Linear``."""
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
@@ -229,6 +244,8 @@ def public_module(name: str | None) -> str:
     """``name`` as the user wrote it: the private folder package is dropped."""
     if not name:
         return "?"
+    if name in MAIN_MODULES:  # the user's script, as the config names it
+        return "__main__"
     if name.startswith(PREFIX + ".f"):
         parts = name.split(".")
         return ".".join(parts[len(PREFIX.split(".")) + 1 :]) or name
@@ -239,11 +256,17 @@ MAIN_MODULES = ("__main__", "__mp_main__")
 """The script that started Python, as a spawned rank names it too (``__mp_main__``)."""
 
 MAIN_FIX = (
-    "Put {name} in a module of your own and name it there: `!pyobject mymodule.{name}` with "
+    "Name the script that defines {name} on the command line: `unison run CONFIG --main your_script.py` "
+    "(it is imported as `__mp_main__`, so its `if __name__ == \"__main__\":` block does not run); or put "
+    "{name} in a module of your own and name it there: `!pyobject mymodule.{name}` with "
     "`imports: [mymodule]` (or mymodule.py beside the config); or run the config from your own script "
     "with `unison.recipe.run.run(path, nproc=...)`, where `__main__` is that script"
 )
 """What to do instead of naming ``__main__`` where it is not the user's script."""
+
+MAIN_SCRIPT: list[Path] = []
+"""The script ``--main`` names (:mod:`unison.config.main_script`), when one does: ``__main__``
+stands for it."""
 
 
 def main_problem() -> str | None:
@@ -251,9 +274,12 @@ def main_problem() -> str | None:
 
     ``__main__`` is the user's own script when that script runs the config through unison's
     Python API (``unison.recipe.run.run(path)``); its spawned ranks import it again as
-    ``__mp_main__``. Under ``unison run`` (``python -m unison``, the ``unison`` console
-    script, torchrun or srun running either) ``__main__`` is unison itself.
+    ``__mp_main__``; and when ``--main SCRIPT.py`` names it. Otherwise, under ``unison run``
+    (``python -m unison``, the ``unison`` console script, torchrun or srun running either)
+    ``__main__`` is unison itself.
     """
+    if MAIN_SCRIPT:  # `--main SCRIPT.py`: the user's script, whatever started Python
+        return None
     main = sys.modules.get("__main__")
     file = getattr(main, "__file__", None)
     spec = getattr(main, "__spec__", None)

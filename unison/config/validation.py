@@ -16,6 +16,7 @@ from unison.config.checks_base import matches, metric_direction, takes_float
 from unison.config.compat import apply_compat
 from unison.config.data_config import check_data
 from unison.config.loader import KeyPath, RawConfig
+from unison.config.model_config import check_model
 from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
 from unison.config.tuning import check_tuning
 from unison.config.unknown_keys import check_unknown_keys
@@ -31,9 +32,14 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
     hints = _hints(cls)
     values: dict[str, Any] = {}
     given_as: dict[str, str] = {}
+    extra_field = getattr(cls, "EXTRA_KEYS", None)  # a section that keeps the keys it does not define
+    extras: dict[str, Any] = {}
     for key, value in data.items():
         key = str(key)
         name = aliases.get(key, key)
+        if name not in fields and extra_field is not None:
+            extras[key] = value
+            continue
         if name not in fields:
             choices = list(fields) + list(aliases)
             near = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
@@ -68,6 +74,8 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
     for name in fields:
         if name not in values and _is_section(hints[name]):
             values[name] = hints[name]()
+    if extras and isinstance(extra_field, str):
+        values[extra_field] = {**values.get(extra_field, {}), **extras}
     return cls(**values)
 
 
@@ -91,6 +99,7 @@ def validate(raw: RawConfig) -> Config:
             raise raw.origin.error(
                 path, f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)"
             )
+    check_model(config.model, raw)  # model: from_config's own keys, call
     apply_compat(config, raw)  # criterion, early_stopping's type/args/kwargs, evaluator specs
     _check_values(config, raw)
     _check_training_extras(config, raw)

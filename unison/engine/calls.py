@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from unison.distributed.batches import move_to_device
+from unison.distributed.collate import is_graph_item
 
 Field = str | int
 """A field of a batch: an attribute or key name, or a position in a tuple or list."""
@@ -158,6 +159,39 @@ class ModelCall:
 
     def __repr__(self) -> str:
         return f"ModelCall(args={list(self.args)!r}, kwargs={self.kwargs!r})"
+
+
+GRAPH_FIELDS: tuple[str, ...] = ("x", "edge_index", "batch")
+"""The fields a graph network gets by default: node features, edges, and each node's graph."""
+
+
+class AutoCall:
+    """The model call that fits the batch: ``model(x, edge_index, batch)`` for a graph batch.
+
+    A torch_geometric batch (told by its class, without importing torch_geometric) is passed
+    as its :data:`GRAPH_FIELDS`, the way graph networks (and QuantumGrav's trainer) are
+    called; any other inputs are passed as they are, ``model(inputs)``. Which of the two is
+    decided once per batch class. A config that names no ``model.call`` gets this one.
+
+    Example:
+        >>> import torch
+        >>> AutoCall()(torch.nn.Identity(), torch.ones(2)).shape
+        torch.Size([2])
+    """
+
+    def __init__(self) -> None:
+        self._graph = ModelCall(args=GRAPH_FIELDS)
+        self._is_graph: dict[type, bool] = {}
+
+    def __call__(self, model: nn.Module | Callable[..., Any], inputs: Any) -> Any:
+        cls = inputs.__class__
+        graph = self._is_graph.get(cls)
+        if graph is None:
+            graph = self._is_graph[cls] = is_graph_item(inputs)
+        return self._graph(model, inputs) if graph else model(inputs)
+
+    def __repr__(self) -> str:
+        return "AutoCall()"
 
 
 def resolve_model_call(

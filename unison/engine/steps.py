@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from ignite.engine import Engine as IgniteEngine
@@ -145,6 +145,7 @@ class TrainStep:
         self.model_call = resolve_model_call(model_call, "TrainStep")
         """Calls the model on the inputs; None: ``model(x)``."""
         self._takes_batch = isinstance(loss_fn, BatchLoss)
+        self._takes_trainer = self._takes_batch and cast(BatchLoss, loss_fn).with_trainer
         self._syncs_gradients = isinstance(model, DistributedDataParallel) or is_sharded(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -177,13 +178,14 @@ class TrainStep:
         position = _position(engine)  # 1-based, within the epoch
         return position % self.accumulation_steps == 0 or position == epoch_length
 
-    def _forward_backward(self, x: Any, y: Any, window: int) -> torch.Tensor:
+    def _forward_backward(self, x: Any, y: Any, window: int, engine: IgniteEngine) -> torch.Tensor:
         call = self.model_call
+        extra = (engine,) if self._takes_trainer else ()  # BatchLoss(with_trainer=True): the trainer too
         if self.amp_dtype is not None:
             with torch.autocast(self.device.type, dtype=self.amp_dtype):
-                loss = self.loss_fn(self.model(x) if call is None else call(self.model, x), y)
+                loss = self.loss_fn(self.model(x) if call is None else call(self.model, x), y, *extra)
         else:
-            loss = self.loss_fn(self.model(x) if call is None else call(self.model, x), y)
+            loss = self.loss_fn(self.model(x) if call is None else call(self.model, x), y, *extra)
         scaled = loss / window if window > 1 else loss
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
@@ -224,9 +226,9 @@ class TrainStep:
             x, y = self.prepare_batch(batch, self.device, self.non_blocking)
         if not is_last and self._syncs_gradients:
             with no_gradient_sync(self.model):  # DDP's no_sync, FSDP2's set_requires_gradient_sync
-                loss = self._forward_backward(x, y, window)
+                loss = self._forward_backward(x, y, window, engine)
         else:
-            loss = self._forward_backward(x, y, window)
+            loss = self._forward_backward(x, y, window, engine)
         if is_last:
             if self.clip_grad_norm is not None:
                 if self.scaler is not None:
@@ -276,7 +278,8 @@ def create_trainer(
         optimizer: the optimizer over the model's parameters.
         loss_fn: ``loss_fn(y_pred, y) -> scalar tensor``, a mean over the batch; wrapped in
             :class:`~unison.metrics.BatchLoss`, called ``loss_fn(y_pred, batch)`` with the
-            whole batch on the device instead.
+            whole batch on the device instead (and ``loss_fn(y_pred, batch, trainer)`` with
+            ``BatchLoss(..., with_trainer=True)``).
         device: where batches go; default, the model's device. Given, it must match it.
         amp: ``"bf16"`` or ``"fp16"`` autocast; None for full precision. fp16 uses a
             ``GradScaler`` (one is made unless ``scaler`` is given).

@@ -19,8 +19,14 @@ class BatchLoss:
     with the batch the evaluator hands it (a :class:`BatchOutput`). Calling the wrapper
     calls the criterion with the same arguments.
 
+    With ``with_trainer``, training calls ``loss_fn(y_pred, batch, trainer)``: the training
+    :class:`~unison.engine.Engine` is the third argument (its ``state`` holds the epoch and
+    iteration), as QuantumGrav's trainer passes itself to ``compute_loss(outputs, data,
+    trainer)``. Evaluation always calls ``loss_fn(y_pred, batch)``.
+
     Args:
         loss_fn: ``loss_fn(y_pred, batch) -> scalar tensor``, the mean over the batch.
+        with_trainer: pass the trainer as a third argument in training.
 
     Example:
         >>> import torch
@@ -31,11 +37,15 @@ class BatchLoss:
         1.0
     """
 
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: Callable[..., torch.Tensor]
     """The criterion, called ``loss_fn(y_pred, batch)``."""
 
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    with_trainer: bool
+    """Whether training passes the trainer as a third argument."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], with_trainer: bool = False) -> None:
         if isinstance(loss_fn, BatchLoss):  # wrapping twice changes nothing
+            with_trainer = with_trainer or loss_fn.with_trainer
             loss_fn = loss_fn.loss_fn
         if not callable(loss_fn):
             raise TypeError(
@@ -43,12 +53,14 @@ class BatchLoss:
                 f"{type(loss_fn).__name__}: {loss_fn!r}."
             )
         self.loss_fn = loss_fn
+        self.with_trainer = bool(with_trainer)
 
-    def __call__(self, y_pred: Any, batch: Any) -> torch.Tensor:
-        return self.loss_fn(y_pred, batch)
+    def __call__(self, y_pred: Any, batch: Any, *trainer: Any) -> torch.Tensor:
+        return self.loss_fn(y_pred, batch, *trainer)
 
     def __repr__(self) -> str:
-        return f"BatchLoss({getattr(self.loss_fn, '__qualname__', self.loss_fn)!r})"
+        extra = ", with_trainer=True" if self.with_trainer else ""
+        return f"BatchLoss({getattr(self.loss_fn, '__qualname__', self.loss_fn)!r}{extra})"
 
 
 class BatchOutput(tuple[Any, Any]):

@@ -13,6 +13,7 @@ rank's last incomplete batch: :mod:`unison.recipe.accepted` warns about that onc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from torch.utils.data import DataLoader
@@ -58,8 +59,11 @@ def eval_loader_kwargs(config: Config, section: Section) -> dict[str, Any]:
     return kwargs
 
 
-def eval_loader(config: Config, section: Section, dataset: Any) -> DataLoader | None:
+def eval_loader(
+    config: Config, section: Section, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None
+) -> DataLoader | None:
     """This rank's loader over ``dataset`` for ``section``, sharded without padding; None without data.
+    ``collate_fn`` joins items into batches (default: :func:`~unison.distributed.collate`).
 
     Distributed:
         Call it on every rank with the same config: the sampler shards by rank.
@@ -71,8 +75,21 @@ def eval_loader(config: Config, section: Section, dataset: Any) -> DataLoader | 
     batch_size = eval_batch_size(config, section)
     shuffle = getattr(config, section).shuffle  # a new order each evaluation, the same on every rank
     _, loader = prepare_loaders(
-        None, dataset, batch_size=batch_size, seed=config.training.seed, val_shuffle=shuffle, **kwargs
+        None,
+        dataset,
+        batch_size=batch_size,
+        seed=config.training.seed,
+        val_shuffle=shuffle,
+        collate_fn=collate_fn,
+        **kwargs,
     )
     if drop_last and loader is not None:  # prepare_loaders drops from training loaders only
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=loader.sampler, drop_last=True, **kwargs)
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=loader.sampler,
+            drop_last=True,
+            collate_fn=loader.collate_fn,  # the one prepare_loaders chose
+            **kwargs,
+        )
     return loader

@@ -22,6 +22,7 @@ from unison.config import Config
 from unison.distributed import broadcast_object, get_rank
 from unison.engine import create_evaluator
 from unison.engine.predict import predict
+from unison.recipe.batch import batch_options
 from unison.recipe.ema import evaluated_model, load_best_weights
 from unison.recipe.eval_loaders import eval_loader
 from unison.recipe.parts import RunParts
@@ -117,9 +118,12 @@ def evaluate_test_set(plan: RunPlan, parts: RunParts) -> dict[str, float]:
         if path is not None:
             load_best_weights(plan, model, parts.ema, parts.trainer, path)
             _log.info("testing the best checkpoint %s", path)
-    metrics = make_metrics(plan.resolved)
-    test_loader = eval_loader(config, "testing", parts.datasets.test)  # the testing section's loader keys
-    tester = create_evaluator(evaluated_model(plan, model, parts.ema), metrics, amp=plan.amp)
+    batches = plan.resolved.batches
+    metrics = make_metrics(plan.resolved, "testing")  # testing.tester.criterion, when given
+    test_loader = eval_loader(config, "testing", parts.datasets.test, batches.collate.get("testing"))
+    tester = create_evaluator(
+        evaluated_model(plan, model, parts.ema), metrics, amp=plan.amp, **batch_options(batches, "testing")
+    )
     values = {k: v for k, v in tester.run(test_loader).metrics.items() if isinstance(v, float)}
     _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
     return values

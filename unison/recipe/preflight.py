@@ -19,7 +19,7 @@ from unison.config.usercode import describe
 from unison.distributed.env import port_is_free
 from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
-from unison.metrics import Loss
+from unison.recipe.batch import with_loss
 from unison.recipe.plan import RunPlan
 from unison.recipe.references import _References
 from unison.recipe.resolve import Resolved
@@ -52,8 +52,7 @@ def preflight(plan: RunPlan) -> None:
         _meta_optimizer(plan, model, refs)
         _check_shard_rule(config, model, refs)
     for name, (cls, kwargs) in resolved.metrics.items():
-        if issubclass(cls, Loss) and "loss_fn" not in kwargs:
-            kwargs = {"loss_fn": resolved.loss, **kwargs}
+        kwargs = with_loss(cls, kwargs, resolved.loss)
         try:
             cls(**kwargs)
         except Exception as err:
@@ -155,7 +154,7 @@ def _meta_model(resolved: Resolved, refs: _References) -> nn.Module | None:
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return resolved.model_type(**resolved.model_kwargs)
+            return resolved.model_type(*resolved.model_args, **resolved.model_kwargs)
     except ConfigError:
         raise
     except Exception as err:

@@ -28,6 +28,7 @@ from unison.config.data_config import uses_files
 from unison.config.names import resolve_name
 from unison.config.usercode import describe
 from unison.metrics import Loss
+from unison.recipe.batch import BatchSlots, batch_slots, criterion_loss, with_loss
 from unison.recipe.dead_keys import unowned
 from unison.recipe.file_data import file_data_slots
 from unison.recipe.references import _References
@@ -50,6 +51,10 @@ class Resolved:
     after_training: Callable[[Any], Any] | None
     optimizer_args: list[Any] = field(default_factory=list)
     """Positional arguments of the optimizer after the parameters (``training.optimizer_args``)."""
+    model_args: list[Any] = field(default_factory=list)
+    """Positional arguments of the model (``model.args``)."""
+    batches: BatchSlots = field(default_factory=BatchSlots)
+    """Collate, batch preparation, model calls and evaluation criteria (:mod:`unison.recipe.batch`)."""
 
 
 def resolve(config: Config) -> Resolved:
@@ -75,7 +80,7 @@ def resolve(config: Config) -> Resolved:
     optimizer_type, optimizer_kwargs, optimizer_args = _optimizer_slots(config, refs)
     scheduler_type, scheduler_kwargs = _scheduler_slots(config, refs)
     loss = _loss_slot(config, refs)
-    model_type, model_kwargs = _model_slots(config, refs)
+    model_type, model_args, model_kwargs = _model_slots(config, refs)
     data_build, data_kwargs = _data_slots(config, refs)
     return Resolved(
         optimizer_type=optimizer_type,
@@ -85,7 +90,9 @@ def resolve(config: Config) -> Resolved:
         scheduler_kwargs=scheduler_kwargs,
         loss=loss,
         model_type=model_type,
+        model_args=model_args,
         model_kwargs=model_kwargs,
+        batches=batch_slots(config, refs, loss),
         data_build=data_build,
         data_kwargs=data_kwargs,
         metrics=metrics,
@@ -93,14 +100,12 @@ def resolve(config: Config) -> Resolved:
     )
 
 
-def make_metrics(resolved: Resolved) -> dict[str, Any]:
-    """Fresh metric objects for an evaluation; a ``Loss`` without ``loss_fn`` uses the training loss."""
-    metrics = {}
-    for name, (cls, kwargs) in resolved.metrics.items():
-        if issubclass(cls, Loss) and "loss_fn" not in kwargs:
-            kwargs = {"loss_fn": resolved.loss, **kwargs}
-        metrics[name] = cls(**kwargs)
-    return metrics or {"loss": Loss(resolved.loss)}
+def make_metrics(resolved: Resolved, section: str = "validation") -> dict[str, Any]:
+    """Fresh metric objects for an evaluation of ``section`` (``validation`` or ``testing``); a
+    ``Loss`` without ``loss_fn`` uses the section's criterion, else the training loss."""
+    loss = resolved.batches.losses.get(section) or resolved.loss
+    metrics = {name: cls(**with_loss(cls, kwargs, loss)) for name, (cls, kwargs) in resolved.metrics.items()}
+    return metrics or {"loss": Loss(loss)}
 
 
 def scaled_lr(base: float, rule: str, world_size: int) -> float:
@@ -142,7 +147,7 @@ def _metric_slot(key: str, spec: Any, refs: _References) -> tuple[type, dict[str
         type_key = key + ".type"
         cls = refs.ref(spec["type"], "metric", type_key)
         kwargs = refs.tree(spec.get("kwargs") or {}, key + ".kwargs")
-    supplied = {"loss_fn": None} if issubclass(cls, Loss) and "loss_fn" not in kwargs else {}
+    supplied = {k: v for k, v in with_loss(cls, kwargs, None).items() if k not in kwargs}
     refs.bind(
         cls,
         type_key=type_key,
@@ -228,7 +233,9 @@ def _loss_slot(config: Config, refs: _References) -> Callable[..., torch.Tensor]
             ) from None
         except ValueError:
             pass
-        return loss()
+        loss = loss()
+    if key == "criterion":  # QuantumGrav's name: a function of the user's gets the whole batch
+        return criterion_loss(loss, refs)
     if not isinstance(loss, nn.Module):
         try:
             refs.bind(
@@ -244,8 +251,11 @@ def _loss_slot(config: Config, refs: _References) -> Callable[..., torch.Tensor]
     return loss
 
 
-def _model_slots(config: Config, refs: _References) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
-    """``model.type`` (a model class, or a function of the user's returning one) and ``model.kwargs``."""
+def _model_slots(
+    config: Config, refs: _References
+) -> tuple[Callable[..., nn.Module], list[Any], dict[str, Any]]:
+    """``model.type`` (a model class, or a function of the user's returning one), ``model.args`` and
+    ``model.kwargs``; with ``model.from_config``, a builder calling ``type.from_config(model.config)``."""
     named = config.model.type
     if isinstance(named, str):
         model_type = resolve_name(
@@ -257,11 +267,38 @@ def _model_slots(config: Config, refs: _References) -> tuple[Callable[..., nn.Mo
         )
     else:
         model_type = refs.ref(named, "model", "model.type")
-    kwargs = refs.tree(config.model.kwargs, "model.kwargs")
-    refs.bind(model_type, type_key="model.type", kwargs_key="model.kwargs", kwargs=kwargs)
+    m, scope = config.model, refs.scope
+
+    def parts(value: Any, key: str) -> Any:  # layer classes and nn functions of libraries too
+        return resolve_tree(value, key=key, imports=scope.imports, config_dir=scope.config_dir, slot="model_arg")
+
+    if m.from_config:
+        return _from_config(model_type, parts(m.config, "model.config"), refs), [], {}
+    args, kwargs = list(parts(m.args, "model.args")), dict(parts(m.kwargs, "model.kwargs"))
+    refs.bind(
+        model_type,
+        type_key="model.type",
+        kwargs_key="model.kwargs",
+        kwargs=kwargs,
+        args=tuple(args),
+        how=f"(*{m.args!r}, ...)" if args else "",
+    )
     if isinstance(model_type, type):
-        return model_type, kwargs
-    return _checked_factory(model_type, refs), kwargs
+        return model_type, args, kwargs
+    return _checked_factory(model_type, refs), args, kwargs
+
+
+def _from_config(cls: Any, nested: dict[str, Any], refs: _References) -> Callable[..., nn.Module]:
+    """A builder of ``cls.from_config(nested)``: QuantumGrav's way of building a model from nested keys."""
+    build = getattr(cls, "from_config", None)
+    if not isinstance(cls, type) or not callable(build):
+        raise refs.error(
+            "model.from_config",
+            f"{describe(cls)} has no from_config classmethod to build the model from model.config; name the "
+            "class that has one, or set from_config: false and give args and kwargs",
+        )
+    refs.bind(build, type_key="model.type", kwargs_key="model.config", kwargs={}, args=(nested,), how=".from_config(config)")
+    return _checked_factory(functools.partial(build, nested), refs)
 
 
 def _checked_factory(fn: Callable[..., Any], refs: _References) -> Callable[..., nn.Module]:

@@ -38,6 +38,7 @@ from unison.handlers import (
     Watchdog,
 )
 from unison.recipe.accepted import compile_options, ddp_options
+from unison.recipe.batch import batch_options
 from unison.recipe.early_stop import make_early_stopping
 from unison.recipe.ema import attach_ema, evaluated_model
 from unison.recipe.eval_loaders import eval_loader
@@ -67,7 +68,7 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
     """
     config, resolved = plan.config, plan.resolved
     datasets = build_datasets(config, resolved)
-    train_loader, val_loader = build_loaders(config, datasets)
+    train_loader, val_loader = build_loaders(config, datasets, resolved.batches.collate)
     model = build_model(config, resolved)
     optimizer, scheduler = build_optimizer(plan, model, world_size)
     trainer = build_trainer(config, resolved, model, optimizer)
@@ -108,13 +109,16 @@ def build_datasets(config: Config, resolved: Resolved) -> Datasets:
     return Datasets(*built)
 
 
-def build_loaders(config: Config, datasets: Datasets) -> tuple[DataLoader | None, DataLoader | None]:
+def build_loaders(
+    config: Config, datasets: Datasets, collate: dict[str, Any] | None = None
+) -> tuple[DataLoader | None, DataLoader | None]:
     """Data, second half: this rank's training and validation loaders.
 
     The training loader takes the ``training`` section's loader keys (``batch_size``,
     ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``drop_last``); the validation
     loader takes the ``validation`` section's, each defaulting to the training one
-    (:func:`unison.recipe.eval_loaders.eval_loader`).
+    (:func:`unison.recipe.eval_loaders.eval_loader`). ``collate`` maps a section to its
+    ``collate_fn`` (``training.collate`` ...; :mod:`unison.recipe.batch`).
 
     Returns:
         ``(train_loader, val_loader)``, each None when its dataset is None.
@@ -133,20 +137,22 @@ def build_loaders(config: Config, datasets: Datasets) -> tuple[DataLoader | None
         seed=t.seed,
         shuffle=t.shuffle,
         drop_last=t.drop_last,
+        collate_fn=(collate or {}).get("training"),
         **train_kwargs,
     )
-    return train_loader, eval_loader(config, "validation", datasets.val)  # its own loader keys
+    val_loader = eval_loader(config, "validation", datasets.val, (collate or {}).get("validation"))
+    return train_loader, val_loader  # each with its own section's loader keys
 
 
 def build_model(config: Config, resolved: Resolved) -> nn.Module:
-    """Model: builds ``model.type(**model.kwargs)``, moves it to this rank's device and wraps it.
+    """Model: builds ``model.type(*model.args, **model.kwargs)``, moves it to this rank's device and wraps it.
 
     Distributed:
         Call it on every rank: wrapping in DDP or sharding broadcasts rank 0's parameters.
     """
     p = config.parallel
     return prepare_model(
-        resolved.model_type(**resolved.model_kwargs),
+        resolved.model_type(*resolved.model_args, **resolved.model_kwargs),
         strategy=p.strategy,
         fsdp=dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None,
         compile=_off_or(compile_options(config)),
@@ -188,6 +194,7 @@ def build_trainer(
         accumulation_steps=t.accumulation_steps,
         clip_grad_norm=t.clip_grad_norm,
         sync_every=t.sync_every,
+        **batch_options(resolved.batches, "training"),  # training.batch, model.call
     )
 
 
@@ -203,7 +210,9 @@ def build_evaluator(config: Config, resolved: Resolved, model: nn.Module) -> tup
     """
     amp = config.training.amp
     metrics = make_metrics(resolved)
-    evaluator = create_evaluator(model, metrics, amp=None if amp == "none" else amp)
+    evaluator = create_evaluator(
+        model, metrics, amp=None if amp == "none" else amp, **batch_options(resolved.batches, "validation")
+    )
     watched = config.checkpoint.metric or next(iter(metrics))
     if watched not in metrics:
         raise ConfigError(
