@@ -23,6 +23,7 @@ from typing import Any, Union
 from unison.config.checks_base import matches, metric_direction
 from unison.config.loader import KeyPath, PyObjectRef, RawConfig
 from unison.config.schema import Config, _hints, _is_section, _type_name
+from unison.config.watched import watched_of
 from unison.utils.confine import ConfinementError, confined_path, decoded
 
 SPACE_FIELDS = {
@@ -209,8 +210,8 @@ def _check_metric(config: Config, raw: RawConfig) -> None:
     """Fills ``tuning.metric`` and ``tuning.direction`` when left out; refuses a contradiction."""
     t = config.tuning
     names = [str(k) for k in config.validation.metrics] or ["loss"]
-    watched = config.checkpoint.metric or names[0]
-    metric = t.metric or watched
+    watched = watched_of(config)  # the checkpoint's metric and mode
+    metric = t.metric or watched.metric
     if metric not in names:
         raise raw.origin.error(
             ("tuning", "metric"), f"no validation metric named {metric!r}; the metrics: {names}"
@@ -218,8 +219,8 @@ def _check_metric(config: Config, raw: RawConfig) -> None:
     named = metric_direction(metric)
     by_name = {"max": "maximize", "min": "minimize", None: None}[named]
     if t.direction is None:
-        if metric == watched:
-            t.direction = "maximize" if config.checkpoint.mode == "max" else "minimize"
+        if metric == watched.metric:
+            t.direction = "maximize" if watched.mode == "max" else "minimize"
         elif by_name is None:
             raise raw.origin.error(
                 ("tuning", "metric"),

@@ -23,9 +23,9 @@ from ignite.engine import Engine
 from unison.config import Config, PyObjectRef, resolve_tree
 from unison.config.compat import EARLY_STOPPING_NAMES
 from unison.config.names import resolve_name
+from unison.config.watched import Watched, watched_of
 from unison.handlers import EarlyStopping
 from unison.recipe.references import _References
-from unison.recipe.watched import Watched, watched_of
 
 KEY = "early_stopping.type"
 

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from unison.config import Config
+from unison.config.watched import Watched, watched_of
 from unison.recipe.accepted import compile_options
 from unison.recipe.early_stop import EarlyStoppingPlan, early_stopping_plan
 from unison.recipe.lr_scaling import LRPlan, lr_plan
 from unison.recipe.references import _References
 from unison.recipe.resolve import Resolved, resolve
 from unison.recipe.tracking_store import root_setting, store
-from unison.recipe.watched import Watched, watched_of
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Checkpoint ranking and a ``ReduceLROnPlateau`` scheduler watch ``checkpoint.metric`` (left
 out: the first of ``validation.metrics``, or ``loss`` without any), ranked by
 ``checkpoint.mode``; early stopping watches ``early_stopping.metric`` and ``.mode``, each
-defaulting to the checkpoint's. :func:`unison.recipe.plan.plan` derives it once per run.
+defaulting to the checkpoint's; ``tuning.metric`` defaults to the checkpoint's metric, and
+its direction to the checkpoint's mode. The run's plan derives it once
+(``unison.recipe.plan``); the tuning checks read the same rule.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from unison.config import Config
+from unison.config.schema import Config
 
 Mode = Literal["max", "min"]
 
