@@ -53,6 +53,8 @@ class EarlyStoppingPlan:
     cls: type[EarlyStopping]
     args: list[Any]
     kwargs: dict[str, Any]
+    section: frozenset[str] = frozenset()
+    """The names in ``kwargs`` that come from the section's own keys (the rest from its ``kwargs``)."""
 
 
 def section_kwargs(config: Config, watched: Watched) -> dict[str, Any]:
@@ -89,6 +91,19 @@ def early_stopping_slot(
     Raises:
         ConfigError: at ``early_stopping.type``, ``.args`` or ``.kwargs``, with what the class takes.
     """
+    plan = early_stopping_plan(config, refs, watched or watched_of(config))
+    if plan is None:
+        return None
+    return plan.cls, plan.args, {k: v for k, v in plan.kwargs.items() if k not in plan.section}
+
+
+def early_stopping_plan(config: Config, refs: _References, watched: Watched) -> EarlyStoppingPlan | None:
+    """The checked handler of the section (:func:`early_stopping_slot`'s checks), with every keyword
+    it is built with; None without ``patience``.
+
+    Raises:
+        ConfigError: at ``early_stopping.type``, ``.args`` or ``.kwargs``, with what the class takes.
+    """
     es = config.early_stopping
     if es.patience is None:
         return None
@@ -98,7 +113,7 @@ def early_stopping_slot(
         resolve_tree(es.args, key="early_stopping.args", imports=scope.imports, config_dir=scope.config_dir)
     )
     extra = refs.tree(es.kwargs, "early_stopping.kwargs")
-    given = section_kwargs(config, watched or watched_of(config))
+    given = section_kwargs(config, watched)
     for name in _positional_names(cls, args):
         given.pop(name, None)
     refs.bind(
@@ -110,23 +125,7 @@ def early_stopping_slot(
         supplied=given,
         how=" (trainer, metric, patience=..., and the section's other keys)",
     )
-    return cls, args, extra
-
-
-def early_stopping_plan(config: Config, refs: _References, watched: Watched) -> EarlyStoppingPlan | None:
-    """The checked handler of the section, with every keyword it is built with; None without ``patience``.
-
-    Raises:
-        ConfigError: as :func:`early_stopping_slot`.
-    """
-    slot = early_stopping_slot(config, refs, watched)
-    if slot is None:
-        return None
-    cls, args, extra = slot
-    kwargs = section_kwargs(config, watched)
-    for name in _positional_names(cls, args):
-        kwargs.pop(name, None)
-    return EarlyStoppingPlan(cls, args, {**kwargs, **extra})
+    return EarlyStoppingPlan(cls, args, {**given, **extra}, frozenset(given))
 
 
 def make_early_stopping(plan: EarlyStoppingPlan | None, trainer: Engine) -> EarlyStopping | None:
