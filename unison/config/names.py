@@ -14,6 +14,7 @@ reaches further than ``!pyobject`` can, and nothing found is called here.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import types
 from collections.abc import Callable, Mapping
@@ -21,8 +22,9 @@ from typing import Any
 
 from unison.config.errors import ConfigError
 from unison.config.loader import PyObjectRef
+from unison.config.main_script import main_module
 from unison.config.resolve import DENIED_PREFIXES, SLOTS, Scope, lookup
-from unison.config.usercode import local_module, main_problem, public_module, refused_import
+from unison.config.usercode import MAIN_MODULES, local_module, main_problem, public_module, refused_import
 
 
 def user_modules(scope: Scope) -> list[types.ModuleType]:
@@ -45,7 +47,7 @@ def user_modules(scope: Scope) -> list[types.ModuleType]:
                 f"importing {entry} (under imports:) raised {type(err).__name__}: {err}"
             ) from err
     if main_problem() is None:
-        modules.append(importlib.import_module("__main__"))
+        modules.append(main_module())  # the user's script: `--main SCRIPT.py`, or the one running
     return modules
 
 
@@ -105,13 +107,23 @@ def resolve_name(
         path, obj = next(iter(found.items()))
         raise error(f"{name!r} is {path}, which does not fit: {key} accepts {kind.accepts}")
     candidates = sorted(k for k in known if "." not in k) + candidates_in(modules, slot, scope)
-    searched = [public_module(m.__name__) for m in modules]
+    searched = [script_name(m) for m in modules]
     where = f"in {', '.join(searched)}" if searched else "(imports: is empty)"
     listed = ", ".join(candidates) if candidates else "none"
+    near = difflib.get_close_matches(name, {c.rpartition(".")[2]: c for c in candidates}, n=1, cutoff=0.5)
+    if near:
+        listed += f" (nearest: {near[0]})"
     raise error(
         f"{name!r} is not found {where}. It could name: {listed}. Add the module that defines it under "
         f"`imports:` (or write `!pyobject mymodule.{name}`)"
     )
+
+
+def script_name(module: types.ModuleType) -> str:
+    """A searched module, for messages: the user's script with its file (``__main__ (train.py)``)."""
+    if module.__name__ in MAIN_MODULES and getattr(module, "__file__", None):
+        return f"__main__ ({module.__file__})"
+    return public_module(module.__name__)
 
 
 def _denied(obj: Any) -> bool:

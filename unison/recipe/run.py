@@ -30,6 +30,7 @@ from typing import Any
 
 from unison.checkpoint.lock import hold_folder
 from unison.config import Config, dump_config, load_config
+from unison.config.main_script import script, use_main
 from unison.distributed import (
     barrier,
     broadcast_object,
@@ -156,7 +157,11 @@ def _file_logging(run_dir: Path) -> logging.Handler:
 
 
 def train_from_config(
-    config: Config, resume: str | None = None, attach: Attach | None = None, quiet: bool = False
+    config: Config,
+    resume: str | None = None,
+    attach: Attach | None = None,
+    quiet: bool = False,
+    main: Path | None = None,
 ) -> dict[str, Any]:
     """Runs on every rank: builds the run a config describes, trains, tests, and returns results.
 
@@ -164,11 +169,14 @@ def train_from_config(
     and trains: it attaches handlers of the caller's own (``unison tune`` attaches pruning), and
     may return ``ended_early()``: a reason there (the same on every rank) skips the test phase.
     ``quiet`` keeps all but errors off the console; the run's log files keep everything
-    (``unison tune`` prints one line per trial).
+    (``unison tune`` prints one line per trial). ``main``: the launching process's ``--main``
+    script, which ``__main__.<name>`` names here too (:mod:`unison.config.main_script`).
 
     Distributed:
         Call it on every rank (``launch`` does): it is full of collectives.
     """
+    if main is not None:
+        use_main(main)  # a spawned rank: the launching process's script
     level = None if config.log_level is None else logging.getLevelName(config.log_level)  # log_level, every rank
     with console_level(logging.ERROR if quiet else level):
         return _in_run_folder(config, resume, attach)
@@ -271,6 +279,7 @@ def run(
     nproc: int | None = None,
     overrides: list[str] | None = None,
     resume: str | None = None,
+    main: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Trains what a config describes: spawned locally, or as one rank under torchrun/SLURM.
 
@@ -284,10 +293,16 @@ def run(
         overrides: ``KEY.PATH=VALUE`` settings, as ``--set`` on the command line.
         resume: ``"auto"`` (the newest run of this config's name with a checkpoint),
             a checkpoint file, or a run directory.
+        main: the script ``!pyobject __main__.<name>`` and plain class names (``model.type:
+            "GNNModel"``) are looked up in, as ``--main`` on the command line: a ``.py`` file,
+            relative to the working directory, imported as ``__mp_main__`` on every rank (its
+            ``if __name__ == "__main__":`` block does not run). None: ``__main__`` is the
+            script running this call, if it is one.
 
     Returns:
         Rank 0's results: run directory, final metrics, history (and test metrics).
     """
+    use_main(main)  # this call's script (or none), before the config is read
     if not isinstance(config, Config):
         config = load_config(config, overrides)
     elif overrides:
@@ -330,6 +345,7 @@ def launch_config(
         resume,
         attach,
         quiet,
+        script(),  # `--main`: every spawned rank imports the same script
         nproc_per_node=nproc_per_node,
         backend=p.backend,
         timeout=p.timeout,
