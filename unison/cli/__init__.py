@@ -20,6 +20,7 @@ __all__ = ["build_parser", "main"]
 
 def _run(args: argparse.Namespace) -> int:
     from unison.config import ConfigError
+    from unison.config.main_script import MainScriptError
     from unison.distributed import RankFailedError, detect_launcher
     from unison.recipe.run import ResumeError, run
     from unison.utils.secrets import redact_url
@@ -32,8 +33,8 @@ def _run(args: argparse.Namespace) -> int:
 
             active = args.profile or None  # 0: a bare --profile
             overrides = [*profile_overrides(args.config, active), *args.set]
-        results = run(args.config, nproc=args.nproc, overrides=overrides, resume=args.resume)
-    except (ConfigError, ResumeError) as err:
+        results = run(args.config, nproc=args.nproc, overrides=overrides, resume=args.resume, main=args.main)
+    except (ConfigError, ResumeError, MainScriptError) as err:
         if args.debug:
             raise
         print(f"unison run: {redact_url(str(err))}", file=sys.stderr)
@@ -52,12 +53,14 @@ def _run(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     from unison.cli.tune import SweepStopped, tune
     from unison.cli.tune_best import summary_lines
+    from unison.config.main_script import use_main
     from unison.distributed import RankFailedError
     from unison.recipe.tune_space import MissingOptunaError
     from unison.utils.logging import setup_logging
 
     setup_logging()  # the sweep's progress lines, at INFO
     try:
+        use_main(args.main)  # a MainScriptError is a ValueError
         summary = tune(args.config, trials=args.trials, nproc=args.nproc, overrides=args.set)
     except (ValueError, MissingOptunaError, RankFailedError, SweepStopped, KeyboardInterrupt) as err:
         if args.debug:
@@ -118,6 +121,18 @@ def _iterations(text: str) -> int:
     return int(text)
 
 
+def _main_option(command: argparse.ArgumentParser) -> None:
+    """``--main SCRIPT.py``: the script a config's ``__main__.<name>`` stands for."""
+    command.add_argument(
+        "--main",
+        default=None,
+        metavar="SCRIPT.py",
+        help="your script that defines what the config names as __main__.<name> (and plain class names such "
+        "as model.type: GNNModel); imported as __mp_main__ on every rank, so its "
+        "`if __name__ == '__main__':` block does not run",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``unison`` argument parser: a sub-command each for ``run``, ``tune``, ``doctor``, ``plot``, ``export``."""
     parser = argparse.ArgumentParser(
@@ -159,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show the full Python traceback of an expected error (a bad config, a failed rank)",
     )
+    _main_option(run)
     run.set_defaults(handler=_run)
 
     tune = commands.add_parser(
@@ -177,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--debug", action="store_true", help="show the full Python traceback of an expected error"
     )
+    _main_option(tune)
     tune.set_defaults(handler=_tune)
 
     doctor = commands.add_parser("doctor", help="check this machine for what blocks a distributed run")
