@@ -23,7 +23,7 @@ from unison.recipe.batch import with_loss
 from unison.recipe.plan import RunPlan
 from unison.recipe.references import _References
 from unison.recipe.resolve import Resolved
-from unison.recipe.tracking_store import check_tracking
+from unison.recipe.tracking_store import check_mlflow
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.preflight")
@@ -46,7 +46,7 @@ def preflight(plan: RunPlan) -> None:
     _check_device(config, refs)
     _check_output_root(plan, refs)
     _check_find_unused(config, refs)
-    check_tracking(config)  # logging.mlflow: installed, names given, every at sync points
+    check_mlflow(config)  # logging.mlflow: installed, names given, every at sync points (the store: planned)
     model = _meta_model(resolved, refs)
     if model is not None:
         _meta_optimizer(plan, model, refs)

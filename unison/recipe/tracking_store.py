@@ -2,7 +2,8 @@
 
 - :func:`root_setting` and :func:`output_root`: ``training.path``, else ``logging.root``;
 - :func:`check_tracking`, in the launching process before any rank starts: MLflow is
-  installed, the tracking URI is one a config may name, ``every`` has sync points to use.
+  installed, the tracking URI is one a config may name, ``every`` has sync points to use
+  (:func:`check_mlflow` without the URI, which the run's plan checks as it computes the store).
 - :func:`store`: where the run goes. Left out, a SQLite file in the output root,
   ``<logging.root>/mlflow.db``, with artefacts beside it in ``<logging.root>/mlartifacts``:
   nothing to start, and one store (one ``mlflow ui``) for every run under that root. MLflow 3
@@ -38,8 +39,20 @@ def _error(config: Config, key: str, message: str) -> ConfigError:
 
 
 def check_tracking(config: Config) -> None:
-    """Before spawning: with ``logging.mlflow`` set, MLflow is installed, its URI is allowed, and
-    ``every`` has sync points to read the loss at.
+    """Before spawning: with ``logging.mlflow`` set, :func:`check_mlflow`, and its URI is allowed
+    (:func:`store`).
+
+    Raises:
+        ConfigError: naming the key (file and line), the value and the fix.
+    """
+    check_mlflow(config)
+    if config.logging.mlflow is not None:
+        store(config)
+
+
+def check_mlflow(config: Config) -> None:
+    """With ``logging.mlflow`` set: MLflow is installed, the names given are not empty, and ``every``
+    has sync points to read the loss at. The store is the plan's (:func:`store`, computed once).
 
     Raises:
         ConfigError: naming the key (file and line), the value and the fix.
@@ -58,7 +71,6 @@ def check_tracking(config: Config) -> None:
             f"logging.mlflow is set, but MLflow is not installed here: {EXTRA} (or pip install mlflow-skinny), "
             "or remove logging.mlflow",
         )
-    store(config)
     for key in ("experiment", "run_name", "parent_run_id"):
         if getattr(m, key) is not None and not str(getattr(m, key)).strip():
             raise _error(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from unison.handlers.mlflow_store import limited, make_client, open_experiment, record_run, recorded_run
 from unison.recipe.tracking import RUN_FILE, params_of, run_tags
-from unison.recipe.tracking_store import check_tracking, store
+from unison.recipe.tracking_store import check_mlflow, store
 from unison.recipe.tune_space import SweepPlan
 from unison.utils import get_logger
 from unison.utils.secrets import redact_url
@@ -55,7 +55,7 @@ def sweep_tracking(plan: SweepPlan) -> Iterator[SweepRun | None]:
     if m is None:
         yield None
         return
-    check_tracking(config)
+    check_mlflow(config)
     uri, artifact_location = store(config)
     experiment = m.experiment or config.name
     client = make_client(uri)
