@@ -74,6 +74,12 @@ class RunPlan:
         return self.root / self.config.name
 
 
+def amp_dtype(config: Config) -> Literal["bf16", "fp16"] | None:
+    """The autocast dtype of ``training.amp``: None for ``"none"``."""
+    amp = config.training.amp
+    return None if amp == "none" else amp
+
+
 def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
     """The plan of ``config``'s run: every slot resolved, every derived value computed once.
 
@@ -97,7 +103,7 @@ def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
         config=config,
         resolved=resolved,
         watched=watched,
-        amp=None if t.amp == "none" else t.amp,
+        amp=amp_dtype(config),
         compile=False if options is None else options,
         fsdp=dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None,
         output_device=p.output_device,

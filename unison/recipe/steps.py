@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from unison.config import Config, ConfigError, to_plain
+from unison.config.watched import watched_of
 from unison.distributed import prepare_loaders, prepare_model
 from unison.engine import Engine, Events, TrainStep, UpdateEvents, create_evaluator, create_trainer
 from unison.handlers import (
@@ -45,7 +46,7 @@ from unison.recipe.eval_loaders import eval_loader
 from unison.recipe.history import RunHistory
 from unison.recipe.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
 from unison.recipe.parts import Datasets, RunParts
-from unison.recipe.plan import RunPlan
+from unison.recipe.plan import RunPlan, amp_dtype
 from unison.recipe.resolve import Resolved, make_metrics
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
@@ -190,7 +191,7 @@ def build_trainer(
         model,
         optimizer,
         resolved.loss,
-        amp=None if t.amp == "none" else t.amp,
+        amp=amp_dtype(config),
         accumulation_steps=t.accumulation_steps,
         clip_grad_norm=t.clip_grad_norm,
         sync_every=t.sync_every,
@@ -208,12 +209,11 @@ def build_evaluator(config: Config, resolved: Resolved, model: nn.Module) -> tup
     Raises:
         ConfigError: ``checkpoint.metric`` names no validation metric.
     """
-    amp = config.training.amp
     metrics = make_metrics(resolved)
     evaluator = create_evaluator(
-        model, metrics, amp=None if amp == "none" else amp, **batch_options(resolved.batches, "validation")
+        model, metrics, amp=amp_dtype(config), **batch_options(resolved.batches, "validation")
     )
-    watched = config.checkpoint.metric or next(iter(metrics))
+    watched = watched_of(config, list(metrics)).metric
     if watched not in metrics:
         raise ConfigError(
             f"no validation metric named {watched!r}; metrics: {sorted(metrics)}",
