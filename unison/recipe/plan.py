@@ -80,6 +80,18 @@ def amp_dtype(config: Config) -> Literal["bf16", "fp16"] | None:
     return None if amp == "none" else amp
 
 
+def compile_setting(config: Config) -> bool | dict[str, Any]:
+    """``training.compile`` as ``prepare_model`` takes it: False when off, ``{}`` (on, defaults) kept."""
+    options = compile_options(config)
+    return False if options is None else options
+
+
+def fsdp_options(config: Config) -> dict[str, Any] | None:
+    """``parallel.fsdp`` as ``prepare_model`` takes it, with ``parallel.strategy: fsdp``; else None."""
+    p = config.parallel
+    return dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None
+
+
 def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
     """The plan of ``config``'s run: every slot resolved, every derived value computed once.
 
@@ -96,7 +108,6 @@ def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
     resolved = resolved if resolved is not None else resolve(config)
     t, p = config.training, config.parallel
     watched = watched_of(config, list(resolved.metrics))
-    options = compile_options(config)
     root_key, root = root_setting(config)
     lr = {"lr": t.lr} if t.lr is not None else {}
     return RunPlan(
@@ -104,8 +115,8 @@ def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
         resolved=resolved,
         watched=watched,
         amp=amp_dtype(config),
-        compile=False if options is None else options,
-        fsdp=dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None,
+        compile=compile_setting(config),
+        fsdp=fsdp_options(config),
         output_device=p.output_device,
         lr=lr_plan(config, 1),
         optimizer_kwargs={**resolved.optimizer_kwargs, **lr},

@@ -18,7 +18,6 @@ what it resolved.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,7 +37,7 @@ from unison.handlers import (
     TimeLimit,
     Watchdog,
 )
-from unison.recipe.accepted import compile_options, ddp_options
+from unison.recipe.accepted import ddp_options
 from unison.recipe.batch import batch_options
 from unison.recipe.early_stop import make_early_stopping
 from unison.recipe.ema import attach_ema, evaluated_model
@@ -46,7 +45,7 @@ from unison.recipe.eval_loaders import eval_loader
 from unison.recipe.history import RunHistory
 from unison.recipe.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
 from unison.recipe.parts import Datasets, RunParts
-from unison.recipe.plan import RunPlan, amp_dtype
+from unison.recipe.plan import RunPlan, amp_dtype, compile_setting, fsdp_options
 from unison.recipe.resolve import Resolved, make_metrics
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
@@ -155,8 +154,8 @@ def build_model(config: Config, resolved: Resolved) -> nn.Module:
     return prepare_model(
         resolved.model_type(*resolved.model_args, **resolved.model_kwargs),
         strategy=p.strategy,
-        fsdp=dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None,
-        compile=_off_or(compile_options(config)),
+        fsdp=fsdp_options(config),
+        compile=compile_setting(config),
         sync_batchnorm=config.parallel.sync_batchnorm,
         find_unused_parameters=config.parallel.find_unused_parameters,
         **ddp_options(config),  # parallel.output_device, on GPUs
@@ -369,8 +368,3 @@ def attach_logging(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
     attach_tracking(plan, parts, run_dir)  # logging.mlflow (unison.recipe.tracking)
     if config.logging.progress:
         ProgressBar().attach(parts.trainer)
-
-
-def _off_or(options: dict[str, Any] | None) -> bool | dict[str, Any]:
-    """``training.compile``'s options for ``prepare_model``: False when off, ``{}`` (on, defaults) kept."""
-    return False if options is None else options
