@@ -1,8 +1,8 @@
 """The code a QuantumGrav user keeps beside their config: a reader for causal-set zarr stores,
 the pre-transform to torch_geometric graphs, the loss, and two graph networks.
 
-quantumgrav_train_ddp.yaml and quantumgrav_custom_model.yaml name these; under `unison run`
-they are named by this module's name where QuantumGrav's configs write `__main__`.
+quantumgrav_train_ddp.yaml and quantumgrav_custom_model.yaml name these as QuantumGrav's configs
+do, `__main__.<name>`: `unison run CONFIG --main quantumgrav_user.py` makes this file their `__main__`.
 """
 
 from __future__ import annotations
