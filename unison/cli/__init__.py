@@ -1,12 +1,12 @@
 """The ``unison`` command: ``run`` a config, ``tune`` it, check a machine with ``doctor``, ``plot`` a run,
-``export`` its weights.
+``export`` its weights, show a resolved ``config`` and the config's JSON ``schema``.
 
 The parser and :func:`main` live here; each command's code is in modules of this package,
 imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.recipe.run`
 (with :mod:`unison.recipe.resolve` and :mod:`unison.recipe.steps`), :mod:`unison.cli.tune` (with
 :mod:`unison.recipe.tune_space`, :mod:`unison.cli.tune_server` and :mod:`unison.cli.tune_best`),
 :mod:`unison.cli.doctor` (with :mod:`unison.cli.checks` and :mod:`unison.cli.launch_checks`)
-and :mod:`unison.cli.plot`, :mod:`unison.cli.export`.
+and :mod:`unison.cli.plot`, :mod:`unison.cli.export`, :mod:`unison.cli.config_cmd` (``config`` and ``schema``).
 """
 
 from __future__ import annotations
@@ -114,6 +114,24 @@ def _export(args: argparse.Namespace) -> int:
     )
 
 
+def _config(args: argparse.Namespace) -> int:
+    from unison.cli.config_cmd import run_config
+    from unison.config.main_script import MainScriptError, use_main
+
+    try:
+        use_main(args.main)  # what --check resolves __main__.<name> in
+    except MainScriptError as err:
+        print(f"unison config: {err}", file=sys.stderr)
+        return 2
+    return run_config(args)
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from unison.cli.config_cmd import run_schema
+
+    return run_schema(args)
+
+
 def _iterations(text: str) -> int:
     """``--profile ACTIVE``: a number of iterations, at least 1."""
     if not text.strip().isdigit() or int(text) < 1:
@@ -134,7 +152,8 @@ def _main_option(command: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``unison`` argument parser: a sub-command each for ``run``, ``tune``, ``doctor``, ``plot``, ``export``."""
+    """The ``unison`` argument parser: a sub-command each for ``run``, ``tune``, ``doctor``, ``plot``, ``export``,
+    ``config``, ``schema``."""
     parser = argparse.ArgumentParser(
         prog="unison", description="Distributed training in which every rank moves in unison."
     )
@@ -250,6 +269,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--debug", action="store_true", help="show the full Python traceback of an error")
     export.set_defaults(handler=_export)
+
+    config = commands.add_parser(
+        "config",
+        help="print the config a run would use: every key resolved, as YAML",
+        description="Reads and checks the config as `unison run` does before it starts any rank, and prints it "
+        "with every default filled in, old and other trainers' keys under unison's names, --set applied and "
+        "URL credentials masked. Nothing the config names is imported unless --check is given.",
+    )
+    config.add_argument("config", help="the YAML config file")
+    config.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    config.add_argument(
+        "--check",
+        action="store_true",
+        help="also resolve every !pyobject and build the model on the meta device, as `unison run` does "
+        "before spawning (imports the modules the config names)",
+    )
+    config.add_argument(
+        "--show-origin", action="store_true", help="end each given key's line with # file:line or # --set ..."
+    )
+    config.add_argument(
+        "--debug", action="store_true", help="show the full Python traceback of a config error"
+    )
+    _main_option(config)
+    config.set_defaults(handler=_config)
+
+    schema = commands.add_parser(
+        "schema",
+        help="write the config's JSON Schema, for editors",
+        description="The JSON Schema (draft 2020-12) of a run config, made from this version's schema: point "
+        "an editor at it (# yaml-language-server: $schema=FILE).",
+    )
+    schema.add_argument("--out", default=None, metavar="FILE", help="the file to write (default: print it)")
+    schema.set_defaults(handler=_schema)
     return parser
 
 

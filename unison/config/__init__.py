@@ -78,6 +78,17 @@ def _represent_ref(dumper: yaml.SafeDumper, ref: PyObjectRef) -> yaml.Node:
 _Dumper.add_representer(PyObjectRef, _represent_ref)
 
 
+def _read_as_the_loader_does(dumper: type[yaml.SafeDumper]) -> None:
+    """Quotes every string :class:`UnisonLoader` would read as another type (YAML 1.2's ``1e3``, a float),
+    as well as those YAML 1.1 readers would (``yes``): a dumped config loads back with its strings."""
+    for first, resolvers in list(UnisonLoader.yaml_implicit_resolvers.items()):
+        for tag, pattern in resolvers:
+            dumper.add_implicit_resolver(tag, pattern, [first])
+
+
+_read_as_the_loader_does(_Dumper)
+
+
 def dump_config(config: Config) -> str:
     """The resolved config (every default filled in) as YAML that :func:`load_config` reads back."""
 

@@ -110,7 +110,8 @@ def check_data(data: DataConfig, raw: RawConfig) -> None:
         ConfigError: naming the file, the line and the key.
     """
     section: KeyPath = ("data",)
-    given = [k for k in FILE_KEYS if raw.origin.given("data", k)]
+    defaults = DataConfig()  # a key written with its default value (a saved config) asks for nothing
+    given = [k for k in FILE_KEYS if raw.origin.given("data", k) and getattr(data, k) != getattr(defaults, k)]
     if data.build is not None and given:
         raise raw.origin.error(
             section + (given[0],),
@@ -131,7 +132,7 @@ def check_data(data: DataConfig, raw: RawConfig) -> None:
         )
     if data.build is not None:
         return
-    if raw.origin.given("data", "kwargs"):
+    if raw.origin.given("data", "kwargs") and data.kwargs:
         raise raw.origin.error(
             section + ("kwargs",), "is read by data.build only; with data.files, drop it (or give data.build)"
         )

@@ -2,44 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 from unison.config.loader import PyObjectRef
 from unison.config.resolve import SLOTS
-from unison.config.schema import Config, _hints, _is_section, _type_name, section_in
+from unison.config.schema import _type_name
+from unison.config.schema_walk import walk_keys
 
 
 def schema_reference() -> list[tuple[str, str, str, str]]:
     """(key path, type, default, doc) for every key: the configuration reference."""
     rows: list[tuple[str, str, str, str]] = []
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = _hints(cls)
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            key = f"{prefix}{f.name}"
-            if _is_section(tp):
-                walk(tp, key + ".")
-                continue
-            factory: Any = f.default_factory
-            default = factory() if factory is not dataclasses.MISSING else f.default
-            doc = f.metadata.get("doc", "")
-            if f.metadata.get("alias"):
-                doc += f" (also read as `{f.metadata['alias']}`)"
-            rows.append(
-                (
-                    key,
-                    _type_name(tp),
-                    repr(default) if not isinstance(default, PyObjectRef) else str(default),
-                    doc,
-                )
-            )
-            sub = section_in(tp)
-            if sub is not None:  # a key that also takes a mapping: its keys follow it
-                walk(sub, key + ".")
-
-    walk(Config, "")
+    for key in walk_keys():
+        if key.is_section:  # a whole section: its keys follow
+            continue
+        doc = key.doc + (f" (also read as `{key.alias}`)" if key.alias else "")
+        default = str(key.default) if isinstance(key.default, PyObjectRef) else repr(key.default)
+        rows.append((".".join(key.path), _type_name(key.type), default, doc))
     return rows
 
 
@@ -61,7 +38,7 @@ def reference_markdown() -> str:
     for key, type_name, default, doc in schema_reference():
         cell = type_name.replace("|", "\\|")
         lines.append(f"| `{key}` | {cell} | `{default}` | {doc} |")
-    lines += ["", *_RESUMING]
+    lines += ["", *_EDITORS, "", *_RESUMING]
     lines += [
         "",
         "## What a config can and cannot do",
@@ -129,6 +106,32 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+_EDITORS = (
+    "## Editors and the resolved config",
+    "",
+    "`unison config CONFIG [--set KEY=VALUE ...]` prints the config a run would use, as YAML:",
+    "every key above with its value after defaults, old names (`num_epochs`, `world_size`) and",
+    "other trainers' keys under unison's (QuantumGrav's `criterion` as `training.loss`,",
+    "`training.path` as `logging.root`, `training.checkpoint_at` as `checkpoint.every_epochs`,",
+    "`early_stopping.kwargs` as the section's keys), `--set` applied and URL credentials masked.",
+    "It checks the config as `unison run` does before it starts any rank, and fails with the",
+    "same `file:line: key:` error, but imports nothing the config names: `!pyobject` values are",
+    "written back as `!pyobject dotted.path`, and the output loads again into the same config.",
+    "`--check` also resolves every `!pyobject` and builds the model on the `meta` device, as",
+    "`unison run` does before spawning (this imports the modules the config names).",
+    "`--show-origin` ends each key the config gives with `# file:line`, or `# --set key=value`.",
+    "",
+    "`unison schema [--out FILE]` writes the config's JSON Schema (draft 2020-12), made from this",
+    "version's schema: each key with its meaning, default and type; a `Literal` as an `enum`, a",
+    "section with no other keys, an old name marked deprecated. Point a YAML language server at",
+    "it with a first line `# yaml-language-server: $schema=unison.schema.json` (or the editor's",
+    "`yaml.schemas` setting), and declare the tag with `yaml.customTags: [\"!pyobject scalar\"]`:",
+    "JSON Schema never sees YAML tags, so a `!pyobject` key is checked as a string and what it",
+    "names is checked by `unison config --check`. Ranges and keys that depend on each other are",
+    "checked by `unison config` too, not by the schema.",
+)
+"""The two commands that show a config as unison reads it, and the JSON Schema for editors."""
+
 _RESUMING = (
     "## Resuming: the learning rate and other optimizer values",
     "",
@@ -176,15 +179,4 @@ _SECRETS = (
 
 def _slot_keys() -> list[tuple[str, str]]:
     """(key path, slot) of every schema key that takes a ``!pyobject``."""
-    found: list[tuple[str, str]] = []
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = _hints(cls)
-        for f in dataclasses.fields(cls):
-            if _is_section(hints[f.name]):
-                walk(hints[f.name], f"{prefix}{f.name}.")
-            elif f.metadata.get("slot"):
-                found.append((f"{prefix}{f.name}", f.metadata["slot"]))
-
-    walk(Config, "")
-    return found
+    return [(".".join(key.path), key.slot) for key in walk_keys() if key.slot]
