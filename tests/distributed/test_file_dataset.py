@@ -216,3 +216,17 @@ def test_functions_that_workers_cannot_import_are_refused_before_any_worker_star
         FileDataset(
             stores, GraphReader(), output=tmp_path / "out", pre_transform=lambda raw: raw, n_processes=2
         )
+
+
+def test_the_users_script_keys_the_cache_alike_when_run_and_when_a_rank_imports_it():
+    """torchrun runs the script as __main__; a spawned rank (or --main) imports it as __mp_main__."""
+    from unison.distributed.file_sources import callable_identity
+
+    def reader(path, index):
+        return index
+
+    identities = []
+    for module in ("__main__", "__mp_main__"):
+        reader.__module__ = module
+        identities.append(callable_identity(reader))
+    assert identities[0] == identities[1] and identities[0].startswith("__main__.")

@@ -88,7 +88,8 @@ def file_identity(path: Path) -> dict[str, int]:
 def callable_identity(fn: Callable[..., Any] | None) -> str | None:
     """A text that changes when the function, its source or its bound arguments change.
 
-    ``module.qualname#<hash of the source>``; a ``functools.partial`` adds its arguments; an
+    ``module.qualname#<hash of the source>`` (the user's script is ``__main__`` whether it runs
+    or a spawned rank imports it as ``__mp_main__``); a ``functools.partial`` adds its arguments; an
     instance with ``__call__`` is named by its class, plus its ``repr`` when that is not the
     default one (which would hold a memory address and change every run).
     """
@@ -98,7 +99,10 @@ def callable_identity(fn: Callable[..., Any] | None) -> str | None:
         return f"{callable_identity(fn.func)}(*{fn.args!r}, **{dict(sorted(fn.keywords.items()))!r})"
     target: Any = fn if inspect.isfunction(fn) or inspect.isclass(fn) or inspect.ismethod(fn) else type(fn)
     target = getattr(target, "__func__", target)
-    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
+    module = getattr(target, "__module__", "?")
+    if module == "__mp_main__":  # the user's script, as a spawned rank (or --main) imports it
+        module = "__main__"
+    name = f"{module}.{getattr(target, '__qualname__', type(target).__name__)}"
     try:
         name += "#" + hashlib.sha256(inspect.getsource(target).encode()).hexdigest()[:16]
     except (OSError, TypeError):  # a builtin, or a function defined where no source is kept
