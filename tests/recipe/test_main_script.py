@@ -177,7 +177,7 @@ def test_a_name_the_script_lacks_names_the_key_the_script_and_the_nearest_names(
     assert code == 2
     assert err.startswith(
         f"unison run: {path}:{line_of(path, 'GNNModle')}: model.type: 'GNNModle' is not found in __main__ "
-        f"({script_file}). It could name: __main__.GNNModel (nearest: GNNModel)."
+        f"({script_file}). It could name: __main__.GNNModel. Did you mean GNNModel?"
     ), err
     assert not out.exists() and not (tmp_path / "main_block_ran").exists()
 

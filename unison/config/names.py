@@ -110,11 +110,10 @@ def resolve_name(
     searched = [script_name(m) for m in modules]
     where = f"in {', '.join(searched)}" if searched else "(imports: is empty)"
     listed = ", ".join(candidates) if candidates else "none"
-    near = difflib.get_close_matches(name, {c.rpartition(".")[2]: c for c in candidates}, n=1, cutoff=0.5)
-    if near:
-        listed += f" (nearest: {near[0]})"
+    near = difflib.get_close_matches(name, [c.rpartition(".")[2] for c in candidates], n=1, cutoff=0.5)
+    guess = f" Did you mean {near[0]}?" if near else ""
     raise error(
-        f"{name!r} is not found {where}. It could name: {listed}. Add the module that defines it under "
+        f"{name!r} is not found {where}. It could name: {listed}.{guess} Add the module that defines it under "
         f"`imports:` (or write `!pyobject mymodule.{name}`)"
     )
 
