@@ -20,6 +20,7 @@ from unison.config.model_config import check_model
 from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
 from unison.config.tuning import check_tuning
 from unison.config.unknown_keys import check_unknown_keys
+from unison.config.watched import watched_of
 
 
 def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
@@ -126,10 +127,8 @@ def _check_name(config: Config, raw: RawConfig) -> None:
 def _check_modes(config: Config, raw: RawConfig) -> None:
     """Fills ``checkpoint.mode`` from the watched metric's name when left out, and refuses a mode
     that contradicts the name (``mode: max`` on a loss keeps the worst checkpoint)."""
-    names = [str(k) for k in config.validation.metrics] or ["loss"]
-    watched = config.checkpoint.metric or names[0]
-    es = config.early_stopping
-    es_watched = es.metric or watched
+    metrics = watched_of(config)  # the metric names only: the modes are filled here
+    watched, es_watched, es = metrics.metric, metrics.stop_metric, config.early_stopping
     for section, metric, explicit in (
         ("checkpoint", watched, raw.origin.given("checkpoint", "mode")),
         ("early_stopping", es_watched, es.mode is not None),
