@@ -295,7 +295,7 @@ def test_a_pruned_trial_stops_every_rank_at_once_and_the_sweep_goes_on_and_resum
     best = tmp_path / "runs" / "tiny" / "tune-tiny" / "best.yaml"
     saved_path = list(sys.path)
     try:
-        results = unison.recipe.run.run(str(best), overrides=["training.max_epochs=1"])
+        results = unison.recipe.run(str(best), overrides=["training.max_epochs=1"])
     finally:
         sys.path[:] = saved_path
     assert results["world_size"] == 1 and results["iterations"] == 2 * ITERS_PER_EPOCH

@@ -1,6 +1,6 @@
 """Bad configs fail in the launching process, before any rank is spawned.
 
-Every case goes through the real entry points, ``unison.recipe.run.run(path, nproc=2)`` and
+Every case goes through the real entry points, ``unison.recipe.run(path, nproc=2)`` and
 ``unison run PATH --nproc 2`` (``unison.cli.main``, in-process), with every way of
 starting a process replaced by a function that fails the test. Each error must be a
 :class:`ConfigError` whose message starts ``file:line: key.path:`` (``--set K=V: key.path:``
@@ -710,7 +710,7 @@ def _run(entry: str, path: str, sets: tuple[str, ...], capsys) -> str:
     """Runs a config through `entry`; returns the error text (ConfigError or stderr)."""
     if entry == "api":
         with pytest.raises(ConfigError) as info:
-            unison.recipe.run.run(path, nproc=2, overrides=list(sets))
+            unison.recipe.run(path, nproc=2, overrides=list(sets))
         return str(info.value)
     argv = ["run", path, "--nproc", "2"]
     for item in sets:
@@ -729,7 +729,7 @@ def test_the_guard_sees_a_spawn_of_a_good_config(tmp_path, no_spawn, module_name
     """The base config is valid: run() gets as far as spawning, which the guard reports."""
     path, _ = _write(Bad("good", "", None), tmp_path, module_name)
     with pytest.raises(SpawnAttempted):
-        unison.recipe.run.run(str(path), nproc=2)
+        unison.recipe.run(str(path), nproc=2)
     assert no_spawn == ["unison.distributed.launcher._spawn"]
 
 
@@ -802,7 +802,7 @@ def test_loader_errors_name_the_key_path(text, key, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as info:
-        unison.recipe.run.run(str(path), nproc=2)
+        unison.recipe.run(str(path), nproc=2)
     assert info.value.key_path == key, str(info.value)
 
 
@@ -827,7 +827,7 @@ def test_bad_override_fails_before_spawning(case, entry, tmp_path, no_spawn, mod
 def test_override_errors_name_the_override(case, tmp_path, no_spawn, module_name):
     path, _ = _write(Bad(case.id, "", None), tmp_path, module_name)
     with pytest.raises(ConfigError) as info:
-        unison.recipe.run.run(str(path), nproc=2, overrides=list(case.sets))
+        unison.recipe.run(str(path), nproc=2, overrides=list(case.sets))
     message = str(info.value)
     for needle in case.needles:
         assert needle in message

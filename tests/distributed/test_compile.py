@@ -150,12 +150,12 @@ def test_a_bad_compile_mode_in_a_config_names_file_line_and_key(tmp_path, monkey
     path = tmp_path / "c.yaml"
     path.write_text(CONFIG)
     with pytest.raises(ConfigError) as info:
-        unison.recipe.run.run(str(path), nproc=2)
+        unison.recipe.run(str(path), nproc=2)
     message = str(info.value)
     assert message.startswith(f"{path}:10: training.compile.mode: "), message
     assert "'bogus'" in message and "'max-autotune'" in message
     with pytest.raises(ConfigError) as info:
-        unison.recipe.run.run(str(path), nproc=2, overrides=["training.compile.mode=fast"])
+        unison.recipe.run(str(path), nproc=2, overrides=["training.compile.mode=fast"])
     assert str(info.value).startswith("--set training.compile.mode=fast: training.compile.mode: "), info.value
 
 

@@ -49,7 +49,7 @@ def single(tmp_path_factory):
     try:
         # The config asks for 2 ranks (parallel.nproc_per_node: 2); null means this process.
         overrides = [*short_run(root), "parallel.nproc_per_node=null"]
-        results = unison.recipe.run.run(str(CONFIG), nproc=None, overrides=overrides)
+        results = unison.recipe.run(str(CONFIG), nproc=None, overrides=overrides)
         after = list(logger.handlers)
     finally:
         sys.path[:] = saved_path
