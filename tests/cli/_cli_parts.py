@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 from unison.config import Config
 from unison.metrics import Accuracy, Loss
 from unison.recipe.parts import Datasets, RunParts
-from unison.recipe.plan import RunPlan, plan
+from unison.recipe.planning import RunPlan, plan
 from unison.recipe.resolve import Resolved
 from unison.recipe.steps import build_run
 

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from unison.config import load_config
-from unison.recipe.run import train_from_config
+from unison.recipe.runner import train_from_config
 
 
 class _Lines(logging.Handler):

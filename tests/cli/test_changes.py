@@ -15,7 +15,7 @@ import torch.multiprocessing
 import unison.distributed.launcher as launcher
 from unison.config import Config, ConfigError, load_config
 from unison.recipe.changes import CHANGES_FILE, config_changes
-from unison.recipe.run import run, train_from_config
+from unison.recipe.runner import run, train_from_config
 
 DATA_MODULE = """\
 import torch

@@ -11,7 +11,7 @@ from test_tune import LR, write_config
 from unison.config import ConfigError, load_config
 from unison.recipe.dead_keys import changes_nothing, unowned
 from unison.recipe.resolve import resolve
-from unison.recipe.run import run
+from unison.recipe.runner import run
 
 OPTIMIZER = "  optimizer_kwargs: {lr: 0.5}\n"
 

@@ -17,7 +17,7 @@ from _cli_parts import config, resolved
 from ignite.engine import Engine, Events
 
 from unison.recipe.history import HISTORY_FILE, RunHistory, read_rows
-from unison.recipe.run import _train
+from unison.recipe.runner import _train
 from unison.recipe.steps import RunParts
 from unison.utils.events import read_scalars
 

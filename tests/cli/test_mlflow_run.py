@@ -22,7 +22,7 @@ from _procs import run_in_session
 from unison.cli import main
 from unison.config import ConfigError, load_config
 from unison.config.mlflow_config import MLflowConfig
-from unison.recipe.run import collect_results
+from unison.recipe.runner import collect_results
 from unison.recipe.tracking import RUN_FILE, git_commit, params_of, run_tags
 from unison.recipe.tracking_store import check_tracking, store
 from unison.recipe.tracking_sweep import SweepRun, trial_overrides

@@ -26,7 +26,7 @@ from unison.config import load_config
 from unison.handlers import EarlyStopping
 from unison.recipe.accepted import accepted_lines, report_accepted
 from unison.recipe.eval_loaders import eval_loader
-from unison.recipe.run import collect_results, evaluate_test_set
+from unison.recipe.runner import collect_results, evaluate_test_set
 from unison.recipe.steps import build_loaders, build_model, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,7 +176,7 @@ def test_default_early_stopping_with_kwargs_stops_the_run(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: 'cuda' is a device here")
 def test_cuda_on_a_cpu_machine_fails_before_spawn_naming_the_override(tmp_path: Path) -> None:
     from unison.config import ConfigError
-    from unison.recipe.plan import plan
+    from unison.recipe.planning import plan
     from unison.recipe.preflight import preflight
 
     path = _user_config(tmp_path, "!pyobject qg_user.compute_loss")
@@ -306,9 +306,9 @@ def test_the_block_runs_from_the_users_script_under_torchrun_keeping_its_rendezv
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`criterion: !pyobject __main__.compute_loss` and `model.type: "GNNModel"`, both in the user's
-    script, which runs the config through `unison.recipe.run.run`; here as the one rank of a torchrun
+    script, which runs the config through `unison.recipe.run`; here as the one rank of a torchrun
     job, whose MASTER_ADDR and MASTER_PORT win over the config's localhost:12355."""
-    from unison.recipe.run import run
+    from unison.recipe.runner import run
 
     script = types.ModuleType("__main__")
     script.__file__ = str(tmp_path / "train_qg.py")

@@ -20,7 +20,7 @@ import unison.recipe.tracking_store as tracking_store
 from unison.config import ConfigError, load_config
 from unison.handlers.mlflow import MLflowLogger
 from unison.handlers.mlflow_store import artifacts_beside, make_client
-from unison.recipe.run import train_from_config
+from unison.recipe.runner import train_from_config
 from unison.utils import setup_logging
 
 PASSWORD = "Tr0ub4dor-s3cret"

@@ -21,7 +21,7 @@ from _procs import run_in_session
 from unison.cli import build_parser
 from unison.config import Config, load_config
 from unison.config.loader import PyObjectRef
-from unison.recipe.run import collect_results
+from unison.recipe.runner import collect_results
 from unison.recipe.tracking_tb import profile_overrides
 from unison.utils.events import read_scalars
 

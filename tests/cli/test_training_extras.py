@@ -25,8 +25,8 @@ from unison.config.schema import EMAConfig, LRScalingConfig
 from unison.distributed import find_unused_from_env
 from unison.engine import create_evaluator
 from unison.metrics import Accuracy, Loss
-from unison.recipe.plan import plan
-from unison.recipe.run import collect_results, finish_run
+from unison.recipe.planning import plan
+from unison.recipe.runner import collect_results, finish_run
 from unison.recipe.steps import build_model, build_optimizer
 from unison.testing import run_distributed
 

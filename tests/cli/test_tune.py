@@ -285,7 +285,7 @@ def test_a_pruned_trial_stops_every_rank_at_once_and_the_sweep_goes_on_and_resum
     assert [t.number for t in trials] == [0, 1, 2] and trials[2].state.name in ("PRUNED", "COMPLETE")
     assert "2 finished trials" in again.stderr and "running 1 more" in again.stderr
 
-    import unison.recipe.run
+    import unison.recipe.runner
     from unison.cli.tune import tune
 
     done = tune(config, trials=3, nproc=2)  # nothing left to run: nothing is spawned

@@ -20,7 +20,7 @@ import unison
 import unison.recipe.preflight
 import unison.recipe.resolve
 from unison.config import ConfigError, apply_overrides, load_config, load_yaml
-from unison.recipe.plan import plan
+from unison.recipe.planning import plan
 
 ROOT = Path(unison.__file__).resolve().parents[1]  # the subprocesses import this checkout
 

@@ -18,7 +18,7 @@ from unison.config import ConfigError, PyObjectRef, load_config
 from unison.config.resolve import Scope
 from unison.handlers import EarlyStopping
 from unison.metrics import BatchLoss
-from unison.recipe.plan import plan
+from unison.recipe.planning import plan
 from unison.recipe.resolve import resolve
 
 BLOCK = (Path(__file__).parent / "data" / "quantumgrav_ddp.yaml").read_text()
@@ -347,7 +347,7 @@ def test_main_under_unison_run_says_what_to_write_instead(qg, monkeypatch, tmp_p
     message = str(info.value)
     assert message.startswith(f"{path}:1: criterion: !pyobject __main__.compute_loss: ")
     assert "`!pyobject mymodule.compute_loss` with `imports: [mymodule]`" in message
-    assert "unison.recipe.run.run(path" in message
+    assert "unison.recipe.run(path" in message
     if shape != "no file":
         assert "under `unison run`, `__main__` is the unison command itself" in message
 

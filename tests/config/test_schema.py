@@ -239,7 +239,7 @@ FILLED_IN = "imports: [qg_data]\ndata:\n  build: !pyobject qg_data.build\n  kwar
 def quantumgrav(tmp_path, monkeypatch):
     """tests/config/data/quantumgrav_ddp.yaml (QuantumGrav's DDP guide, verbatim) with the user's data
     section appended; their `qg_data` module on sys.path (not next to it), and `__main__` their script,
-    defining `compute_loss`, as when they run the config through `unison.recipe.run.run`."""
+    defining `compute_loss`, as when they run the config through `unison.recipe.run`."""
     code = tmp_path / "code"
     code.mkdir()
     (code / "qg_data.py").write_text(QG_DATA)

@@ -237,3 +237,32 @@ def test_tune_takes_main_too() -> None:
     parser = build_parser()
     assert parser.parse_args(["tune", "c.yaml", "--trials", "2", "--main", "s.py"]).main == "s.py"
     assert parser.parse_args(["run", "c.yaml"]).main is None
+
+
+POOL = """\
+import concurrent.futures, multiprocessing, sys
+from unison.config.main_script import main_module, use_main
+
+use_main("pool_script.py")
+script = main_module()
+with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(sys.argv[1])) as pool:
+    print(sorted(pool.map(script.scaled, [1, 2])))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_processes_started_from_a_rank_import_the_script_too(tmp_path: Path, method: str) -> None:
+    """What a rank sends a process of its own by name (the worker pool of data.n_processes, a
+    DataLoader worker started with spawn) is found there: the script, and a module beside it that
+    it imports, are imported there as in the rank, the script's __main__ block never."""
+    (tmp_path / "pool_helpers.py").write_text("FACTOR = 3\n")
+    (tmp_path / "pool_script.py").write_text(
+        "import pool_helpers\n\n\ndef scaled(x):\n    return pool_helpers.FACTOR * x\n\n\n"
+        'if __name__ == "__main__":\n    open("main_block_ran", "w").close()\n'
+    )
+    result = run_in_session([sys.executable, "-c", POOL, method], 100, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[3, 6]"
+    assert not (tmp_path / "main_block_ran").exists()

@@ -1,4 +1,4 @@
-"""unison/recipe/plan.py: one pass from a config to the plan of its run, each derived value once."""
+"""unison/recipe/planning.py: one pass from a config to the plan of its run, each derived value once."""
 
 from __future__ import annotations
 

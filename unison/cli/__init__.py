@@ -2,7 +2,7 @@
 ``export`` its weights, show a resolved ``config`` and the config's JSON ``schema``.
 
 The parser and :func:`main` live here; each command's code is in modules of this package,
-imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.recipe.run`
+imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.recipe.runner`
 (with :mod:`unison.recipe.resolve` and :mod:`unison.recipe.steps`), :mod:`unison.cli.tune` (with
 :mod:`unison.recipe.tune_space`, :mod:`unison.cli.tune_server` and :mod:`unison.cli.tune_best`),
 :mod:`unison.cli.doctor` (with :mod:`unison.cli.checks` and :mod:`unison.cli.launch_checks`)
@@ -22,7 +22,7 @@ def _run(args: argparse.Namespace) -> int:
     from unison.config import ConfigError
     from unison.config.main_script import MainScriptError
     from unison.distributed import RankFailedError, detect_launcher
-    from unison.recipe.run import ResumeError, run
+    from unison.recipe.runner import ResumeError, run
     from unison.utils.secrets import redact_url
 
     first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own

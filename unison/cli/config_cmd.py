@@ -46,7 +46,7 @@ def show_config(
     """
     config = load_config(path, overrides)
     if check:
-        from unison.recipe.plan import plan
+        from unison.recipe.planning import plan
         from unison.recipe.preflight import preflight
 
         preflight(plan(config))

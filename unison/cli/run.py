@@ -4,6 +4,6 @@ The recipe layer (:mod:`unison.recipe`) turns a config into a checked run and tr
 this module keeps the older import path working.
 """
 
-from unison.recipe.run import ResumeError, is_run_dir, previous_run, run, train_from_config
+from unison.recipe.runner import ResumeError, is_run_dir, previous_run, run, train_from_config
 
 __all__ = ["ResumeError", "is_run_dir", "previous_run", "run", "train_from_config"]

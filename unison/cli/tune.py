@@ -54,9 +54,9 @@ from unison.cli.tune_server import AttachPruning, DecisionServer
 from unison.cli.tune_storage import fail_stale_trials, make_storage, optuna_quiet
 from unison.config import load_config
 from unison.distributed import detect_launcher
-from unison.recipe.plan import plan as plan_run
+from unison.recipe.planning import plan as plan_run
 from unison.recipe.preflight import check_port, preflight
-from unison.recipe.run import launch_config
+from unison.recipe.runner import launch_config
 from unison.recipe.tracking_sweep import SweepRun, sweep_tracking, trial_overrides
 from unison.recipe.tune_space import (
     SweepPlan,

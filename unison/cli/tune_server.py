@@ -308,7 +308,7 @@ def die_with_sweep(sweep_pid: int) -> None:
 
 @dataclass(frozen=True)
 class AttachPruning:
-    """``attach`` of :func:`~unison.recipe.run.train_from_config`: every rank attaches
+    """``attach`` of :func:`~unison.recipe.runner.train_from_config`: every rank attaches
     :class:`~unison.handlers.pruning.AgreedPruning` to its evaluator; rank 0's judge asks the sweep.
     Every rank also ends with the sweep process (:func:`die_with_sweep`). A pruned trial takes no
     test phase: the ``ended_early`` it returns says so, alike on every rank (the verdict is agreed)."""

@@ -3,7 +3,7 @@
 ``cli`` parses the command line and calls in here; ``recipe`` is the only part besides
 ``cli`` that reads a :class:`~unison.config.Config`. A run goes through three phases:
 
-- plan (:func:`plan`, :mod:`unison.recipe.plan`): one pass resolves every ``!pyobject`` slot
+- plan (:func:`plan`, :mod:`unison.recipe.planning`): one pass resolves every ``!pyobject`` slot
   and computes every value the run derives (the watched metric, amp, compile and DDP/FSDP
   options, the learning-rate plan, the tracking store, early stopping) into a :class:`RunPlan`;
 - preflight (:mod:`unison.recipe.preflight`): the plan checked before any rank is spawned
@@ -14,7 +14,7 @@
 :func:`run` runs a config from Python, as ``unison run`` does.
 """
 
-from unison.recipe.plan import RunPlan, plan
-from unison.recipe.run import run
+from unison.recipe.planning import RunPlan, plan
+from unison.recipe.runner import run
 
 __all__ = ["RunPlan", "plan", "run"]

@@ -20,7 +20,7 @@ from unison.checkpoint.attached import attached_states
 from unison.checkpoint.loading import load_states
 from unison.engine import Engine
 from unison.handlers import EMA
-from unison.recipe.plan import RunPlan
+from unison.recipe.planning import RunPlan
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.run")

@@ -1,7 +1,7 @@
 """A run's test phase, after training: the test set, predictions, the recipe's hook, ``metrics.json``.
 
 :func:`finish_run` runs on every rank once the trainer has returned
-(:func:`~unison.recipe.run.train_from_config`): the test set evaluated with the best
+(:func:`~unison.recipe.runner.train_from_config`): the test set evaluated with the best
 checkpoint's weights (:func:`evaluate_test_set`), the predictions (:func:`write_predictions`),
 ``hooks.after_training`` with a :class:`RunContext`, and ``<run>/metrics.json``, written
 before the hook and again after it. A run that ends before its test phase (a trial its sweep
@@ -26,7 +26,7 @@ from unison.recipe.batch import batch_options
 from unison.recipe.ema import evaluated_model, load_best_weights
 from unison.recipe.eval_loaders import eval_loader
 from unison.recipe.parts import RunParts
-from unison.recipe.plan import RunPlan
+from unison.recipe.planning import RunPlan
 from unison.recipe.resolve import make_metrics
 from unison.recipe.tracking import log_test_metrics
 from unison.utils import get_logger

@@ -1,6 +1,6 @@
 """Checking the run in the launching process, before any rank is spawned.
 
-:func:`preflight` takes the run's plan (:func:`~unison.recipe.plan.plan`) and builds what
+:func:`preflight` takes the run's plan (:func:`~unison.recipe.plan`) and builds what
 it can without memory or data: the model on the ``meta`` device, its optimizer and
 scheduler, the validation metrics; and checks ``training.device`` against this machine
 and that the output folder can be written.
@@ -20,7 +20,7 @@ from unison.distributed.env import port_is_free
 from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
 from unison.recipe.batch import with_loss
-from unison.recipe.plan import RunPlan
+from unison.recipe.planning import RunPlan
 from unison.recipe.references import _References
 from unison.recipe.resolve import Resolved
 from unison.recipe.tracking_store import check_mlflow

@@ -5,7 +5,7 @@ family at a time (metrics and the metric that checkpoints and early stopping wat
 optimizer, scheduler, loss, model, data, hooks). Each object is checked against its typed
 slot (:data:`unison.config.resolve.SLOTS`) before anything is called, and every kwargs
 mapping is bound against the signature it will be called with
-(:mod:`unison.recipe.references`). :func:`unison.recipe.plan.plan` adds what a run derives
+(:mod:`unison.recipe.references`). :func:`unison.recipe.plan` adds what a run derives
 (the early-stopping handler among it); :func:`unison.recipe.preflight.preflight` then builds
 the model on the ``meta`` device and checks the run. :func:`make_metrics` and
 :func:`scaled_lr` turn what :func:`resolve` found into the objects and numbers a run uses.
@@ -270,7 +270,9 @@ def _model_slots(
     m, scope = config.model, refs.scope
 
     def parts(value: Any, key: str) -> Any:  # layer classes and nn functions of libraries too
-        return resolve_tree(value, key=key, imports=scope.imports, config_dir=scope.config_dir, slot="model_arg")
+        return resolve_tree(
+            value, key=key, imports=scope.imports, config_dir=scope.config_dir, slot="model_arg"
+        )
 
     if m.from_config:
         return _from_config(model_type, parts(m.config, "model.config"), refs), [], {}
@@ -297,7 +299,14 @@ def _from_config(cls: Any, nested: dict[str, Any], refs: _References) -> Callabl
             f"{describe(cls)} has no from_config classmethod to build the model from model.config; name the "
             "class that has one, or set from_config: false and give args and kwargs",
         )
-    refs.bind(build, type_key="model.type", kwargs_key="model.config", kwargs={}, args=(nested,), how=".from_config(config)")
+    refs.bind(
+        build,
+        type_key="model.type",
+        kwargs_key="model.config",
+        kwargs={},
+        args=(nested,),
+        how=".from_config(config)",
+    )
     return _checked_factory(functools.partial(build, nested), refs)
 
 

@@ -30,7 +30,7 @@ from unison.distributed import get_world_size
 from unison.handlers.lr_scaling import rebase_lr, scale_lr
 from unison.recipe.lr_scaling import default_lr, plan_of, sets_lr_itself
 from unison.recipe.parts import RunParts
-from unison.recipe.plan import RunPlan
+from unison.recipe.planning import RunPlan
 from unison.recipe.resolve import Resolved
 from unison.utils import get_logger
 

@@ -11,7 +11,7 @@
    guards in :func:`attach_control`, checkpoint and preemption in
    :func:`attach_checkpoint`, TensorBoard and progress in :func:`attach_logging`).
 
-Each step takes what it needs of the run's plan (:func:`unison.recipe.plan.plan`), and can be
+Each step takes what it needs of the run's plan (:func:`unison.recipe.plan`), and can be
 called on its own; the data, model, trainer and evaluator steps take the plan's config and
 what it resolved.
 """
@@ -45,7 +45,7 @@ from unison.recipe.eval_loaders import eval_loader
 from unison.recipe.history import RunHistory
 from unison.recipe.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
 from unison.recipe.parts import Datasets, RunParts
-from unison.recipe.plan import RunPlan, amp_dtype, compile_setting, fsdp_options
+from unison.recipe.planning import RunPlan, amp_dtype, compile_setting, fsdp_options
 from unison.recipe.resolve import Resolved, make_metrics
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
@@ -59,12 +59,12 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
     """Collective: call on every rank. Takes the build steps in order and attaches every handler.
 
     Args:
-        plan: the run's plan (:func:`~unison.recipe.plan.plan`).
+        plan: the run's plan (:func:`~unison.recipe.plan`).
         run_dir: the run directory, the same on every rank.
         world_size: the number of ranks (it scales the learning rate).
 
     Returns:
-        The parts, ready for :func:`~unison.recipe.run.resume_run` and ``parts.trainer.run``.
+        The parts, ready for :func:`~unison.recipe.runner.resume_run` and ``parts.trainer.run``.
     """
     config, resolved = plan.config, plan.resolved
     datasets = build_datasets(config, resolved)

@@ -27,7 +27,7 @@ from unison.handlers.mlflow_store import (
     recorded_run,
 )
 from unison.recipe.parts import RunParts
-from unison.recipe.plan import RunPlan
+from unison.recipe.planning import RunPlan
 from unison.utils import get_logger
 from unison.utils.git import git_commit
 from unison.utils.version import __version__

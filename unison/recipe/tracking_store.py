@@ -13,7 +13,7 @@
   it, percent-decoded); a URL (``https://``, ``databricks``, ``sqlite:////absolute/path``, a
   database) is the user's own choice and is taken as it is.
 
-:func:`unison.recipe.plan.plan` computes the store once; the run, the test phase and a sweep
+:func:`unison.recipe.plan` computes the store once; the run, the test phase and a sweep
 read it from the plan.
 """
 

@@ -22,7 +22,7 @@ from unison.config.loader import PyObjectRef, load_yaml
 from unison.handlers.hparams import HParamsLogger, HParamValue
 from unison.handlers.profiler import Profiler
 from unison.recipe.parts import RunParts
-from unison.recipe.plan import RunPlan
+from unison.recipe.planning import RunPlan
 
 LEFT_OUT = ("tuning",)
 """Sections not written as hparams: ``tuning`` describes a sweep, the same for all its trials."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from unison.config import Config, ConfigError, load_config
 from unison.recipe.dead_keys import changes_nothing
-from unison.recipe.plan import plan as plan_run
+from unison.recipe.planning import plan as plan_run
 from unison.recipe.preflight import preflight
 from unison.recipe.references import _References
 

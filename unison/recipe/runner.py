@@ -2,9 +2,9 @@
 
 A run takes three phases, one module each:
 
-- plan (:mod:`unison.recipe.plan`): everything a config names is imported and type-checked,
+- plan (:mod:`unison.recipe.planning`): everything a config names is imported and type-checked,
   and every value the run derives is computed once, into a
-  :class:`~unison.recipe.plan.RunPlan`; :func:`~unison.recipe.preflight.preflight` checks it
+  :class:`~unison.recipe.planning.RunPlan`; :func:`~unison.recipe.preflight.preflight` checks it
   in the launching process, before any rank is spawned;
 - build (:mod:`unison.recipe.steps`): each rank builds the same objects from the plan and
   attaches the same handlers, one named step at a time, into a
@@ -47,7 +47,7 @@ from unison.recipe.finish import finish_run, skip_test_phase
 from unison.recipe.finish import write_predictions as write_predictions
 from unison.recipe.history import RunHistory
 from unison.recipe.parts import RunParts
-from unison.recipe.plan import RunPlan, plan
+from unison.recipe.planning import RunPlan, plan
 from unison.recipe.preflight import check_port, preflight
 from unison.recipe.resume_values import apply_on_resume
 from unison.recipe.run_folder import new_run_folder, refuse_if_held
@@ -56,7 +56,7 @@ from unison.utils import get_logger
 from unison.utils.logging import console_level
 from unison.utils.secrets import RedactingFilter, redact_url
 
-_log = get_logger(__name__)
+_log = get_logger("unison.recipe.run")  # the run's logger, shared by the modules of a run
 
 Attach = Callable[[RunParts], Callable[[], str | None] | None]
 """``attach(parts)`` of :func:`train_from_config`: attaches the caller's handlers; it may return
@@ -177,7 +177,9 @@ def train_from_config(
     """
     if main is not None:
         use_main(main)  # a spawned rank: the launching process's script
-    level = None if config.log_level is None else logging.getLevelName(config.log_level)  # log_level, every rank
+    level = (
+        None if config.log_level is None else logging.getLevelName(config.log_level)
+    )  # log_level, every rank
     with console_level(logging.ERROR if quiet else level):
         return _in_run_folder(config, resume, attach)
 
