@@ -11,9 +11,11 @@ that guard would start it on import: nothing checks for that beyond the guard it
 The script is imported when a config first names something in it, never before: a config
 that names nothing there runs as it would without ``--main``. Every rank imports it the
 same way: spawned ranks receive its path from the launching process
-(:func:`unison.recipe.run.launch_config`), torchrun and srun ranks read the same ``--main``.
-Modules beside the script import by plain name from it, as beside a config
-(:mod:`unison.config.usercode`): installed packages always win.
+(:func:`unison.recipe.runner.launch_config`), torchrun and srun ranks read the same ``--main``.
+Modules beside the script import by plain name from it, as when Python runs it, but its folder
+comes last on ``sys.path``: installed packages always win. Where ``__main__`` is unison itself,
+the script also stands in for it (:func:`_stand_in_for_main`), so processes started from a rank
+(the worker pool of ``data.n_processes``) import the script too.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import types
 from pathlib import Path
 
 from unison.config.errors import ConfigError
-from unison.config.usercode import _FOLDERS, MAIN_SCRIPT
+from unison.config.usercode import MAIN_SCRIPT, running_main_problem
 
 __all__ = ["MAIN_NAME", "MainScriptError", "main_module", "nearest_names", "script", "use_main"]
 
@@ -53,6 +55,7 @@ def use_main(path: str | os.PathLike[str] | None, *, flag: str = "--main") -> Pa
     """
     if path is None:
         MAIN_SCRIPT.clear()
+        _restore_main()
         return None
     given = os.fspath(path)
     found = Path(given).expanduser().resolve()
@@ -65,10 +68,17 @@ def use_main(path: str | os.PathLike[str] | None, *, flag: str = "--main") -> Pa
         raise MainScriptError(
             f"{flag} {given}: the file{where} {what}; expected {expected}, relative to {Path.cwd()}"
         )
+    if script() != found:
+        _restore_main()
     MAIN_SCRIPT[:] = [found]
-    if found.parent not in _FOLDERS:
-        _FOLDERS.append(found.parent)  # its own modules import by plain name, after installed ones
+    if str(found.parent) not in sys.path:  # its own modules import by plain name, after installed ones,
+        sys.path.append(str(found.parent))  # in every process multiprocessing starts from here too
+        _ADDED_PATH.append(str(found.parent))
     return found
+
+
+_ADDED_PATH: list[str] = []
+"""Folders of scripts appended to ``sys.path`` here, taken off when the script is forgotten."""
 
 
 def script() -> Path | None:
@@ -109,7 +119,39 @@ def main_module() -> types.ModuleType:
         if not isinstance(err, Exception):
             raise
         raise ConfigError(f"importing --main {path} raised {type(err).__name__}: {err}") from err
+    _stand_in_for_main(module)
     return module
+
+
+_UNISON_MAIN: list[types.ModuleType] = []
+"""The ``__main__`` the script stands in for (unison's own entry), to put back when it is forgotten."""
+
+
+def _stand_in_for_main(module: types.ModuleType) -> None:
+    """Makes the script this process's ``__main__`` as well, where ``__main__`` is unison itself.
+
+    Every process multiprocessing starts from here (spawned ranks, a fork server's ranks, the
+    worker pool that preprocesses ``data.files`` with ``data.n_processes``, DataLoader workers
+    started with spawn) imports the parent's ``__main__`` script as ``__mp_main__`` before it
+    unpickles anything: with the script there, the script's functions sent to it by name are
+    found. Like a script Python runs, it has no ``__spec__``, so it is prepared from its file.
+    Where ``__main__`` is a script of the user's (the Python API), it is left alone.
+    """
+    if running_main_problem() is None:
+        return
+    _UNISON_MAIN.append(sys.modules["__main__"])
+    module.__spec__ = None
+    sys.modules["__main__"] = module
+
+
+def _restore_main() -> None:
+    if _UNISON_MAIN:
+        sys.modules["__main__"] = _UNISON_MAIN[0]
+        _UNISON_MAIN.clear()
+    for folder in _ADDED_PATH:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    _ADDED_PATH.clear()
 
 
 def nearest_names(module: types.ModuleType, name: str) -> str:

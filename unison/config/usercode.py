@@ -280,6 +280,11 @@ def main_problem() -> str | None:
     """
     if MAIN_SCRIPT:  # `--main SCRIPT.py`: the user's script, whatever started Python
         return None
+    return running_main_problem()
+
+
+def running_main_problem() -> str | None:
+    """Why ``__main__``, the module this process started with, is not the user's script, or None."""
     main = sys.modules.get("__main__")
     file = getattr(main, "__file__", None)
     spec = getattr(main, "__spec__", None)
