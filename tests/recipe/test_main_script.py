@@ -233,10 +233,17 @@ def test_main_with_a_config_that_names_nothing_there_imports_nothing(tmp_path: P
     assert planned.config is config and imports_of(tmp_path) == []  # the script is never imported
 
 
-def test_tune_takes_main_too() -> None:
+def test_tune_and_config_take_main_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
     assert parser.parse_args(["tune", "c.yaml", "--trials", "2", "--main", "s.py"]).main == "s.py"
     assert parser.parse_args(["run", "c.yaml"]).main is None
+    path = user_files(tmp_path)
+    script_file = str(tmp_path / "train_qg.py")
+    assert main(["config", str(path), "--check", "--main", script_file, "--set", "training.device=cpu"]) == 0
+    assert "type: GNNModel" in capsys.readouterr().out
+    assert imports_of(tmp_path) == [("__mp_main__", os.getpid())]
+    assert main(["config", str(path), "--main", "nope.py"]) == 2
+    assert capsys.readouterr().err.startswith("unison config: --main nope.py: the file")
 
 
 POOL = """\
