@@ -273,3 +273,11 @@ def test_processes_started_from_a_rank_import_the_script_too(tmp_path: Path, met
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[3, 6]"
     assert not (tmp_path / "main_block_ran").exists()
+
+
+def test_the_best_config_of_a_sweep_is_run_with_the_sweeps_script(tmp_path: Path) -> None:
+    from unison.cli.tune_best import run_command
+
+    assert run_command(Path("best.yaml"), 2) == "unison run best.yaml --nproc 2"
+    found = use_main(user_files(tmp_path).with_name("train_qg.py"))
+    assert run_command(Path("best.yaml"), 2) == f"unison run best.yaml --nproc 2 --main {found}"

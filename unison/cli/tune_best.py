@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.config import dump_config, load_config
+from unison.config.main_script import script
 from unison.recipe.tune_space import SweepPlan, as_overrides
 from unison.utils import get_logger
 
@@ -14,8 +15,14 @@ _log = get_logger("unison.cli.tune")
 
 
 def run_command(config: Path, nproc: int | None) -> str:
-    """The ``unison run`` command that trains ``config`` as the sweep trained its trials."""
-    return f"unison run {config}" + (f" --nproc {nproc}" if nproc is not None else "")
+    """The ``unison run`` command that trains ``config`` as the sweep trained its trials (with the
+    sweep's ``--main`` script, when it had one)."""
+    main = script()
+    return (
+        f"unison run {config}"
+        + (f" --nproc {nproc}" if nproc is not None else "")
+        + (f" --main {main}" if main is not None else "")
+    )
 
 
 def _drawable(value: Any, spec: dict[str, Any]) -> bool:
