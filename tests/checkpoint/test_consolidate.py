@@ -8,6 +8,7 @@ keys, and loads into a fresh model of the plain class with ``strict=True``.
 from __future__ import annotations
 
 import pickle
+import re
 import warnings
 from pathlib import Path
 
@@ -220,7 +221,9 @@ def test_a_sharded_folder_runs_no_code_from_its_metadata(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     folder = save_sharded(tmp_path / "c.dcp", {"model": Net().state_dict()})
     (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
-    assert "it refers to pathlib.Path.touch, which is no part of" in checkpoint_problem(folder)
+    assert re.search(
+        r"it refers to pathlib(\._local)?\.Path\.touch, which is no part of", checkpoint_problem(folder)
+    )  # 3.13: pathlib._local
     with pytest.raises(CheckpointError, match=r"\.metadata does not read"):
         model_weights(folder)
     assert not (tmp_path / "pwned").exists()
