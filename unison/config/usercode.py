@@ -257,10 +257,10 @@ MAIN_MODULES = ("__main__", "__mp_main__")
 
 MAIN_FIX = (
     "Name the script that defines {name} on the command line: `unison run CONFIG --main your_script.py` "
-    "(it is imported as `__mp_main__`, so its `if __name__ == \"__main__\":` block does not run); or put "
+    '(it is imported as `__mp_main__`, so its `if __name__ == "__main__":` block does not run); or put '
     "{name} in a module of your own and name it there: `!pyobject mymodule.{name}` with "
     "`imports: [mymodule]` (or mymodule.py beside the config); or run the config from your own script "
-    "with `unison.recipe.run.run(path, nproc=...)`, where `__main__` is that script"
+    "with `unison.recipe.run(path, nproc=...)`, where `__main__` is that script"
 )
 """What to do instead of naming ``__main__`` where it is not the user's script."""
 
@@ -273,7 +273,7 @@ def main_problem() -> str | None:
     """Why ``!pyobject __main__.x`` cannot name the user's code in this process, or None when it can.
 
     ``__main__`` is the user's own script when that script runs the config through unison's
-    Python API (``unison.recipe.run.run(path)``); its spawned ranks import it again as
+    Python API (``unison.recipe.run(path)``); its spawned ranks import it again as
     ``__mp_main__``; and when ``--main SCRIPT.py`` names it. Otherwise, under ``unison run``
     (``python -m unison``, the ``unison`` console script, torchrun or srun running either)
     ``__main__`` is unison itself.
