@@ -147,6 +147,20 @@ def test_keys_that_are_not_needed_here_are_reported_once_each(caplog: pytest.Log
     assert [r.levelno for r in caplog.records] == [logging.INFO] * 4 + [logging.WARNING]
 
 
+
+def test_a_validators_criterion_is_used_and_its_monitors_are_named_as_not_run() -> None:
+    """criterion and apply_model become the section's loss and model call: never called "not needed"."""
+    c = config()
+    c.validation.validator = {"device": "cuda", "criterion": len, "evaluator_tasks": [{"name": "f1"}], "x": 1}
+    c.testing.tester = {"criterion": len, "apply_model": len}
+    lines = accepted_lines(c, torch.device("cpu"))
+    messages = [message for _, message in lines]
+    assert messages[0].startswith("validation.validator (device=cuda) is not needed")
+    assert messages[1].startswith("validation.validator.evaluator_tasks are not run")
+    assert messages[2] == "validation.validator.x is not used by unison: it has no effect here"
+    assert len(lines) == 3 and not any("criterion" in m or "apply_model" in m for m in messages)
+    assert [level for level, _ in lines] == [logging.INFO, logging.WARNING, logging.WARNING]
+
 # -- early_stopping: {type, args, kwargs} --------------------------------------------------------
 
 

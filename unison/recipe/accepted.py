@@ -62,16 +62,37 @@ def compile_options(config: Config) -> dict[str, Any] | None:
     return {k: v for k, v in dataclasses.asdict(spec).items() if v is not None}
 
 
-def _evaluator_line(config: Config, section: str, key: str, device: torch.device) -> str | None:
+USED_EVALUATOR_KEYS = ("criterion", "apply_model")
+"""Keys of QuantumGrav's ``validator``/``tester`` that unison uses: the section's loss and model call."""
+
+
+def _evaluator_lines(config: Config, section: str, key: str, device: torch.device) -> list[tuple[int, str]]:
+    """What becomes of each key of ``validation.validator`` / ``testing.tester`` (QuantumGrav's)."""
     spec: dict[str, Any] = getattr(getattr(config, section), key)
-    if not spec:
-        return None
-    given = ", ".join(f"{k}={v}" for k, v in spec.items())
+    lines: list[tuple[int, str]] = []
     what = "validation set" if section == "validation" else "test set"
-    return (
-        f"{section}.{key} ({given}) is not needed: every rank evaluates its shard of the {what} on its own "
-        f"device ({device.type} here) and the metrics are exact over all ranks"
-    )
+    idle = {k: v for k, v in spec.items() if k in ("device", "type")}
+    if idle:
+        given = ", ".join(f"{k}={v}" for k, v in idle.items())
+        lines.append(
+            (
+                logging.INFO,
+                f"{section}.{key} ({given}) is not needed: every rank evaluates its shard of the {what} on its "
+                f"own device ({device.type} here) and the metrics are exact over all ranks",
+            )
+        )
+    if "evaluator_tasks" in spec:
+        lines.append(
+            (
+                logging.WARNING,
+                f"{section}.{key}.evaluator_tasks are not run: their monitors see every prediction at once, "
+                f"which no rank holds here. Name metrics in {section if section == 'validation' else 'validation'}"
+                ".metrics instead (an ignite metric such as ignite.metrics.Fbeta is summed over ranks exactly)",
+            )
+        )
+    for name in sorted(set(spec) - {"device", "type", "evaluator_tasks", *USED_EVALUATOR_KEYS}):
+        lines.append((logging.WARNING, f"{section}.{key}.{name} is not used by unison: it has no effect here"))
+    return lines
 
 
 def accepted_lines(config: Config, device: torch.device | None = None) -> list[tuple[int, str]]:
@@ -96,9 +117,7 @@ def accepted_lines(config: Config, device: torch.device | None = None) -> list[t
             )
         )
     for section, key in (("validation", "validator"), ("testing", "tester")):
-        line = _evaluator_line(config, section, key, device)
-        if line is not None:
-            lines.append((logging.INFO, line))
+        lines += _evaluator_lines(config, section, key, device)
     for section in ("validation", "testing"):
         if getattr(config, section).drop_last:
             batch = eval_batch_size(config, section)  # type: ignore[arg-type]  # a Section
