@@ -26,11 +26,15 @@ def reference_markdown() -> str:
         "# Configuration reference",
         "",
         "Every key a run config may set, its type and its default. Sections and keys left out",
-        "take their defaults; `model.type` and `data.build` are required. `!pyobject dotted.path`",
-        "names a class or function for a key that takes one (see below). Override any key from",
-        "the command line with `--set section.key=value` (the value is read as YAML).",
+        "take their defaults; `model.type` and the data (`data.build`, or `data.files` with",
+        "`data.reader`) are required. `!pyobject dotted.path` names a class or function for a key",
+        "that takes one (see below). Override any key from the command line with",
+        "`--set section.key=value` (the value is read as YAML). This page is generated from",
+        "`unison/config/schema.py`; a test keeps them equal.",
         "",
-        "This page is generated from `unison/config/schema.py`; a test keeps them equal.",
+        *_PHASES,
+        "",
+        "## Every key",
         "",
         "| key | type | default | meaning |",
         "|---|---|---|---|",
@@ -94,7 +98,8 @@ def reference_markdown() -> str:
         "  will be called with (unknown or missing arguments, with the nearest name), the model",
         "  built on the `meta` device with its optimizer and scheduler, the metrics built,",
         "  `training.device` against this machine, and the output folder (it must be writable).",
-        "  `data.build` is not called before spawn: its signature is checked.",
+        "  `data.build` is not called before spawn: its signature is checked; every entry of",
+        "  `data.files` must exist.",
         *_SECRETS,
         "- **The run's `name`** is one folder name: `/`, `\\`, `..` and `~` are refused, so a run",
         "  stays inside `logging.root`.",
@@ -105,6 +110,28 @@ def reference_markdown() -> str:
     ]
     return "\n".join(lines) + "\n"
 
+
+_PHASES = (
+    "## From config to run",
+    "",
+    "A config becomes a run in three phases. *Plan*: one pass resolves every `!pyobject`",
+    "against its key's slot, binds every `kwargs` mapping to the signature it will be called",
+    "with, and computes once what the run derives (the watched metric and its mode, the amp",
+    "dtype, the compile and DDP/FSDP options, the learning-rate plan, the output root and the",
+    "MLflow store, the early-stopping handler) into a `RunPlan`; it starts and writes nothing.",
+    "*Preflight*: in the launching process, before any rank is spawned, the plan is checked:",
+    "the model built on the `meta` device with its optimizer and scheduler, the metrics built,",
+    "the device, the output folder and the tracking store checked (see *Checked before any",
+    "rank starts*, below). *Build*: every rank plans again from the config (what a config",
+    "names does not travel between processes), builds the same data, model, optimizer,",
+    "trainer, evaluator and handlers from the plan, trains, then tests.",
+    "From Python, `unison.recipe.plan(config)` is the first phase alone (load the file with",
+    "`unison.config.load_config(path, overrides)`), and `unison.recipe.run(path, nproc=...,",
+    "overrides=[...], main=...)` takes all three as `unison run` does (`main` is `--main`,",
+    "`resume` is `--resume`) and returns rank 0's results. `unison config --check` stops after",
+    "the preflight.",
+)
+"""The three phases a config goes through, and the Python entry points to each."""
 
 _EDITORS = (
     "## Editors and the resolved config",
