@@ -54,7 +54,8 @@ def test_old_and_other_trainers_keys_are_shown_under_unison_names(tmp_path, caps
     shown = tmp_path / "shown.yaml"
     shown.write_text(out)
     config = load_config(shown)
-    assert config.criterion is None and config.training.loss == PyObjectRef("__main__.compute_loss")
+    # criterion stays beside training.loss: it is called criterion(outputs, batch), training.loss (y_pred, y)
+    assert config.criterion == config.training.loss == PyObjectRef("__main__.compute_loss")
     assert (config.training.path, config.logging.root) == (None, "/path/to/output/directory")
     assert (config.training.checkpoint_at, config.checkpoint.every_epochs) == (None, 10)
     assert (config.training.max_epochs, config.parallel.nproc_per_node, config.early_stopping.patience) == (
@@ -99,7 +100,7 @@ def test_show_origin_names_the_file_and_line_of_each_given_key(tmp_path, capsys,
     kwargs_line = next(n for n, text in enumerate(written, 1) if "{patience: 5}" in text)
     assert annotated("patience").endswith(f"# {qg}:{kwargs_line}")  # early_stopping.kwargs.patience
     assert "#" not in annotated("sync_every")  # a default
-    assert "#" not in annotated("criterion")  # moved onto training.loss
+    assert annotated("criterion").endswith(f"# {qg}:{line_of['criterion']}")  # kept: called another way
     shown = tmp_path / "shown.yaml"
     shown.write_text(out)
     assert load_config(shown) == canonical(load_config(qg))  # the comments change nothing

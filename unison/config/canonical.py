@@ -2,10 +2,12 @@
 
 Validation already reads old names (``num_epochs`` is ``training.max_epochs``) and settles
 QuantumGrav's keys with unison's (:mod:`unison.config.compat`), but a few of those keys
-keep their value beside unison's: ``criterion`` beside ``training.loss``, ``training.path``
-read before ``logging.root``, ``training.checkpoint_at`` before ``checkpoint.every_epochs``.
-:func:`canonical` moves each onto unison's key, so the config ``unison config`` prints says
-each thing once and trains the same run. :func:`source_of` says which key as written gave a
+keep their value beside unison's: ``training.path`` read before ``logging.root``,
+``training.checkpoint_at`` before ``checkpoint.every_epochs``. :func:`canonical` moves each
+onto unison's key, so the config ``unison config`` prints says each thing once and trains
+the same run. ``criterion`` stays: it is not another name for ``training.loss`` but a loss
+called another way (``criterion(outputs, batch[, trainer])``, as QuantumGrav calls it).
+:func:`source_of` says which key as written gave a
 key its value, for ``unison config --show-origin``.
 """
 
@@ -19,39 +21,39 @@ from unison.config.schema import Config
 from unison.config.schema_walk import walk_keys
 
 MOVED: dict[KeyPath, tuple[KeyPath, ...]] = {
-    ("training", "loss"): (("criterion",),),
     ("logging", "root"): (("training", "path"),),
     ("checkpoint", "every_epochs"): (("training", "checkpoint_at"),),
     ("early_stopping", "metric"): (("early_stopping", "args", "0"),),
 }
 """unison's key -> the keys of other trainers that may have given its value (the first given wins)."""
 
+SHARED: dict[KeyPath, tuple[KeyPath, ...]] = {("training", "loss"): (("criterion",),)}
+"""unison's key -> another trainer's key shown beside it with the same value (``criterion``)."""
+
 
 def canonical(config: Config) -> Config:
-    """A copy of ``config`` with ``criterion``, ``training.path`` and ``training.checkpoint_at`` moved onto
-    ``training.loss``, ``logging.root`` and ``checkpoint.every_epochs`` (the keys they stand for), and left
-    null. Sections are copied; ``config`` is not changed, and the run both describe is the same.
+    """A copy of ``config`` with ``training.path`` and ``training.checkpoint_at`` moved onto
+    ``logging.root`` and ``checkpoint.every_epochs`` (the keys they stand for), and left null.
+    ``criterion`` is kept (validation gave ``training.loss`` the same value, so the two agree
+    when the copy is read again). Sections are copied; ``config`` is not changed, and the run
+    both describe is the same.
 
     Example:
         >>> from unison.config import PyObjectRef
         >>> c = Config(criterion=PyObjectRef("torch.nn.functional.mse_loss"))
         >>> c.training.path = "/scratch/out"
         >>> shown = canonical(c)
-        >>> shown.criterion, shown.training.path, shown.logging.root
-        (None, None, '/scratch/out')
+        >>> shown.criterion == c.criterion, shown.training.path, shown.logging.root
+        (True, None, '/scratch/out')
     """
     training = dataclasses.replace(config.training)
     logging = dataclasses.replace(config.logging)
     checkpoint = dataclasses.replace(config.checkpoint)
-    if config.criterion is not None:  # validation made training.loss the criterion already
-        training.loss = config.criterion
     if training.path is not None:
         logging.root, training.path = training.path, None
     if training.checkpoint_at is not None:
         checkpoint.every_epochs, training.checkpoint_at = training.checkpoint_at, None
-    return dataclasses.replace(
-        config, criterion=None, training=training, logging=logging, checkpoint=checkpoint
-    )
+    return dataclasses.replace(config, training=training, logging=logging, checkpoint=checkpoint)
 
 
 def _aliases() -> dict[KeyPath, str]:
@@ -61,9 +63,9 @@ def _aliases() -> dict[KeyPath, str]:
 def source_of(path: KeyPath, origin: Origin) -> KeyPath | None:
     """The key as written (in the file or by ``--set``) that gave the key ``path`` of the :func:`canonical`
     config its value: ``path`` itself, its old name, or another trainer's key; None for a default or a
-    value moved away (``criterion`` is shown on ``training.loss``)."""
+    value moved away (``training.path`` is shown on ``logging.root``)."""
     moved_away = {src for sources in MOVED.values() for src in sources}
-    candidates = list(MOVED.get(path, ()))
+    candidates = list(MOVED.get(path, ())) + list(SHARED.get(path, ()))
     if path not in moved_away:
         candidates.append(path)
     aliases = _aliases()

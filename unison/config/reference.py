@@ -138,7 +138,7 @@ _EDITORS = (
     "",
     "`unison config CONFIG [--set KEY=VALUE ...]` prints the config a run would use, as YAML:",
     "every key above with its value after defaults, old names (`num_epochs`, `world_size`) and",
-    "other trainers' keys under unison's (QuantumGrav's `criterion` as `training.loss`,",
+    "other trainers' keys under unison's (QuantumGrav's `criterion` kept, with `training.loss` the same,",
     "`training.path` as `logging.root`, `training.checkpoint_at` as `checkpoint.every_epochs`,",
     "`early_stopping.kwargs` as the section's keys), `--set` applied and URL credentials masked.",
     "It checks the config as `unison run` does before it starts any rank, and fails with the",

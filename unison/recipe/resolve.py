@@ -245,8 +245,9 @@ def _loss_slot(config: Config, refs: _References) -> Callable[..., torch.Tensor]
             raise refs.error(
                 key,
                 f"{describe(loss)} cannot be called as {key.split('.')[-1]}(y_pred, y), with the model's output "
-                f"and the batch's target ({err.problem}). QuantumGrav's compute_loss(outputs, data, trainer) "
-                "becomes compute_loss(y_pred, y): give any other parameter a default",
+                f"and the batch's target ({err.problem}). A loss of the model's output and the whole batch "
+                "(QuantumGrav's compute_loss(outputs, data, trainer)) is named by the top-level `criterion` "
+                "key instead; otherwise give any other parameter a default",
             ) from None
     return loss
 
