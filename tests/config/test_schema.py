@@ -287,7 +287,7 @@ def _check_quantumgrav(config: Config) -> None:
     resolved = unison.recipe.resolve.resolve(config)
     assert resolved.optimizer_type is torch.optim.AdamW
     assert resolved.model_type is sys.modules["qg_data"].GNNModel  # the name, found under imports:
-    assert resolved.loss is sys.modules["__main__"].compute_loss  # the user's script
+    assert resolved.loss.loss_fn is sys.modules["__main__"].compute_loss  # the user's script, given the whole batch
     train, val, test = resolved.data_build(seed=config.training.seed, **resolved.data_kwargs)
     assert len(train) == len(val) == len(test) == 16
 

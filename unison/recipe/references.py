@@ -44,8 +44,9 @@ class _References:
         """The object ``value`` names, checked to fit ``slot``, for the key path ``key``."""
         return lookup(value, slot=slot, key=key, scope=self.scope)[0]
 
-    def tree(self, value: Any, key: str) -> dict[str, Any]:
-        """The kwargs mapping ``value`` with every reference in it resolved as a value."""
+    def tree(self, value: Any, key: str, slot: str | None = None) -> dict[str, Any]:
+        """The kwargs mapping ``value`` with every reference in it resolved as a value (of ``slot``:
+        ``model_arg`` admits the layer classes and nn functions of installed libraries too)."""
         if not isinstance(value, dict):
             raise self.error(key, f"expected a mapping of keyword arguments, got {type(value).__name__}")
         for name in value:
@@ -54,8 +55,11 @@ class _References:
                     f"{key}.{name}",
                     f"a keyword argument's name is a word, got {type(name).__name__} {name!r}; quote it or rename it",
                 )
+        extra = {} if slot is None else {"slot": slot}
         return dict(
-            resolve_tree(value, key=key, imports=self.scope.imports, config_dir=self.scope.config_dir)
+            resolve_tree(
+                value, key=key, imports=self.scope.imports, config_dir=self.scope.config_dir, **extra
+            )
         )
 
     def error(self, key: str, message: str) -> ConfigError:

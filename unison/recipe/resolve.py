@@ -277,7 +277,7 @@ def _model_slots(
 
     if m.from_config:
         return _from_config(model_type, parts(m.config, "model.config"), refs), [], {}
-    args, kwargs = list(parts(m.args, "model.args")), dict(parts(m.kwargs, "model.kwargs"))
+    args, kwargs = list(parts(m.args, "model.args")), refs.tree(m.kwargs, "model.kwargs", slot="model_arg")
     refs.bind(
         model_type,
         type_key="model.type",
