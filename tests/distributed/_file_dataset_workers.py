@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
-import zarr
-from torch_geometric.data import Data
 
-from unison.distributed.file_dataset import FileDataset
+zarr = pytest.importorskip("zarr")  # zarr 3: Python 3.11 and newer (also when --doctest-modules imports this)
+pytest.importorskip("torch_geometric")
+from torch_geometric.data import Data  # noqa: E402
+
+from unison.distributed.file_dataset import FileDataset  # noqa: E402
 
 
 def write_store(path: Path, sizes: list[int], seed: int, nan_at: int | None = None) -> Path:

@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
-from torch_geometric.data import Batch, Data
-from torch_geometric.nn import GCNConv, SAGEConv, global_mean_pool
+
+pytest.importorskip("torch_geometric")  # also when --doctest-modules imports this module
+from torch_geometric.data import Batch, Data  # noqa: E402
+from torch_geometric.nn import GCNConv, SAGEConv, global_mean_pool  # noqa: E402
 
 from unison.distributed import (
     TrainSampler,
@@ -149,7 +152,13 @@ class GraphBudget:
 
 
 def resume(
-    folder: str, *, stop: int, max_epochs: int = 2, size: int = 22, per_rank: int = 3, node_budget: int | None = None
+    folder: str,
+    *,
+    stop: int,
+    max_epochs: int = 2,
+    size: int = 22,
+    per_rank: int = 3,
+    node_budget: int | None = None,
 ) -> dict[str, Any]:
     """An uninterrupted run, and a run stopped mid-epoch after ``stop`` iterations then resumed
     from its checkpoint by a run built afresh: both end with the same parameters. With
@@ -164,8 +173,12 @@ def resume(
             loader = DataLoader(graphs, batch_sampler=sampler, collate_fn=collate)
         model = prepare_model(make_model(seed=6))
         optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-        trainer = create_trainer(model, optimizer, BatchLoss(compute_loss), model_call=GRAPH_CALL, sync_every=1)
-        checkpoint = Checkpoint(f"{folder}/{sub}", {"model": model, "optimizer": optimizer}, trainer, keep_last=None)
+        trainer = create_trainer(
+            model, optimizer, BatchLoss(compute_loss), model_call=GRAPH_CALL, sync_every=1
+        )
+        checkpoint = Checkpoint(
+            f"{folder}/{sub}", {"model": model, "optimizer": optimizer}, trainer, keep_last=None
+        )
         checkpoint.attach()
         return model, trainer, loader, checkpoint
 

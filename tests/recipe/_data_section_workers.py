@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
+import pytest
 
-USER_MODULE = '''
+zarr = pytest.importorskip("zarr")  # zarr 3: Python 3.11 and newer (also when --doctest-modules imports this)
+
+USER_MODULE = """
 import torch
 import zarr
 
@@ -41,7 +43,7 @@ def collect_data(sample):
 
 def big_enough(sample):
     return sample["x"].shape[0] >= 2
-'''
+"""
 
 
 def write_store(path: Path, sizes: list[int], seed: int) -> Path:
