@@ -255,3 +255,30 @@ def test_a_graph_network_trains_and_evaluates_through_the_config_path(write):
         ys = torch.cat([b.y for b in val_loader])
     assert value == pytest.approx(float(torch.nn.functional.mse_loss(outputs, ys)), rel=1e-5)
     assert type(metrics["loss"].loss_fn).__name__ == "BatchLoss"
+
+
+def test_a_sections_own_criterion_is_reported_as_loss_beside_the_metrics_named() -> None:
+    """QuantumGrav's validator.criterion is the validation loss: reported even when validation.metrics
+    names others; a Loss among them takes the criterion instead of a second copy."""
+    from types import SimpleNamespace
+
+    from unison.metrics import Accuracy, Loss
+    from unison.recipe.resolve import make_metrics
+
+    def criterion(outputs, batch):
+        return outputs.sum()
+
+    def training_loss(y_pred, y):
+        return y_pred.sum()
+
+    resolved = SimpleNamespace(
+        loss=training_loss,
+        metrics={"accuracy": (Accuracy, {})},
+        batches=SimpleNamespace(losses={"validation": criterion, "testing": None}),
+    )
+    validation = make_metrics(resolved, "validation")  # type: ignore[arg-type]
+    assert sorted(validation) == ["accuracy", "loss"] and validation["loss"].loss_fn is criterion
+    assert sorted(make_metrics(resolved, "testing")) == ["accuracy"]  # type: ignore[arg-type]  # no criterion
+    resolved.metrics = {"accuracy": (Accuracy, {}), "val_loss": (Loss, {})}
+    named = make_metrics(resolved, "validation")  # type: ignore[arg-type]
+    assert sorted(named) == ["accuracy", "val_loss"] and named["val_loss"].loss_fn is criterion

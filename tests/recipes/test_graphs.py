@@ -22,12 +22,6 @@ from _procs import run_in_session  # noqa: E402
 
 from unison.distributed import split_dataset  # noqa: E402
 
-# Waits for model.args (a convolution class passed positionally) and the default call of a
-# graph batch, model(x, edge_index, batch), with criterion(outputs, data): remove once they land.
-pytestmark = pytest.mark.xfail(
-    strict=True, reason="model.args and the graph batch call model(x, edge_index, batch) are not in yet"
-)
-
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "graphs"
 RUN_TIMEOUT_S = 240
@@ -81,7 +75,8 @@ def test_the_graph_network_learns_to_tell_the_families_apart(runs: dict) -> None
     metrics = runs["first"]
     assert metrics["world_size"] == 2
     assert metrics["validation"]["accuracy"] >= 0.8, metrics["validation"]  # chance is 0.5
-    assert metrics["test"]["loss"] < 0.6, metrics["test"]  # cross-entropy of a coin flip: 0.69
+    assert metrics["test"]["accuracy"] >= 0.8, metrics["test"]
+    assert metrics["test"]["loss"] < 0.69, metrics["test"]  # below the cross-entropy of a coin flip
 
 
 @pytest.mark.slow

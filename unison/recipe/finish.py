@@ -25,7 +25,7 @@ from unison.engine.predict import predict
 from unison.recipe.batch import batch_options
 from unison.recipe.ema import evaluated_model, load_best_weights
 from unison.recipe.eval_loaders import eval_loader
-from unison.recipe.parts import RunParts
+from unison.recipe.parts import RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan
 from unison.recipe.resolve import make_metrics
 from unison.recipe.tracking import log_test_metrics
@@ -124,7 +124,7 @@ def evaluate_test_set(plan: RunPlan, parts: RunParts) -> dict[str, float]:
     tester = create_evaluator(
         evaluated_model(plan, model, parts.ema), metrics, amp=plan.amp, **batch_options(batches, "testing")
     )
-    values = {k: v for k, v in tester.run(test_loader).metrics.items() if isinstance(v, float)}
+    values = scalar_metrics(tester.run(test_loader).metrics)
     _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
     return values
 

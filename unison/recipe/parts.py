@@ -60,3 +60,18 @@ class RunParts:
     history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: Checkpoint | None = None
     ema: EMA | None = None
+
+
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics that are single numbers, as floats: what ``metrics.json``, the history and the
+    log lines show. A metric computing an ``int`` (a count) is one; a tensor, a list or a bool is not.
+
+    Example:
+        >>> scalar_metrics({"accuracy": 0.5, "graphs": 11, "confusion": [[1, 0], [0, 1]], "flag": True})
+        {'accuracy': 0.5, 'graphs': 11.0}
+    """
+    return {
+        name: float(value)
+        for name, value in metrics.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }

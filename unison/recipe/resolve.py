@@ -76,7 +76,8 @@ def resolve(config: Config) -> Resolved:
     if dead is not None:
         raise refs.error(*dead)
     metrics = _metric_slots(config, refs)
-    _check_watched_metrics(config, list(metrics) or ["loss"], refs)
+    own_loss = "criterion" in config.validation.validator  # QuantumGrav's: the validation loss, always reported
+    _check_watched_metrics(config, [*metrics, *(["loss"] if own_loss or not metrics else [])], refs)
     optimizer_type, optimizer_kwargs, optimizer_args = _optimizer_slots(config, refs)
     scheduler_type, scheduler_kwargs = _scheduler_slots(config, refs)
     loss = _loss_slot(config, refs)
@@ -102,9 +103,14 @@ def resolve(config: Config) -> Resolved:
 
 def make_metrics(resolved: Resolved, section: str = "validation") -> dict[str, Any]:
     """Fresh metric objects for an evaluation of ``section`` (``validation`` or ``testing``); a
-    ``Loss`` without ``loss_fn`` uses the section's criterion, else the training loss."""
-    loss = resolved.batches.losses.get(section) or resolved.loss
+    ``Loss`` without ``loss_fn`` uses the section's criterion, else the training loss. A section
+    with its own criterion (QuantumGrav's ``validator.criterion`` / ``tester.criterion``) reports
+    it as ``loss`` beside the metrics named, unless one of them is a ``Loss`` already."""
+    own = resolved.batches.losses.get(section)
+    loss = own or resolved.loss
     metrics = {name: cls(**with_loss(cls, kwargs, loss)) for name, (cls, kwargs) in resolved.metrics.items()}
+    if own is not None and "loss" not in metrics and not any(isinstance(m, Loss) for m in metrics.values()):
+        metrics["loss"] = Loss(own)
     return metrics or {"loss": Loss(loss)}
 
 

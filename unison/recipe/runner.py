@@ -46,7 +46,7 @@ from unison.recipe.finish import evaluate_test_set as evaluate_test_set
 from unison.recipe.finish import finish_run, skip_test_phase
 from unison.recipe.finish import write_predictions as write_predictions
 from unison.recipe.history import RunHistory
-from unison.recipe.parts import RunParts
+from unison.recipe.parts import RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan, plan
 from unison.recipe.preflight import check_port, preflight
 from unison.recipe.resume_values import apply_on_resume
@@ -270,7 +270,7 @@ def collect_results(parts: RunParts, run_dir: Path, world_size: int) -> dict[str
         "epochs": trainer.state.epoch,
         "iterations": trainer.state.iteration,
         "train_loss": trainer.state.metrics.get("loss"),
-        "validation": {k: v for k, v in evaluator.state.metrics.items() if isinstance(v, float)},
+        "validation": scalar_metrics(evaluator.state.metrics),
         "history": parts.history,
     }
 

@@ -44,7 +44,7 @@ from unison.recipe.ema import attach_ema, evaluated_model
 from unison.recipe.eval_loaders import eval_loader
 from unison.recipe.history import RunHistory
 from unison.recipe.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
-from unison.recipe.parts import Datasets, RunParts
+from unison.recipe.parts import Datasets, RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan, amp_dtype, compile_setting, fsdp_options
 from unison.recipe.resolve import Resolved, make_metrics
 from unison.recipe.tracking import attach_tracking
@@ -238,11 +238,11 @@ def attach_validation(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
     def validate(engine: Engine) -> None:
         if engine.state.epoch % every and engine.state.epoch != engine.state.max_epochs:
             return
-        values = evaluator.run(parts.val_loader).metrics
+        values = scalar_metrics(evaluator.run(parts.val_loader).metrics)
         row = {"epoch": engine.state.epoch, "train_loss": engine.state.metrics.get("loss")}
-        row.update({f"val_{k}": v for k, v in values.items() if isinstance(v, float)})
+        row.update({f"val_{k}": v for k, v in values.items()})
         history.append(row)
-        shown = "  ".join(f"val {k} {v:.4f}" for k, v in values.items() if isinstance(v, float))
+        shown = "  ".join(f"val {k} {v:.4f}" for k, v in values.items())
         _log.info(
             "epoch %d/%d  train loss %.4f  %s",
             engine.state.epoch,
