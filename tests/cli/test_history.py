@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cli_parts import config, resolved
+from _cli_parts import config, planned
 from ignite.engine import Engine, Events
 
 from unison.recipe.history import HISTORY_FILE, RunHistory, read_rows
@@ -107,11 +107,11 @@ def test_a_run_killed_between_checkpoints_and_resumed_records_each_epoch_once(tm
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    _train(_config(whole), resolved(), whole, None)
+    _train(planned(_config(whole)), whole, None)
     with pytest.raises(Exception, match="killed after epoch 3"):
-        _train(_config(broken), resolved(), broken, None, _kill_after(3))
+        _train(planned(_config(broken)), broken, None, _kill_after(3))
     assert [row["epoch"] for row in read_rows(broken / HISTORY_FILE)] == [1, 2, 3]
-    resumed = _train(_config(broken), resolved(), broken, "auto")
+    resumed = _train(planned(_config(broken)), broken, "auto")
 
     expected = json.loads((whole / "metrics.json").read_text())
     written = json.loads((broken / "metrics.json").read_text())
