@@ -20,9 +20,14 @@ the built-in answers come last. No collective here: each rank asks about its own
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from unison.distributed.samplers import TrainSampler, samplers_with_set_epoch
 
 Kind = Literal["sampler", "stateful", "none"]
 Scope = Literal["global", "rank"]
@@ -94,4 +99,84 @@ def data_position(loader: Any) -> DataPosition:
     )
 
 
-_builtin: list[Recognizer] = []
+STATEFUL_LOADER = "torchdata.stateful_dataloader.StatefulDataLoader"
+"""The loader that saves its workers' and its sampler's state (``pip install torchdata``)."""
+
+
+def _stateful_loader(loader: Any) -> DataPosition | None:
+    """torchdata's ``StatefulDataLoader``: its ``state_dict()`` holds the sampler's (or the dataset's)
+    state and each worker's, counted in batches the loader *yielded*, prefetched ones excluded.
+
+    Its module is looked up, not imported: a loader of that type can exist only once it is.
+    """
+    module = sys.modules.get("torchdata.stateful_dataloader")
+    cls = getattr(module, "StatefulDataLoader", None)
+    if cls is None or not isinstance(loader, cls):
+        return None
+    return DataPosition(
+        source=type_name(loader),
+        kind="stateful",
+        scope="rank",
+        elastic=False,
+        save=loader.state_dict,
+        load=loader.load_state_dict,
+    )
+
+
+def _resumable_sampler(loader: Any) -> DataPosition | None:
+    """A map-style loader whose sampler saves and loads its position (unison's TrainSampler): one
+    global position, kept by the checkpoint's ``sampler`` entry; elastic for a TrainSampler."""
+    for sampler in samplers_with_set_epoch(loader):
+        if callable(getattr(sampler, "load_state_dict", None)):
+            return DataPosition(
+                source=type_name(sampler),
+                kind="sampler",
+                scope="global",
+                elastic=isinstance(sampler, TrainSampler),
+            )
+    return None
+
+
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _stateful_dataset(loader: Any) -> DataPosition | None:
+    """A dataset with ``state_dict``/``load_state_dict`` (a Hugging Face ``datasets.IterableDataset``),
+    iterated directly or by a DataLoader in the main process.
+
+    Its state counts the examples it gave out: with ``num_workers=0`` the loader prefetches
+    nothing, so at a save that is what was trained on. With workers, each holds its own copy
+    of the dataset, which a plain DataLoader cannot reach: the position is unknown.
+    """
+    dataset: Any
+    if isinstance(loader, DataLoader):
+        dataset = loader.dataset
+        if not isinstance(dataset, IterableDataset) or not _has_state(
+            dataset
+        ):  # map-style: its sampler decides
+            return None
+        if loader.num_workers > 0:
+            return DataPosition(
+                source=type_name(dataset),
+                kind="none",
+                scope=None,
+                elastic=False,
+                fix=f"load it with {STATEFUL_LOADER}, which saves each worker's dataset state, or use "
+                "num_workers=0 (a DataLoader with workers cannot read its workers' copies of the dataset)",
+            )
+    elif _has_state(loader) and callable(getattr(loader, "__iter__", None)):
+        dataset = loader
+    else:
+        return None
+    return DataPosition(
+        source=type_name(dataset),
+        kind="stateful",
+        scope="rank",
+        elastic=False,
+        save=dataset.state_dict,
+        load=dataset.load_state_dict,
+    )
+
+
+_builtin: list[Recognizer] = [_stateful_loader, _resumable_sampler, _stateful_dataset]

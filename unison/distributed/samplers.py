@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 from unison.distributed.primitives import get_rank, get_world_size
+from unison.distributed.sampler_order import advance_position, epoch_order, layout_order, remaining_positions
 
 
 def _check_placement(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -56,94 +57,6 @@ def set_sampler_epoch(data: Any, epoch: int) -> None:
     """
     for sampler in samplers_with_set_epoch(data):
         sampler.set_epoch(epoch)
-
-
-def epoch_order(size: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """The epoch's order of ``range(size)``, as torch's ``DistributedSampler`` draws it.
-
-    Example:
-        >>> epoch_order(4, seed=0, epoch=0, shuffle=False)
-        [0, 1, 2, 3]
-    """
-    if not shuffle:
-        return list(range(size))
-    generator = torch.Generator()
-    generator.manual_seed(seed + epoch)
-    return torch.randperm(size, generator=generator).tolist()
-
-
-def layout_order(rest: Sequence[int], world_size: int, drop_last: bool) -> list[int]:
-    """``rest`` made a multiple of ``world_size`` long, as ``DistributedSampler`` does: padded with
-    its own first items (repeated when needed), or with its tail dropped (``drop_last``).
-
-    Rank ``r`` takes ``layout_order(...)[r::world_size]``.
-
-    Example:
-        >>> layout_order([7, 8, 9], 2, drop_last=False), layout_order([7, 8, 9], 2, drop_last=True)
-        ([7, 8, 9, 7], [7, 8])
-    """
-    n = len(rest)
-    if drop_last:
-        return list(rest[: n - n % world_size])
-    if n == 0:
-        return []
-    pad = math.ceil(n / world_size) * world_size - n
-    return list(rest) + (list(rest) * math.ceil(pad / n))[:pad]
-
-
-def remaining_positions(size: int, consumed: int, extra: Sequence[int] = ()) -> list[int]:
-    """The positions of an epoch's order not yet consumed, in order.
-
-    Args:
-        size: the dataset size.
-        consumed: positions ``0 .. consumed - 1`` are consumed.
-        extra: positions after those that are consumed as well (ranks that consumed unequal counts).
-    """
-    skip = set(extra)
-    return [p for p in range(consumed, size) if p not in skip]
-
-
-def advance_position(
-    size: int,
-    consumed: int,
-    extra: Sequence[int],
-    *,
-    world_size: int,
-    drop_last: bool,
-    counts: Sequence[int],
-) -> tuple[int, list[int]]:
-    """The epoch's global position after rank ``r`` consumed ``counts[r]`` samples of its shard.
-
-    The shards are those of the positions still to go at ``(consumed, extra)`` (see
-    :func:`remaining_positions`), laid out by :func:`layout_order` over ``world_size`` ranks. A
-    padding sample consumed marks the sample it repeats as seen: it is not new, and is not
-    given out again.
-
-    Returns:
-        ``(consumed, extra)`` after them: positions ``0 .. consumed - 1`` and ``extra`` are done.
-
-    Example:
-        >>> advance_position(10, 0, [], world_size=2, drop_last=False, counts=[2, 2])
-        (4, [])
-        >>> advance_position(10, 0, [], world_size=2, drop_last=False, counts=[1, 2])
-        (2, [3])
-    """
-    if len(counts) != world_size:
-        raise ValueError(f"advance_position: {len(counts)} per-rank counts for world_size={world_size}.")
-    top, low = max(counts, default=0), min(counts, default=0)
-    ahead = sum(1 for c in counts if c > low)
-    if not extra and top - low <= 1 and all(c == top for c in counts[:ahead]):
-        # The common case: equal counts, or the first ranks one ahead: a prefix of the layout.
-        return min(consumed + world_size * low + ahead, size), []
-    rest = remaining_positions(size, consumed, extra)
-    order = layout_order(rest, world_size, drop_last)
-    done = set(extra)
-    for rank, count in enumerate(counts):
-        done.update(order[rank::world_size][: max(count, 0)])
-    while consumed in done:
-        done.discard(consumed)
-        consumed += 1
-    return consumed, sorted(done)
 
 
 class _Resume(NamedTuple):
@@ -230,6 +143,7 @@ class TrainSampler(DistributedSampler[int]):
         self.dataset_size = size
         self._resume: _Resume | None = None
         self._loaded: _Resume | None = None  # the last loaded position, kept past set_epoch for state_dict
+        self._handed_out = (-1, 0)  # (epoch, samples) of the last iterator: state_dict() without consumed
 
     @property
     def world_size(self) -> int:
@@ -252,16 +166,23 @@ class TrainSampler(DistributedSampler[int]):
         return self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
 
     def state_dict(
-        self, consumed: int = 0, *, consumed_by_rank: Sequence[int] | None = None, epoch: int | None = None
+        self,
+        consumed: int | None = None,
+        *,
+        consumed_by_rank: Sequence[int] | None = None,
+        epoch: int | None = None,
     ) -> dict[str, Any]:
         """The sampler's position: epoch, ``consumed`` samples of this rank's shard, and the global position.
 
-        The sampler cannot count what it handed out itself (a DataLoader with workers
-        reads ahead); the caller (unison's Checkpoint) passes the samples the engine
-        actually trained on.
+        Without ``consumed``, the samples this epoch's iterator handed out (skipped ones
+        included): what a loader that draws indices only for the batches it yields reports,
+        as torchdata's ``StatefulDataLoader`` does (``state_dict()`` without arguments, then
+        ``load_state_dict``). A DataLoader with workers reads ahead of training, so unison's
+        Checkpoint passes the samples the engine actually trained on.
 
         Args:
-            consumed: samples of this rank's shard trained on (skipped ones included).
+            consumed: samples of this rank's shard trained on (skipped ones included); None
+                for the samples handed out.
             consumed_by_rank: every rank's ``consumed``, when they differ; else all equal it.
             epoch: the epoch of the data iterator described, when it is not the current one.
 
@@ -273,6 +194,8 @@ class TrainSampler(DistributedSampler[int]):
             global_consumed - 1`` of the epoch's order, and ``global_extra``, are consumed.
         """
         epoch = self.epoch if epoch is None else int(epoch)
+        if consumed is None:
+            consumed = self._handed_out[1] if self._handed_out[0] == epoch else 0
         layout = self._loaded if self._loaded is not None and self._loaded.epoch == epoch else None
         origin = (layout.consumed, layout.extra) if layout is not None else (0, ())
         counts = (
@@ -344,12 +267,18 @@ class TrainSampler(DistributedSampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         resume = self._current()
+        skip = resume.skip if resume is not None else 0
         if resume is not None and resume.resharded:
-            return iter(self._shard(resume)[resume.skip :])
-        shard = super().__iter__()
-        if resume is not None and resume.skip:
-            return itertools.islice(shard, resume.skip, None)  # skipped samples are never loaded
-        return shard
+            shard: Iterator[int] = iter(self._shard(resume)[skip:])
+        else:
+            shard = itertools.islice(super().__iter__(), skip, None)  # skipped samples are never loaded
+        self._handed_out = (self.epoch, skip)
+        return self._counted(shard, self.epoch)
+
+    def _counted(self, shard: Iterator[int], epoch: int) -> Iterator[int]:
+        for index in shard:
+            self._handed_out = (epoch, self._handed_out[1] + 1)
+            yield index
 
     def __len__(self) -> int:
         resume = self._current()
