@@ -25,7 +25,7 @@ def test_ruff_finds_nothing() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # a cold cache on a loaded machine: a hang guard, not a time budget
 def test_mypy_finds_nothing() -> None:
     result = subprocess.run([*_tool("mypy"), "unison"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
