@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _cli_parts import config, planned, resolved
+from _cli_parts import config, planned
 
 from unison.config.schema import LRScalingConfig
 from unison.distributed import get_world_size, prepare_model, unwrap_model
@@ -59,7 +59,7 @@ def ddp_find_unused() -> dict[str, bool]:
             os.environ["DDP_FIND_UNUSED_PARAMETERS"] = env
         c = config()
         c.parallel.find_unused_parameters = value
-        model = build_model(c, resolved())
+        model = build_model(planned(c))
         seen[f"env={env} config={value}"] = bool(model.find_unused_parameters)  # type: ignore[union-attr]
     return seen
 

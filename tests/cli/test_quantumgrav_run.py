@@ -26,6 +26,7 @@ from unison.config import load_config
 from unison.handlers import EarlyStopping
 from unison.recipe.accepted import accepted_lines, report_accepted
 from unison.recipe.eval_loaders import eval_loader
+from unison.recipe.loader_plan import loader_plans
 from unison.recipe.runner import collect_results, evaluate_test_set
 from unison.recipe.steps import build_loaders, build_model, build_optimizer
 
@@ -50,7 +51,7 @@ def test_validation_loader_keys_reach_the_validation_loader_only() -> None:
     c = config()
     c.validation.pin_memory, c.validation.drop_last, c.validation.batch_size = True, True, 4
     c.validation.num_workers, c.validation.prefetch_factor = 1, 5
-    train_loader, val_loader = build_loaders(c, datasets())
+    train_loader, val_loader = build_loaders(planned(c), datasets())
     assert train_loader is not None and val_loader is not None
     assert (
         val_loader.pin_memory,
@@ -70,7 +71,7 @@ def test_validation_loader_keys_reach_the_validation_loader_only() -> None:
 def test_testing_loader_keys_fall_back_to_validations() -> None:
     c = config()
     c.training.pin_memory, c.validation.num_workers, c.validation.prefetch_factor = True, 1, 3
-    loader = eval_loader(c, "testing", datasets().test)
+    loader = eval_loader(loader_plans(c).testing, datasets().test)
     assert loader is not None
     assert (loader.pin_memory, loader.num_workers, loader.prefetch_factor, loader.drop_last) == (
         True,
@@ -79,7 +80,7 @@ def test_testing_loader_keys_fall_back_to_validations() -> None:
         False,
     )
     c.testing.pin_memory, c.testing.num_workers, c.testing.drop_last, c.testing.batch_size = False, 0, True, 5
-    loader = eval_loader(c, "testing", datasets().test)
+    loader = eval_loader(loader_plans(c).testing, datasets().test)
     assert loader is not None
     assert (loader.pin_memory, loader.num_workers, loader.drop_last, loader.batch_size) == (False, 0, True, 5)
 
@@ -114,17 +115,17 @@ def test_checkpoint_at_saves_every_n_epochs(tmp_path: Path) -> None:
 
 def test_output_device_reaches_ddp_on_a_gpu_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict = {}
-    monkeypatch.setattr("unison.recipe.accepted.rank_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr("unison.recipe.step_plans.rank_device", lambda: torch.device("cuda", 1))
     monkeypatch.setattr(
         unison.recipe.steps, "prepare_model", lambda model, **kwargs: seen.update(kwargs) or model
     )
     c = config()
     c.parallel.output_device = 1
-    build_model(c, resolved())
+    build_model(planned(c))
     assert seen["output_device"] == 1
-    monkeypatch.setattr("unison.recipe.accepted.rank_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr("unison.recipe.step_plans.rank_device", lambda: torch.device("cpu"))
     seen.clear()
-    build_model(c, resolved())
+    build_model(planned(c))
     assert "output_device" not in seen  # DDP takes none for a CPU module
 
 
@@ -134,9 +135,9 @@ def test_keys_that_are_not_needed_here_are_reported_once_each(caplog: pytest.Log
     c.validation.validator = {"device": "cuda", "type": "Validator"}
     c.testing.tester = {"device": "cuda"}
     c.validation.drop_last = True
-    assert accepted_lines(config(), torch.device("cpu")) == []
+    assert accepted_lines(planned(config()).accepted, torch.device("cpu")) == []
     with caplog.at_level(logging.INFO, logger="unison"):
-        report_accepted(c)
+        report_accepted(planned(c).accepted)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 5
     assert lines[0].startswith("parallel.rank 0 is not used: each process takes its rank from the launcher")
@@ -153,7 +154,7 @@ def test_a_validators_criterion_is_used_and_its_monitors_are_named_as_not_run() 
     c = config()
     c.validation.validator = {"device": "cuda", "criterion": len, "evaluator_tasks": [{"name": "f1"}], "x": 1}
     c.testing.tester = {"criterion": len, "apply_model": len}
-    lines = accepted_lines(c, torch.device("cpu"))
+    lines = accepted_lines(planned(c).accepted, torch.device("cpu"))
     messages = [message for _, message in lines]
     assert messages[0].startswith("validation.validator (device=cuda) is not needed")
     assert messages[1].startswith("validation.validator.evaluator_tasks are not run")

@@ -110,7 +110,7 @@ def test_the_optimizer_gets_the_scaled_lr(form, accumulation: int, world: int, e
     c.training.lr = 0.5
     c.training.accumulation_steps = accumulation
     c.training.lr_scaling = form
-    optimizer, _ = build_optimizer(planned(c), build_model(c, resolved()), world)
+    optimizer, _ = build_optimizer(planned(c), build_model(planned(c)), world)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
 
 
@@ -118,7 +118,7 @@ def test_the_optimizers_default_lr_is_scaled_too() -> None:
     c = config()
     c.training.lr_scaling = "linear"
     r = resolved(optimizer_type=torch.optim.Adam, optimizer_kwargs={})
-    optimizer, _ = build_optimizer(planned(c, r), build_model(c, r), 3)
+    optimizer, _ = build_optimizer(planned(c, r), build_model(planned(c, r)), 3)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 3)
 
 
@@ -135,7 +135,7 @@ def test_one_line_says_the_learning_rate() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        build_optimizer(planned(c), build_model(c, resolved()), 2)
+        build_optimizer(planned(c), build_model(planned(c)), 2)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(saved)

@@ -17,6 +17,7 @@ from torch_geometric.nn.conv import SAGEConv  # noqa: E402
 from unison.config import ConfigError, load_config  # noqa: E402
 from unison.engine import AutoCall, ModelCall, WholeBatch  # noqa: E402
 from unison.metrics import BatchLoss  # noqa: E402
+from unison.recipe.planning import plan  # noqa: E402
 from unison.recipe.resolve import make_metrics, resolve  # noqa: E402
 from unison.recipe.steps import Datasets, build_evaluator, build_loaders, build_trainer  # noqa: E402
 
@@ -241,13 +242,14 @@ def test_a_graph_network_trains_and_evaluates_through_the_config_path(write):
     resolved = resolve(config)
     user = sys.modules[resolved.loss.loss_fn.__module__]
     train, val = resolved.data_build(seed=0)
-    train_loader, val_loader = build_loaders(config, Datasets(train, val), resolved.batches.collate)
+    planned = plan(config, resolved)
+    train_loader, val_loader = build_loaders(planned, Datasets(train, val))
     torch.manual_seed(0)
     model = resolved.model_type(*resolved.model_args, **resolved.model_kwargs)
-    trainer = build_trainer(config, resolved, model, torch.optim.SGD(model.parameters(), lr=0.01))
+    trainer = build_trainer(planned, model, torch.optim.SGD(model.parameters(), lr=0.01))
     trainer.run(train_loader, max_epochs=1)
     assert user.SEEN == [1, 1, 1]  # three batches of the seven graphs, each with the trainer
-    evaluator, _ = build_evaluator(config, resolved, model)
+    evaluator, _ = build_evaluator(planned, model)
     metrics = make_metrics(resolved)
     value = evaluator.run(val_loader).metrics["loss"]
     with torch.no_grad():

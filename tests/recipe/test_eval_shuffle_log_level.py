@@ -16,6 +16,7 @@ from unison.distributed import EvalSampler
 from unison.engine import create_evaluator
 from unison.metrics import Accuracy, MeanAbsoluteError
 from unison.recipe.eval_loaders import eval_loader
+from unison.recipe.loader_plan import loader_plans
 from unison.utils.logging import console_level, setup_logging
 
 MINIMAL = "model:\n  type: !pyobject torch.nn.Linear\ndata:\n  build: !pyobject torch.nn.Linear\n"
@@ -47,14 +48,14 @@ def _evaluate(shuffle: bool, section: str) -> list[dict[str, float]]:
         model.weight.fill_(1.0)
         model.bias.zero_()
     classifier = nn.Linear(1, 3)
-    loader = eval_loader(config, section, data)
+    loader = eval_loader(getattr(loader_plans(config), section), data)
     out = []
     for _ in range(2):
         mae = create_evaluator(model, {"mae": MeanAbsoluteError()}).run(loader).metrics
         labels = TensorDataset(x, (x.squeeze(1) % 3).long())
         acc = (
             create_evaluator(classifier, {"acc": Accuracy()})
-            .run(eval_loader(config, section, labels))
+            .run(eval_loader(getattr(loader_plans(config), section), labels))
             .metrics
         )
         out.append({"mae": mae["mae"], "acc": acc["acc"]})
@@ -74,8 +75,8 @@ def test_eval_loader_shuffles_as_its_section_says() -> None:
     config = Config()
     config.validation.shuffle = True
     data = list(range(10))
-    val = eval_loader(config, "validation", data)
-    test = eval_loader(config, "testing", data)
+    val = eval_loader(loader_plans(config).validation, data)
+    test = eval_loader(loader_plans(config).testing, data)
     assert val.sampler.shuffle and not test.sampler.shuffle
     assert val.sampler.seed == config.training.seed
 

@@ -73,7 +73,7 @@ def test_the_watched_metric_is_derived_once_for_checkpoints_and_early_stopping(t
     assert (w.metric, w.mode, w.stop_metric, w.stop_mode) == ("accuracy", "max", "accuracy", "max")
     assert p.early_stopping is not None
     assert (p.early_stopping.kwargs["metric"], p.early_stopping.kwargs["mode"]) == ("accuracy", "max")
-    assert p.amp == "bf16" and p.compile is False and p.fsdp is None and p.tracking is None
+    assert p.amp == "bf16" and p.model.compile is False and p.model.fsdp is None and p.tracking is None
     assert (
         p.root == tmp_path / "runs"
         and p.root_key == "logging.root"

@@ -2,8 +2,8 @@
 
 QuantumGrav's ``TrainerDDP`` configs name a rank, a DDP output device and evaluator specs
 with their own device. unison reads them with their meaning where they have one here
-(:func:`ddp_options`: ``parallel.output_device`` on GPUs) and otherwise says, once, that
-they are not needed (:func:`accepted_lines`, logged by :func:`report_accepted` on rank 0
+(``parallel.output_device`` on GPUs: :meth:`~unison.recipe.step_plans.ModelPlan.ddp_options`)
+and otherwise says, once, that they are not needed (:func:`accepted_lines`, logged by :func:`report_accepted` on rank 0
 when a run starts). Evaluation loaders that drop samples get a warning there too.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,31 +19,10 @@ import torch
 from unison.config import Config
 from unison.distributed import device as rank_device
 from unison.distributed import get_rank
-from unison.recipe.eval_loaders import eval_batch_size
+from unison.recipe.loader_plan import LoaderPlans
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.run")  # the run's logger
-
-
-def ddp_options(config: Config, device: torch.device | None = None) -> dict[str, Any]:
-    """The ``DistributedDataParallel`` options the config adds: ``output_device`` on a GPU rank.
-
-    On the CPU DDP takes no output device (the output stays on the model's); the run says
-    so once (:func:`accepted_lines`).
-
-    Example:
-        >>> from unison.config import Config
-        >>> c = Config()
-        >>> c.parallel.output_device = 1
-        >>> ddp_options(c, torch.device("cuda", 1)), ddp_options(c, torch.device("cpu"))
-        ({'output_device': 1}, {})
-    """
-    out = config.parallel.output_device
-    if out is None:
-        return {}
-    if (device if device is not None else rank_device()).type != "cuda":
-        return {}
-    return {"output_device": out}
 
 
 def compile_options(config: Config) -> dict[str, Any] | None:
@@ -66,9 +46,40 @@ USED_EVALUATOR_KEYS = ("criterion", "apply_model")
 """Keys of QuantumGrav's ``validator``/``tester`` that unison uses: the section's loss and model call."""
 
 
-def _evaluator_lines(config: Config, section: str, key: str, device: torch.device) -> list[tuple[int, str]]:
+@dataclass(frozen=True)
+class AcceptedKeys:
+    """The accepted keys of a config that :func:`accepted_lines` speaks of, read once by the plan.
+
+    Attributes:
+        rank: ``parallel.rank``.
+        output_device: ``parallel.output_device``.
+        evaluator_specs: ``(section, key, spec)`` of ``validation.validator`` and ``testing.tester``.
+        dropping: ``(section, batch size)`` of each evaluation section with ``drop_last``.
+    """
+
+    rank: int | None
+    output_device: int | str | None
+    evaluator_specs: tuple[tuple[str, str, dict[str, Any]], ...]
+    dropping: tuple[tuple[str, int], ...]
+
+
+def accepted_keys(config: Config, loaders: LoaderPlans) -> AcceptedKeys:
+    """``config``'s :class:`AcceptedKeys`; ``loaders`` gives each evaluation section's batch size."""
+    p = config.parallel
+    specs = tuple(
+        (section, key, dict(getattr(getattr(config, section), key)))
+        for section, key in (("validation", "validator"), ("testing", "tester"))
+    )
+    dropping = tuple(
+        (plan.section, plan.batch_size) for plan in (loaders.validation, loaders.testing) if plan.drop_last
+    )
+    return AcceptedKeys(p.rank, p.output_device, specs, dropping)
+
+
+def _evaluator_lines(
+    section: str, key: str, spec: dict[str, Any], device: torch.device
+) -> list[tuple[int, str]]:
     """What becomes of each key of ``validation.validator`` / ``testing.tester`` (QuantumGrav's)."""
-    spec: dict[str, Any] = getattr(getattr(config, section), key)
     lines: list[tuple[int, str]] = []
     what = "validation set" if section == "validation" else "test set"
     idle = {k: v for k, v in spec.items() if k in ("device", "type")}
@@ -91,15 +102,18 @@ def _evaluator_lines(config: Config, section: str, key: str, device: torch.devic
             )
         )
     for name in sorted(set(spec) - {"device", "type", "evaluator_tasks", *USED_EVALUATOR_KEYS}):
-        lines.append((logging.WARNING, f"{section}.{key}.{name} is not used by unison: it has no effect here"))
+        lines.append(
+            (logging.WARNING, f"{section}.{key}.{name} is not used by unison: it has no effect here")
+        )
     return lines
 
 
-def accepted_lines(config: Config, device: torch.device | None = None) -> list[tuple[int, str]]:
-    """(level, message) for each accepted key that is not used here, and each loader that drops samples."""
+def accepted_lines(keys: AcceptedKeys, device: torch.device | None = None) -> list[tuple[int, str]]:
+    """(level, message) for each accepted key that is not used on ``device`` (default this rank's),
+    and each evaluation loader that drops samples."""
     device = device if device is not None else rank_device()
     lines: list[tuple[int, str]] = []
-    p = config.parallel
+    p = keys
     if p.rank is not None:
         lines.append(
             (
@@ -116,29 +130,27 @@ def accepted_lines(config: Config, device: torch.device | None = None) -> list[t
                 "where DDP returns the output on the model's device",
             )
         )
-    for section, key in (("validation", "validator"), ("testing", "tester")):
-        lines += _evaluator_lines(config, section, key, device)
-    for section in ("validation", "testing"):
-        if getattr(config, section).drop_last:
-            batch = eval_batch_size(config, section)  # type: ignore[arg-type]  # a Section
-            lines.append(
-                (
-                    logging.WARNING,
-                    f"{section}.drop_last is true: each rank drops its last incomplete batch, so the {section} "
-                    f"metrics skip up to {batch - 1} samples per rank and change with the world size; set it "
-                    "false for exact metrics",
-                )
+    for section, key, spec in keys.evaluator_specs:
+        lines += _evaluator_lines(section, key, spec, device)
+    for section, batch in keys.dropping:
+        lines.append(
+            (
+                logging.WARNING,
+                f"{section}.drop_last is true: each rank drops its last incomplete batch, so the {section} "
+                f"metrics skip up to {batch - 1} samples per rank and change with the world size; set it "
+                "false for exact metrics",
             )
+        )
     return lines
 
 
-def report_accepted(config: Config) -> None:
-    """Rank 0 logs :func:`accepted_lines`, once per run.
+def report_accepted(keys: AcceptedKeys) -> None:
+    """Rank 0 logs :func:`accepted_lines` of the plan's ``keys`` (``plan.accepted``), once per run.
 
     Distributed:
         Call it on every rank; only rank 0 writes.
     """
     if get_rank() != 0:
         return
-    for level, message in accepted_lines(config):
+    for level, message in accepted_lines(keys):
         _log.log(level, message)

@@ -32,7 +32,7 @@ def attach_ema(plan: RunPlan, model: nn.Module, trainer: Engine) -> EMA | None:
     Distributed:
         Every rank attaches it alike; it issues no collective (see :mod:`unison.handlers.ema`).
     """
-    e = plan.config.training.ema
+    e = plan.control.ema
     if e is None:
         return None
     ema = EMA(model, e.decay, every=e.every, warmup=e.warmup)

@@ -59,16 +59,16 @@ def finish_run(plan: RunPlan, parts: RunParts, run_dir: Path, results: dict[str,
     Distributed:
         Collective: call on every rank.
     """
-    config, resolved, datasets = plan.config, plan.resolved, parts.datasets
-    if datasets.test is not None and config.testing.enabled:
+    resolved, datasets = plan.resolved, parts.datasets
+    if datasets.test is not None and plan.finish.test:
         results["test"] = evaluate_test_set(plan, parts)
         log_test_metrics(plan, run_dir, results["test"])  # logging.mlflow: into the training's run
-    if config.predict.enabled:
+    if plan.finish.predict:
         written = write_predictions(plan, parts, run_dir)
         if written is not None:
             results["predictions"] = str(written)
     context = RunContext(
-        config,
+        plan.config,  # the hook's own view of the run: the config as given
         run_dir,
         parts.model,
         parts.optimizer,
@@ -111,8 +111,8 @@ def evaluate_test_set(plan: RunPlan, parts: RunParts) -> dict[str, float]:
     Distributed:
         Collective: call on every rank.
     """
-    config, checkpoint, model = plan.config, parts.checkpoint, parts.model
-    if config.testing.use_best and checkpoint is not None:
+    checkpoint, model = parts.checkpoint, parts.model
+    if plan.finish.use_best and checkpoint is not None:
         best = checkpoint.best if get_rank() == 0 else None
         path = broadcast_object(None if best is None else str(checkpoint.folder / best.file))
         if path is not None:
@@ -120,7 +120,7 @@ def evaluate_test_set(plan: RunPlan, parts: RunParts) -> dict[str, float]:
             _log.info("testing the best checkpoint %s", path)
     batches = plan.resolved.batches
     metrics = make_metrics(plan.resolved, "testing")  # testing.tester.criterion, when given
-    test_loader = eval_loader(config, "testing", parts.datasets.test, batches.collate.get("testing"))
+    test_loader = eval_loader(plan.loaders.testing, parts.datasets.test)
     tester = create_evaluator(
         evaluated_model(plan, model, parts.ema), metrics, amp=plan.amp, **batch_options(batches, "testing")
     )
@@ -138,9 +138,8 @@ def write_predictions(plan: RunPlan, parts: RunParts, run_dir: Path) -> Path | N
     Distributed:
         Collective: call on every rank; rank 0 gathers and writes.
     """
-    config, datasets = plan.config, parts.datasets
+    datasets, batch = parts.datasets, plan.finish.predict_batch_size
     target = datasets.test if datasets.test is not None else datasets.val
-    batch = config.predict.batch_size or config.validation.batch_size or config.training.batch_size
     out = predict(evaluated_model(plan, parts.model, parts.ema), target, batch_size=batch)
     if get_rank() != 0 or out is None:
         return None

@@ -2,9 +2,11 @@
 
 The pass resolves every ``!pyobject`` slot (:func:`~unison.recipe.resolve.resolve`) and
 computes each value a run derives from its config, once: the watched metric and its mode,
-the amp dtype, the compile and DDP/FSDP options, the learning-rate plan, the MLflow store,
-the output root and the early-stopping handler. It starts nothing: no process, no file,
-no model. :func:`~unison.recipe.preflight.preflight` checks the plan before any rank is
+the amp dtype, the learning-rate plan, the MLflow store, the output root, the early-stopping
+handler, and what each build step reads: every section's loader
+(:mod:`unison.recipe.loader_plan`), the model's wrapping, the trainer's step, the guards, the
+checkpoint, logging and the test phase (:mod:`unison.recipe.step_plans`). It starts nothing:
+no process, no file, no model. :func:`~unison.recipe.preflight.preflight` checks the plan before any rank is
 spawned; each rank builds its run from it (:func:`~unison.recipe.steps.build_run`).
 
 The plan holds the objects a config names (classes of the user's modules, imported by file
@@ -14,18 +16,32 @@ again, which gives the same plan (the pass reads the config and the user's modul
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from unison.config import Config
 from unison.config.watched import Watched, watched_of
-from unison.recipe.accepted import compile_options
+from unison.recipe.accepted import AcceptedKeys, accepted_keys, compile_options
 from unison.recipe.early_stop import EarlyStoppingPlan, early_stopping_plan
+from unison.recipe.loader_plan import LoaderPlans, loader_plans
 from unison.recipe.lr_scaling import LRPlan, lr_plan
 from unison.recipe.references import _References
 from unison.recipe.resolve import Resolved, resolve
+from unison.recipe.step_plans import (
+    CheckpointPlan,
+    ControlPlan,
+    FinishPlan,
+    LoggingPlan,
+    ModelPlan,
+    TrainerPlan,
+    checkpoint_plan,
+    control_plan,
+    finish_plan,
+    logging_plan,
+    model_plan,
+    trainer_plan,
+)
 from unison.recipe.tracking_store import root_setting, store
 
 
@@ -39,10 +55,15 @@ class RunPlan:
         watched: the metric checkpoints rank by, the one early stopping follows, and their modes
             (also what ``tuning.metric`` defaults to).
         amp: the autocast dtype of training and evaluation (``training.amp``), None when off.
-        compile: ``torch.compile``'s options (``training.compile``): False when off, ``{}`` for
-            the defaults.
-        fsdp: the FSDP2 options (``parallel.fsdp``) with ``parallel.strategy: fsdp``, else None.
-        output_device: DDP's ``output_device`` (``parallel.output_device``), used on GPU ranks.
+        seed: the seed of every generator before the data is built (``training.seed``).
+        loaders: each section's loader, its defaults from the section before it applied.
+        model: how the model is wrapped: strategy, FSDP2 and DDP options, compile, SyncBatchNorm.
+        trainer: the trainer's step (accumulation, clipping, sync points), scheduler period, epochs.
+        control: the non-finite guard, time limit, watchdog, validation's period, the EMA.
+        checkpoint: the checkpoint handler's settings and the config's record; None when off.
+        logging: TensorBoard and its HParams, the profiler, the progress bar, MLflow's run.
+        finish: the test phase: the test set, the best weights, the predictions.
+        accepted: other trainers' keys that the run reports once (:mod:`unison.recipe.accepted`).
         lr: the learning-rate plan at one rank (:meth:`~unison.recipe.lr_scaling.LRPlan.at`
             gives it at a run's world size).
         optimizer_kwargs: the optimizer's keyword arguments, ``training.lr`` applied (before scaling).
@@ -57,9 +78,15 @@ class RunPlan:
     resolved: Resolved
     watched: Watched
     amp: Literal["bf16", "fp16"] | None
-    compile: bool | dict[str, Any]
-    fsdp: dict[str, Any] | None
-    output_device: int | str | None
+    seed: int
+    loaders: LoaderPlans
+    model: ModelPlan
+    trainer: TrainerPlan
+    control: ControlPlan
+    checkpoint: CheckpointPlan | None
+    logging: LoggingPlan
+    finish: FinishPlan
+    accepted: AcceptedKeys
     lr: LRPlan
     optimizer_kwargs: dict[str, Any]
     tracking: tuple[str, str | None] | None
@@ -80,18 +107,6 @@ def amp_dtype(config: Config) -> Literal["bf16", "fp16"] | None:
     return None if amp == "none" else amp
 
 
-def compile_setting(config: Config) -> bool | dict[str, Any]:
-    """``training.compile`` as ``prepare_model`` takes it: False when off, ``{}`` (on, defaults) kept."""
-    options = compile_options(config)
-    return False if options is None else options
-
-
-def fsdp_options(config: Config) -> dict[str, Any] | None:
-    """``parallel.fsdp`` as ``prepare_model`` takes it, with ``parallel.strategy: fsdp``; else None."""
-    p = config.parallel
-    return dataclasses.asdict(p.fsdp) if p.strategy == "fsdp" else None
-
-
 def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
     """The plan of ``config``'s run: every slot resolved, every derived value computed once.
 
@@ -106,7 +121,8 @@ def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
     """
     refs = _References.of(config)
     resolved = resolved if resolved is not None else resolve(config)
-    t, p = config.training, config.parallel
+    t = config.training
+    loaders = loader_plans(config, resolved.batches.collate)
     watched = watched_of(config, list(resolved.metrics))
     root_key, root = root_setting(config)
     lr = {"lr": t.lr} if t.lr is not None else {}
@@ -115,9 +131,15 @@ def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
         resolved=resolved,
         watched=watched,
         amp=amp_dtype(config),
-        compile=compile_setting(config),
-        fsdp=fsdp_options(config),
-        output_device=p.output_device,
+        seed=t.seed,
+        loaders=loaders,
+        model=model_plan(config, compile_options(config)),
+        trainer=trainer_plan(config),
+        control=control_plan(config),
+        checkpoint=checkpoint_plan(config),
+        logging=logging_plan(config),
+        finish=finish_plan(config),
+        accepted=accepted_keys(config, loaders),
         lr=lr_plan(config, 1),
         optimizer_kwargs={**resolved.optimizer_kwargs, **lr},
         tracking=None if config.logging.mlflow is None else store(config),

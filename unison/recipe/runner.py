@@ -218,10 +218,10 @@ def _train(
     """Builds the run in its steps, resumes it when asked, trains, then tests and writes results."""
     world = get_world_size()
     _log.info("run directory: %s (world size %d)", run_dir, world)
-    report_accepted(plan.config)  # keys of other trainers' configs that are not needed here, once
+    report_accepted(plan.accepted)  # keys of other trainers' configs that are not needed here, once
     parts = build_run(plan, run_dir, world)
     ended_early = attach(parts) if attach is not None else None
-    t = plan.config.training
+    t = plan.trainer
     resumed = apply_on_resume(plan, parts, resume_run(parts, resume_from))  # the config's values win
     if resumed is not None and parts.trainer.is_complete(t.max_epochs):
         _log.info(

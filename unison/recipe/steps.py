@@ -12,8 +12,9 @@
    :func:`attach_checkpoint`, TensorBoard and progress in :func:`attach_logging`).
 
 Each step takes what it needs of the run's plan (:func:`unison.recipe.plan`), and can be
-called on its own; the data, model, trainer and evaluator steps take the plan's config and
-what it resolved.
+called on its own. Every step and attacher reads the plan only (what it resolved, and the
+values it planned once: :mod:`unison.recipe.loader_plan`, :mod:`unison.recipe.step_plans`),
+never the config the plan was made from.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from unison.config import Config, ConfigError, to_plain
-from unison.config.watched import watched_of
+from unison.config import ConfigError
 from unison.distributed import prepare_loaders, prepare_model
 from unison.engine import Engine, Events, TrainStep, UpdateEvents, create_evaluator, create_trainer
 from unison.handlers import (
@@ -37,7 +37,6 @@ from unison.handlers import (
     TimeLimit,
     Watchdog,
 )
-from unison.recipe.accepted import ddp_options
 from unison.recipe.batch import batch_options
 from unison.recipe.early_stop import make_early_stopping
 from unison.recipe.ema import attach_ema, evaluated_model
@@ -45,12 +44,11 @@ from unison.recipe.eval_loaders import eval_loader
 from unison.recipe.history import RunHistory
 from unison.recipe.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
 from unison.recipe.parts import Datasets, RunParts, scalar_metrics
-from unison.recipe.planning import RunPlan, amp_dtype, compile_setting, fsdp_options
-from unison.recipe.resolve import Resolved, make_metrics
+from unison.recipe.planning import RunPlan
+from unison.recipe.resolve import make_metrics
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
 from unison.utils import get_logger, manual_seed
-from unison.utils.secrets import redact
 
 _log = get_logger("unison.recipe.run")  # the run's logger: its lines keep the name they had before the split
 
@@ -66,15 +64,14 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
     Returns:
         The parts, ready for :func:`~unison.recipe.runner.resume_run` and ``parts.trainer.run``.
     """
-    config, resolved = plan.config, plan.resolved
-    datasets = build_datasets(config, resolved)
-    train_loader, val_loader = build_loaders(config, datasets, resolved.batches.collate)
-    model = build_model(config, resolved)
+    datasets = build_datasets(plan)
+    train_loader, val_loader = build_loaders(plan, datasets)
+    model = build_model(plan)
     optimizer, scheduler = build_optimizer(plan, model, world_size)
-    trainer = build_trainer(config, resolved, model, optimizer)
+    trainer = build_trainer(plan, model, optimizer)
     attach_lr_warmup(plan.lr, optimizer, trainer)  # training.lr_scaling.warmup_steps
     ema = attach_ema(plan, model, trainer)  # training.ema; validation runs on evaluated_model
-    evaluator, _ = build_evaluator(config, resolved, evaluated_model(plan, model, ema))
+    evaluator, _ = build_evaluator(plan, evaluated_model(plan, model, ema))
     parts = RunParts(
         datasets,
         train_loader,
@@ -88,18 +85,18 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
         ema=ema,
     )
     attach_validation(plan, parts, run_dir)
-    attach_scheduler(parts, config.training.scheduler_every)
+    attach_scheduler(parts, plan.trainer.scheduler_every)
     attach_handlers(plan, parts, run_dir)
     return parts
 
 
-def build_datasets(config: Config, resolved: Resolved) -> Datasets:
+def build_datasets(plan: RunPlan) -> Datasets:
     """Data, first half: seeds every generator with ``training.seed`` and calls ``data.build``.
 
     Raises:
         TypeError: ``data.build`` returned something other than 2 or 3 datasets.
     """
-    seed = config.training.seed
+    seed, resolved = plan.seed, plan.resolved
     manual_seed(seed)
     built = resolved.data_build(seed=seed, **resolved.data_kwargs)
     if not isinstance(built, (tuple, list)) or len(built) not in (2, 3):
@@ -109,27 +106,22 @@ def build_datasets(config: Config, resolved: Resolved) -> Datasets:
     return Datasets(*built)
 
 
-def build_loaders(
-    config: Config, datasets: Datasets, collate: dict[str, Any] | None = None
-) -> tuple[DataLoader | None, DataLoader | None]:
-    """Data, second half: this rank's training and validation loaders.
+def build_loaders(plan: RunPlan, datasets: Datasets) -> tuple[DataLoader | None, DataLoader | None]:
+    """Data, second half: this rank's training and validation loaders, as ``plan.loaders`` says.
 
     The training loader takes the ``training`` section's loader keys (``batch_size``,
-    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``drop_last``); the validation
-    loader takes the ``validation`` section's, each defaulting to the training one
-    (:func:`unison.recipe.eval_loaders.eval_loader`). ``collate`` maps a section to its
-    ``collate_fn`` (``training.collate`` ...; :mod:`unison.recipe.batch`).
+    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``drop_last``, ``shuffle``,
+    ``collate``); the validation loader takes the ``validation`` section's, each defaulting to
+    the training one (:mod:`unison.recipe.loader_plan`), sharded without padding
+    (:func:`unison.recipe.eval_loaders.eval_loader`).
 
     Returns:
         ``(train_loader, val_loader)``, each None when its dataset is None.
 
     Distributed:
-        Call it on every rank with the same config: the samplers shard by rank.
+        Call it on every rank with the same plan: the samplers shard by rank.
     """
-    t = config.training
-    train_kwargs: dict[str, Any] = {"num_workers": t.num_workers, "pin_memory": t.pin_memory}
-    if t.prefetch_factor is not None:
-        train_kwargs["prefetch_factor"] = t.prefetch_factor
+    t = plan.loaders.training
     train_loader, _ = prepare_loaders(
         datasets.train,
         None,
@@ -137,28 +129,29 @@ def build_loaders(
         seed=t.seed,
         shuffle=t.shuffle,
         drop_last=t.drop_last,
-        collate_fn=(collate or {}).get("training"),
-        **train_kwargs,
+        collate_fn=t.collate_fn,
+        **t.worker_kwargs(),
     )
-    val_loader = eval_loader(config, "validation", datasets.val, (collate or {}).get("validation"))
+    val_loader = eval_loader(plan.loaders.validation, datasets.val)
     return train_loader, val_loader  # each with its own section's loader keys
 
 
-def build_model(config: Config, resolved: Resolved) -> nn.Module:
-    """Model: builds ``model.type(*model.args, **model.kwargs)``, moves it to this rank's device and wraps it.
+def build_model(plan: RunPlan) -> nn.Module:
+    """Model: builds ``model.type(*model.args, **model.kwargs)``, moves it to this rank's device and
+    wraps it as ``plan.model`` says.
 
     Distributed:
         Call it on every rank: wrapping in DDP or sharding broadcasts rank 0's parameters.
     """
-    p = config.parallel
+    resolved, m = plan.resolved, plan.model
     return prepare_model(
         resolved.model_type(*resolved.model_args, **resolved.model_kwargs),
-        strategy=p.strategy,
-        fsdp=fsdp_options(config),
-        compile=compile_setting(config),
-        sync_batchnorm=config.parallel.sync_batchnorm,
-        find_unused_parameters=config.parallel.find_unused_parameters,
-        **ddp_options(config),  # parallel.output_device, on GPUs
+        strategy=m.strategy,
+        fsdp=m.fsdp,
+        compile=m.compile,
+        sync_batchnorm=m.sync_batchnorm,
+        find_unused_parameters=m.find_unused_parameters,
+        **m.ddp_options(),  # parallel.output_device, on GPUs
     )
 
 
@@ -181,16 +174,14 @@ def build_optimizer(plan: RunPlan, model: nn.Module, world_size: int) -> tuple[t
     return optimizer, scheduler
 
 
-def build_trainer(
-    config: Config, resolved: Resolved, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> Engine:
+def build_trainer(plan: RunPlan, model: nn.Module, optimizer: torch.optim.Optimizer) -> Engine:
     """Trainer: the training engine, with the ``training`` section's amp, accumulation and clipping."""
-    t = config.training
+    t, resolved = plan.trainer, plan.resolved
     return create_trainer(
         model,
         optimizer,
         resolved.loss,
-        amp=amp_dtype(config),
+        amp=plan.amp,
         accumulation_steps=t.accumulation_steps,
         clip_grad_norm=t.clip_grad_norm,
         sync_every=t.sync_every,
@@ -198,7 +189,7 @@ def build_trainer(
     )
 
 
-def build_evaluator(config: Config, resolved: Resolved, model: nn.Module) -> tuple[Engine, str]:
+def build_evaluator(plan: RunPlan, model: nn.Module) -> tuple[Engine, str]:
     """Evaluator: the validation engine with fresh metrics, and the metric the run watches.
 
     Returns:
@@ -208,11 +199,11 @@ def build_evaluator(config: Config, resolved: Resolved, model: nn.Module) -> tup
     Raises:
         ConfigError: ``checkpoint.metric`` names no validation metric.
     """
-    metrics = make_metrics(resolved)
+    metrics = make_metrics(plan.resolved)
     evaluator = create_evaluator(
-        model, metrics, amp=amp_dtype(config), **batch_options(resolved.batches, "validation")
+        model, metrics, amp=plan.amp, **batch_options(plan.resolved.batches, "validation")
     )
-    watched = watched_of(config, list(metrics)).metric
+    watched = plan.watched.metric
     if watched not in metrics:
         raise ConfigError(
             f"no validation metric named {watched!r}; metrics: {sorted(metrics)}",
@@ -233,7 +224,7 @@ def attach_validation(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
     """
     evaluator, history = parts.evaluator, RunHistory(run_dir, parts.history)
     history.attach(parts.trainer)
-    every = plan.config.validation.every
+    every = plan.control.validate_every
 
     def validate(engine: Engine) -> None:
         if engine.state.epoch % every and engine.state.epoch != engine.state.max_epochs:
@@ -300,7 +291,7 @@ def attach_control(plan: RunPlan, parts: RunParts, run_dir: Path, to_save: dict[
 
     Early stopping, when ``early_stopping.patience`` is set, joins ``to_save``.
     """
-    t = plan.config.training
+    t = plan.control
     trainer, evaluator = parts.trainer, parts.evaluator
     stopper = make_early_stopping(plan.early_stopping, trainer)  # early_stopping.type, default EarlyStopping
     if stopper is not None:
@@ -324,14 +315,14 @@ def attach_checkpoint(
     Returns:
         The checkpoint handler, or None when ``checkpoint.enabled`` is false.
     """
-    config, ck = plan.config, plan.config.checkpoint
-    if not ck.enabled:
+    ck = plan.checkpoint
+    if ck is None:
         return None
     checkpoint = Checkpoint(
         run_dir / "checkpoints",
         to_save,
         parts.trainer,
-        every_epochs=config.training.checkpoint_at or ck.every_epochs,
+        every_epochs=ck.every_epochs,
         every_iters=ck.every_iters,
         keep_last=ck.keep_last,
         keep_best=ck.keep_best,
@@ -339,7 +330,7 @@ def attach_checkpoint(
         mode=plan.watched.mode,
         metric_engine=parts.evaluator,
         async_save=ck.async_save,
-        config=redact(to_plain(config)),  # a copy for reference: URL credentials masked
+        config=ck.record,  # a copy for reference: URL credentials masked
     )
     checkpoint.attach()
     if ck.preemption:
@@ -350,8 +341,8 @@ def attach_checkpoint(
 def attach_logging(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
     """TensorBoard event files in ``run_dir/tb`` (with the HParams session and profiler traces of
     :mod:`unison.recipe.tracking_tb`) and the progress bar, as ``logging`` asks."""
-    config = plan.config
-    if config.logging.tensorboard:
+    lg = plan.logging
+    if lg.tb_every is not None:
         try:
             from unison.handlers.tensorboard import TensorBoardLogger
         except ImportError as err:  # pragma: no cover - tensorboardX is a dependency
@@ -361,10 +352,10 @@ def attach_logging(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
                 run_dir / "tb",
                 trainer=parts.trainer,
                 evaluators={"val": parts.evaluator},
-                log_every=config.logging.log_every,
+                log_every=lg.tb_every,
             ).attach(parts.trainer)
     attach_hparams(plan, parts, run_dir)  # logging.tensorboard: the settings for the HParams view
     attach_profiler(plan, parts, run_dir)  # training.profile: a trace of a few iterations per rank
     attach_tracking(plan, parts, run_dir)  # logging.mlflow (unison.recipe.tracking)
-    if config.logging.progress:
+    if lg.progress:
         ProgressBar().attach(parts.trainer)

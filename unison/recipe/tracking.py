@@ -4,21 +4,19 @@ The store a run writes to is :mod:`unison.recipe.tracking_store`'s rule, compute
 the run's plan (``plan.tracking``); a sweep's parent run is in :mod:`unison.recipe.tracking_sweep`.
 
 - :func:`attach_tracking`, on every rank: an :class:`~unison.handlers.mlflow.MLflowLogger`
-  with the resolved config as parameters (:func:`params_of`) and the run's tags
+  with the resolved config as parameters (:func:`~unison.recipe.config_record.params_of`, in the
+  plan) and the run's tags
   (:func:`run_tags`); only rank 0 opens the store.
 - :func:`log_test_metrics`: the test phase's metrics, into the run training wrote.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from unison.config import Config, PyObjectRef
+from unison.config import Config
 from unison.distributed import get_rank, get_world_size
 from unison.handlers.mlflow import MLflowLogger
 from unison.handlers.mlflow_store import key as metric_key
@@ -26,6 +24,7 @@ from unison.handlers.mlflow_store import (
     make_client,
     recorded_run,
 )
+from unison.recipe.config_record import params_of as params_of
 from unison.recipe.parts import RunParts
 from unison.recipe.planning import RunPlan
 from unison.utils import get_logger
@@ -38,50 +37,29 @@ RUN_FILE = "mlflow-run.json"
 """In a run folder (and a sweep folder): the MLflow run it writes to, continued on resume."""
 
 
-def params_of(config: Config) -> dict[str, str]:
-    """The resolved config as MLflow parameters: dotted keys (``training.lr``), text values;
-    ``!pyobject`` references as their dotted path, null as ``null``, lists as JSON."""
-    out: dict[str, str] = {}
-
-    def text(value: Any) -> str:
-        if value is None or isinstance(value, bool):
-            return json.dumps(value)
-        if isinstance(value, PyObjectRef):
-            return value.path
-        if isinstance(value, (list, tuple, dict)):
-            return json.dumps(value, default=lambda v: v.path if isinstance(v, PyObjectRef) else str(v))
-        return str(value)
-
-    def walk(value: Any, key: str) -> None:
-        if dataclasses.is_dataclass(value) and not isinstance(value, (type, PyObjectRef)):
-            for f in dataclasses.fields(value):
-                walk(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
-        elif isinstance(value, dict) and value:
-            for name, item in value.items():
-                walk(item, f"{key}.{name}")
-        else:
-            out[key] = text(value)
-
-    walk(config, "")
-    return out
-
-
 def run_tags(config: Config, run_dir: Path | None = None) -> dict[str, str]:
     """World size, backend, strategy, versions, the config's file and the git commit of the
     working folder (MLflow's ``mlflow.source.git.commit``), when :func:`~unison.utils.git.git_commit`
     can read one safely."""
+    source = config.origin.file
+    return rank_tags(
+        str(getattr(config.parallel, "strategy", "ddp")), str(source) if source else None, run_dir
+    )
+
+
+def rank_tags(strategy: str, config_file: str | None, run_dir: Path | None = None) -> dict[str, str]:
+    """:func:`run_tags` of a config with ``parallel.strategy`` ``strategy``, read from ``config_file``."""
     dist = torch.distributed
     backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"
     tags = {
         "unison.world_size": str(get_world_size()),
         "unison.backend": backend,
-        "unison.strategy": str(getattr(config.parallel, "strategy", "ddp")),
+        "unison.strategy": strategy,
         "unison.version": __version__,
         "torch.version": torch.__version__,
     }
-    source = config.origin.file
-    if source:
-        tags["unison.config"] = str(source)
+    if config_file:
+        tags["unison.config"] = config_file
     if run_dir is not None:
         tags["unison.run_dir"] = str(Path(run_dir).resolve())
     commit = git_commit(Path.cwd())
@@ -111,7 +89,7 @@ def attach_tracking(plan: RunPlan, parts: RunParts, run_dir: Path) -> MLflowLogg
         Every rank builds and attaches it alike (it joins the trainer's sync point with
         ``every``); only rank 0 opens the store, at the trainer's ``STARTED``.
     """
-    config, m = plan.config, plan.config.logging.mlflow
+    m = plan.logging.mlflow
     if m is None or plan.tracking is None:
         return None
     uri, artifact_location = plan.tracking
@@ -119,10 +97,10 @@ def attach_tracking(plan: RunPlan, parts: RunParts, run_dir: Path) -> MLflowLogg
         uri,
         trainer=parts.trainer,
         evaluators={"val": parts.evaluator},
-        experiment=m.experiment or config.name,
+        experiment=m.experiment,
         run_name=m.run_name or run_dir.name,
-        params=params_of(config),
-        tags=run_tags(config, run_dir),
+        params=m.params,
+        tags=rank_tags(m.strategy, m.config_file, run_dir),
         parent_run_id=m.parent_run_id,
         every=m.every,
         artifact_location=artifact_location,

@@ -1,7 +1,7 @@
 """A run's TensorBoard extras: its settings for the HParams dashboard, and profiler traces.
 
 - :func:`attach_hparams`: with ``logging.tensorboard``, rank 0 writes the config's settings
-  (:func:`hparams_of`) as an HParams session into ``<run>/tb`` when the run ends
+  (:func:`~unison.recipe.config_record.hparams_of`, in the plan) as an HParams session into ``<run>/tb`` when the run ends
   (:class:`~unison.handlers.hparams.HParamsLogger`);
 - :func:`attach_profiler`: with ``training.profile``, every rank records a ``torch.profiler``
   trace of a few iterations into ``<run>/tb/plugins/profile/``
@@ -11,54 +11,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from unison.config import Config, ConfigError
-from unison.config.loader import PyObjectRef, load_yaml
-from unison.handlers.hparams import HParamsLogger, HParamValue
+from unison.config import ConfigError
+from unison.config.loader import load_yaml
+from unison.handlers.hparams import HParamsLogger
 from unison.handlers.profiler import Profiler
+from unison.recipe.config_record import LEFT_OUT as LEFT_OUT
+from unison.recipe.config_record import hparams_of as hparams_of
 from unison.recipe.parts import RunParts
 from unison.recipe.planning import RunPlan
-
-LEFT_OUT = ("tuning",)
-"""Sections not written as hparams: ``tuning`` describes a sweep, the same for all its trials."""
-
-
-def hparams_of(config: Config) -> dict[str, HParamValue]:
-    """The config's settings as flat ``section.key`` names: what the HParams dashboard shows.
-
-    Numbers, booleans and strings are kept; a ``!pyobject`` reference is its dotted path;
-    mappings (``optimizer_kwargs``, ``model.kwargs``, sections) are flattened into dotted
-    names; lists, empty mappings, ``None`` and the sections of :data:`LEFT_OUT` are left out.
-
-    Example:
-        >>> from unison.config import Config
-        >>> hp = hparams_of(Config())
-        >>> hp["training.lr_scaling"], hp["training.optimizer_type"], "training.lr" in hp
-        ('none', 'torch.optim.AdamW', False)
-    """
-    flat: dict[str, HParamValue] = {}
-
-    def walk(value: Any, name: str) -> None:
-        if isinstance(value, PyObjectRef):
-            flat[name] = value.path
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            for f in dataclasses.fields(value):
-                walk(getattr(value, f.name), f"{name}.{f.name}" if name else f.name)
-        elif isinstance(value, Mapping):
-            for key, item in value.items():
-                walk(item, f"{name}.{key}")
-        elif isinstance(value, (bool, int, float, str)):
-            flat[name] = value
-
-    for f in dataclasses.fields(config):
-        if f.name not in LEFT_OUT:
-            walk(getattr(config, f.name), f.name)
-    return flat
 
 
 def attach_hparams(plan: RunPlan, parts: RunParts, run_dir: Path) -> HParamsLogger | None:
@@ -70,9 +33,10 @@ def attach_hparams(plan: RunPlan, parts: RunParts, run_dir: Path) -> HParamsLogg
     Distributed:
         Every rank attaches it; rank 0 writes.
     """
-    if not plan.config.logging.tensorboard:
+    hparams = plan.logging.hparams
+    if hparams is None:
         return None
-    logger = HParamsLogger(run_dir / "tb", hparams_of(plan.config), trainer=parts.trainer)
+    logger = HParamsLogger(run_dir / "tb", hparams, trainer=parts.trainer)
     logger.attach()
     return logger
 
@@ -84,10 +48,10 @@ def attach_profiler(plan: RunPlan, parts: RunParts, run_dir: Path) -> Profiler |
     Distributed:
         Every rank attaches it and writes its own trace.
     """
-    window = plan.config.training.profile
+    window = plan.logging.profile
     if window is None:
         return None
-    profiler = Profiler(run_dir / "tb", **dataclasses.asdict(window))
+    profiler = Profiler(run_dir / "tb", **window)
     profiler.attach(parts.trainer)
     return profiler
 
