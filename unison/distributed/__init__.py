@@ -4,6 +4,7 @@ from unison.distributed.batches import count_items, move_to_device
 from unison.distributed.collate import collate
 from unison.distributed.env import default_backend, detect_launcher, find_free_port
 from unison.distributed.file_dataset import FileDataset
+from unison.distributed.iterable import ShardedStream, shard_stream
 from unison.distributed.launcher import DEFAULT_TIMEOUT, RankFailedError, launch
 from unison.distributed.loaders import prepare_loaders, split_dataset
 from unison.distributed.model import find_unused_from_env, model_device, prepare_model, unwrap_model
@@ -34,6 +35,7 @@ __all__ = [
     "EvalSampler",
     "FileDataset",
     "RankFailedError",
+    "ShardedStream",
     "SyncContributor",
     "SyncEngine",
     "SyncPoint",
@@ -62,6 +64,7 @@ __all__ = [
     "require_sync_point",
     "samplers_with_set_epoch",
     "set_sampler_epoch",
+    "shard_stream",
     "split_dataset",
     "split_rows",
     "sync_bool",

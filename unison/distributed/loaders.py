@@ -7,11 +7,12 @@ from collections.abc import Callable, Sequence, Sized
 from typing import Any, cast
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
 from unison.distributed.collate import collate
 from unison.distributed.primitives import get_rank
 from unison.distributed.samplers import EvalSampler, TrainSampler
+from unison.distributed.stream_loader import stream_loader
 
 
 def split_dataset(dataset: Dataset, fractions: Sequence[float], *, seed: int) -> list[Subset]:
@@ -62,7 +63,7 @@ def prepare_loaders(
     batch_size: int,
     val_batch_size: int | None = None,
     seed: int = 0,
-    shuffle: bool = True,
+    shuffle: bool | None = None,
     val_shuffle: bool = False,
     drop_last: bool = False,
     train_sampler: Sampler | None = None,
@@ -84,7 +85,8 @@ def prepare_loaders(
         batch_size: samples per rank per step.
         val_batch_size: per-rank evaluation batch size; default ``batch_size``.
         seed: the shuffle seed, the same on every rank.
-        shuffle: shuffle the training data each epoch.
+        shuffle: shuffle the training data each epoch; default True for a map-style dataset.
+            A stream (an ``IterableDataset``) is ordered by its source: leave it unset.
         val_shuffle: a new evaluation order at each pass, the same on every rank (sums unchanged).
         drop_last: drop the last, incomplete training batch (and the sampler's tail).
         train_sampler: a sampler of your own for the training data; it must shard by rank
@@ -97,6 +99,14 @@ def prepare_loaders(
             so a batch of graphs is one ``Batch`` with ``num_graphs`` items.
         **loader_kwargs: passed to both ``DataLoader`` constructors.
 
+    A training stream (an ``IterableDataset``) must give each rank its own share: a
+    :func:`~unison.distributed.shard_stream` wrapper, a Hugging Face dataset after
+    ``split_dataset_by_node``, a WebDataset with ``split_by_node``, a Mosaic
+    ``StreamingDataset``; any other is refused while several ranks run, and with
+    ``num_workers > 0`` unless it splits by worker too. Its loader is torchdata's
+    ``StatefulDataLoader`` when torchdata is installed (``unison[stream]``), so a mid-epoch
+    checkpoint can record its position; Mosaic's ``StreamingDataLoader`` for Mosaic's data.
+
     Returns:
         ``(train_loader, val_loader)``, each None when its dataset is None.
 
@@ -108,6 +118,32 @@ def prepare_loaders(
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"prepare_loaders({name}=...) must be a positive int (per rank), got {value!r}.")
+    if isinstance(train, IterableDataset):
+        stream = stream_loader(
+            train,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            train_sampler=train_sampler,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            collate_fn=collate_fn or collate,
+            **loader_kwargs,
+        )
+        _, val_loader = prepare_loaders(
+            None,
+            val,
+            batch_size=batch_size,
+            val_batch_size=val_batch_size,
+            seed=seed,
+            val_shuffle=val_shuffle,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            collate_fn=collate_fn,
+            **loader_kwargs,
+        )
+        return stream, val_loader
+    shuffle = True if shuffle is None else shuffle
     if train_sampler is not None and shuffle and not callable(getattr(train_sampler, "set_epoch", None)):
         raise TypeError(
             f"prepare_loaders(train_sampler=...): {type(train_sampler).__name__} has no set_epoch(epoch) "

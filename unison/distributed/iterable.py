@@ -1,0 +1,145 @@
+"""A stream split across ranks and DataLoader workers: each item read by one process only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from unison.distributed.primitives import get_rank, get_world_size
+
+
+class ShardedStream(IterableDataset):
+    """Yields this rank's and this worker's share of ``source``; see :func:`shard_stream`."""
+
+    def __init__(self, source: Iterable[Any], *, rank: int, world_size: int, equal_length: bool) -> None:
+        self.source = source
+        self.rank = rank
+        self.world_size = world_size
+        self.equal_length = equal_length
+        self.epoch = 0
+        self._consumed = 0  # source items read by this process in the current epoch
+        self._resume_from: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts epoch ``epoch``; passed on to the source when it has ``set_epoch``."""
+        self.epoch = epoch
+        set_source_epoch = getattr(self.source, "set_epoch", None)
+        if callable(set_source_epoch):
+            set_source_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        start = self._resume_from or 0
+        self._resume_from = None
+        self._consumed = start
+        # Item i of the source goes to rank i % W; the j-th item of a rank goes to worker
+        # j % K. Items are read in rounds of W: with equal_length, an incomplete last round
+        # is dropped, so every rank yields the same number of items whatever the length.
+        width = self.world_size
+        source = iter(self.source)
+        for _ in range(start):
+            if next(source, _END) is _END:
+                return
+        index = start
+        while True:
+            round_ = []
+            for item in source:
+                round_.append(item)
+                if len(round_) == width:
+                    break
+            if not round_ or (self.equal_length and len(round_) < width):
+                return
+            index += len(round_)
+            mine = (index - len(round_)) // width % workers == worker
+            if mine and self.rank < len(round_):
+                self._consumed = index
+                yield round_[self.rank]
+            elif len(round_) < width:
+                return
+
+    def state_dict(self) -> dict[str, int]:
+        """This process's position: the epoch and how many source items it has read up to its
+        last yielded item."""
+        return {"epoch": self.epoch, "consumed": self._consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resumes at ``state``: the next ``iter()`` skips the items read before it."""
+        if not isinstance(state, dict) or not {"epoch", "consumed"} <= state.keys():
+            raise ValueError(
+                f"ShardedStream.load_state_dict(state=...) needs a dict with 'epoch' and 'consumed', got {state!r}; "
+                "pass what ShardedStream.state_dict() returned."
+            )
+        self.set_epoch(int(state["epoch"]))
+        self._resume_from = int(state["consumed"])
+        self._consumed = self._resume_from
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedStream({type(self.source).__name__}, rank={self.rank}, world_size={self.world_size}, "
+            f"equal_length={self.equal_length})"
+        )
+
+
+_END = object()
+
+
+def shard_stream(
+    source: Iterable[Any],
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    equal_length: bool = True,
+) -> ShardedStream:
+    """Splits an iterable across ranks and DataLoader workers, so each item is trained on once.
+
+    Item ``i`` of ``source`` goes to rank ``i % world_size``; inside a DataLoader with
+    ``num_workers=K``, a rank's items are dealt to its workers in turn. Every process
+    iterates ``source`` from the start and skips the items of the others, so ``source``
+    must yield the whole stream in every process, in the same order (do not split it by
+    worker yourself).
+
+    ``equal_length=True`` (the default) reads the stream in rounds of ``world_size`` items
+    and drops an incomplete last round: at most ``world_size - 1`` items per epoch are not
+    seen, and every rank yields the same number of items, so no rank waits in a collective
+    (a gradient all-reduce) that another rank skipped. ``equal_length=False`` yields every
+    item, and ranks may then differ by one item: use it only where nothing collective
+    follows each batch (one rank, or an evaluation that gathers at the end).
+
+    ``state_dict()`` / ``load_state_dict()`` record each process's position (the epoch and
+    the number of source items read), which torchdata's ``StatefulDataLoader`` saves per
+    worker. A resume re-reads the source and skips those items: it is exact when the source
+    yields the same order again for the same epoch (a file list, a seeded shuffle that
+    follows ``set_epoch``). ``set_epoch(epoch)`` is passed on to the source.
+
+    Args:
+        source: any iterable, often an ``IterableDataset``.
+        rank: this rank; default the current rank (0 outside a process group).
+        world_size: the number of ranks; default the current world size.
+        equal_length: drop the stream's last incomplete round so all ranks yield as many items.
+
+    Example:
+        >>> list(shard_stream(range(7), rank=1, world_size=3))
+        [1, 4]
+        >>> list(shard_stream(range(7), rank=0, world_size=3, equal_length=False))
+        [0, 3, 6]
+
+    Distributed:
+        Build it on every rank, after the process group exists (the rank is read then).
+    """
+    if not isinstance(source, Iterable):
+        raise TypeError(
+            f"shard_stream(source=...) needs an iterable (an IterableDataset, a generator object), got "
+            f"{type(source).__name__}: {source!r}."
+        )
+    world = get_world_size() if world_size is None else world_size
+    here = get_rank() if rank is None else rank
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"shard_stream(world_size=...) must be a positive int, got {world!r}.")
+    if isinstance(here, bool) or not isinstance(here, int) or not 0 <= here < world:
+        raise ValueError(
+            f"shard_stream(rank=...) must be in [0, {world - 1}] for world_size={world}, got {here!r}."
+        )
+    return ShardedStream(source, rank=here, world_size=world, equal_length=bool(equal_length))

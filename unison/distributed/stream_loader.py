@@ -1,0 +1,69 @@
+"""The training loader of a stream (an ``IterableDataset``): checked for sharding, resumable where it can be."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from unison.distributed.primitives import get_world_size
+from unison.distributed.stream_sources import splits_by_worker, stream_sharding
+
+
+def _loader_class(dataset: Any) -> type[DataLoader]:
+    """Mosaic's loader for its datasets (it counts the samples its state needs); torchdata's
+    ``StatefulDataLoader`` when installed (it saves each worker's position); else torch's."""
+    if type(dataset).__module__.startswith("streaming."):
+        return importlib.import_module("streaming").StreamingDataLoader
+    try:
+        return importlib.import_module("torchdata.stateful_dataloader").StatefulDataLoader
+    except ImportError:
+        return DataLoader
+
+
+def stream_loader(
+    dataset: IterableDataset,
+    *,
+    batch_size: int,
+    shuffle: bool | None,
+    train_sampler: Any,
+    drop_last: bool,
+    num_workers: int,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """Builds the training loader of a stream; refuses one that every rank would read whole.
+
+    Raises:
+        ValueError: ``shuffle=True`` or a ``train_sampler`` (a stream is ordered by its source),
+            or a source that does not split by rank while several ranks run.
+    """
+    name = type(dataset).__name__
+    if shuffle:
+        raise ValueError(
+            f"prepare_loaders(shuffle=True) with a stream ({name}): a stream has no indices to shuffle. "
+            "Shuffle in the source (a seeded shuffle buffer that follows set_epoch) and leave shuffle unset."
+        )
+    if train_sampler is not None:
+        raise ValueError(
+            f"prepare_loaders(train_sampler={type(train_sampler).__name__}) with a stream ({name}): a stream "
+            "is read in its own order, no sampler applies. Leave train_sampler unset; shard the stream with "
+            "unison.distributed.shard_stream or the library's own split by rank."
+        )
+    world = get_world_size()
+    sharding = stream_sharding(dataset, world)
+    if not sharding.by_rank:
+        raise ValueError(
+            f"prepare_loaders(train=...) got a stream, {type(dataset).__module__}.{name}, that does not split "
+            f"by rank while {world} ranks run: {sharding.fix}."
+        )
+    if num_workers > 0 and not splits_by_worker(dataset):
+        raise ValueError(
+            f"prepare_loaders(num_workers={num_workers}) with a stream, {type(dataset).__module__}.{name}, that "
+            "nothing says splits by worker: each worker would yield the whole stream. Wrap it: "
+            "unison.distributed.shard_stream(dataset) (it splits by rank and by worker), or set "
+            "dataset.shards_itself = True if it yields only its process's share (by rank and by get_worker_info())."
+        )
+    return _loader_class(dataset)(
+        dataset, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers, **loader_kwargs
+    )

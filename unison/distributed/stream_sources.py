@@ -1,0 +1,133 @@
+"""What unison knows of streaming sources: whether one splits itself by rank, and where it stands.
+
+:func:`stream_sharding` answers whether an ``IterableDataset`` already gives each rank its
+own share (so :func:`~unison.distributed.prepare_loaders` may use it as is), or why not and
+what to do. The position of each source's loader is registered with the data-position
+contract (:func:`~unison.distributed.data_state.register_source`). The optional libraries
+(Hugging Face ``datasets``, ``webdataset``, Mosaic ``streaming``, torchdata) are never
+imported here: a dataset can only be one of theirs if its library is already loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from unison.distributed.data_state import DataPosition, register_source, type_name
+from unison.distributed.iterable import ShardedStream
+
+WRAP_FIX = "wrap it: unison.distributed.shard_stream(dataset)"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Whether a stream gives each rank its own share; ``fix`` says what to do when it does not."""
+
+    by_rank: bool
+    fix: str = ""
+
+
+def _module(name: str) -> Any:
+    return sys.modules.get(name)
+
+
+def _is_instance(obj: Any, module: str, attr: str) -> bool:
+    loaded = _module(module)
+    cls = getattr(loaded, attr, None) if loaded is not None else None
+    return isinstance(cls, type) and isinstance(obj, cls)
+
+
+def _webdataset_stages(dataset: Any) -> list[Any] | None:
+    if not _is_instance(dataset, "webdataset", "DataPipeline"):
+        return None
+    return list(getattr(dataset, "pipeline", []))
+
+
+def stream_sharding(dataset: Any, world_size: int) -> Sharding:
+    """Whether ``dataset`` (an ``IterableDataset``) yields only this rank's share at ``world_size`` ranks."""
+    if isinstance(dataset, ShardedStream) or getattr(dataset, "shards_itself", False) is True:
+        return Sharding(True)
+    if _is_instance(dataset, "streaming", "StreamingDataset"):
+        return Sharding(True)  # it partitions the samples by rank and by worker itself
+    if _is_instance(dataset, "datasets", "IterableDataset"):
+        split = getattr(dataset, "_distributed", None)
+        if split is not None and getattr(split, "world_size", None) == world_size:
+            return Sharding(True)
+        got = "not split" if split is None else f"split for world_size={split.world_size}"
+        return Sharding(
+            world_size == 1,
+            f"it is {got}: call datasets.distributed.split_dataset_by_node(dataset, rank=rank, "
+            f"world_size={world_size}) on every rank, or {WRAP_FIX}",
+        )
+    stages = _webdataset_stages(dataset)
+    if stages is not None:
+        lists = _module("webdataset.shardlists")
+        split_by_node = getattr(lists, "split_by_node", None)
+        if split_by_node is not None and any(stage is split_by_node for stage in stages):
+            return Sharding(True)
+        return Sharding(
+            world_size == 1,
+            "it has no node splitter (WebDataset's default, single_node_only, refuses more than one rank): "
+            "pass WebDataset(urls, nodesplitter=webdataset.split_by_node), or add webdataset.split_by_node "
+            "to the DataPipeline before its worker splitter",
+        )
+    return Sharding(
+        world_size == 1,
+        f"nothing says it splits by rank, so every rank would train on the same samples: {WRAP_FIX}, "
+        "or use the library's own split by rank",
+    )
+
+
+def splits_by_worker(dataset: Any) -> bool:
+    """Whether ``dataset`` gives each DataLoader worker its own share (the sources unison knows)."""
+    if isinstance(dataset, ShardedStream) or getattr(dataset, "shards_itself", False) is True:
+        return True
+    if _is_instance(dataset, "streaming", "StreamingDataset") or _is_instance(
+        dataset, "datasets", "IterableDataset"
+    ):
+        return True
+    lists = _module("webdataset.shardlists")
+    stages = _webdataset_stages(dataset)
+    return bool(stages) and any(stage is getattr(lists, "split_by_worker", None) for stage in stages or [])
+
+
+@register_source
+def stream_position(loader: Any) -> DataPosition | None:
+    """The position of a loader over Mosaic's or WebDataset's data; None for any other loader.
+
+    A :class:`~unison.distributed.iterable.ShardedStream` needs no entry of its own: it has
+    ``state_dict``/``load_state_dict``, which the built-in answers for torchdata's
+    ``StatefulDataLoader`` and for stateful datasets use.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if _is_instance(dataset, "streaming", "StreamingDataset"):
+        if not _is_instance(loader, "streaming", "StreamingDataLoader"):
+            return DataPosition(
+                source=type_name(dataset),
+                kind="none",
+                scope=None,
+                elastic=False,
+                fix="load it with streaming.StreamingDataLoader (prepare_loaders does), which counts the samples "
+                "yielded",
+            )
+        # One global sample position (the same on every rank): rank 0's state is the job's, and a
+        # run may resume at another world size (Mosaic reshuffles elastically).
+        return DataPosition(
+            source=type_name(dataset),
+            kind="stateful",
+            scope="global",
+            elastic=True,
+            save=loader.state_dict,
+            load=loader.load_state_dict,
+        )
+    if _webdataset_stages(dataset) is not None:
+        return DataPosition(
+            source=type_name(dataset),
+            kind="none",
+            scope=None,
+            elastic=False,
+            fix="save at epoch ends only, or use a source with state: unison.distributed.shard_stream over a "
+            "deterministic iterable, or Mosaic's streaming.StreamingDataset",
+        )
+    return None
