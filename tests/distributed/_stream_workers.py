@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,26 +56,43 @@ def unsharded_stream_refused(size: int) -> str:
     return ""
 
 
-def hf_stream_ids(size: int, num_shards: int, batch_size: int, num_workers: int, split: bool) -> list[int]:
-    """The ids this rank reads from a Hugging Face streaming dataset (split by node or not)."""
+def _refusal(build: Callable[[], object]) -> str:
+    try:
+        build()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def hf_stream_ids(size: int, num_shards: int, num_workers: int) -> dict:
+    """The ids this rank reads from a Hugging Face streaming dataset split by node, and the
+    error for the same dataset not split."""
     import datasets
     from datasets.distributed import split_dataset_by_node
 
     full = datasets.Dataset.from_dict({"id": list(range(size))}).to_iterable_dataset(num_shards=num_shards)
-    if split:
-        full = split_dataset_by_node(full, rank=get_rank(), world_size=get_world_size())
-    loader, _ = prepare_loaders(full, batch_size=batch_size, num_workers=num_workers)
-    return [int(i) for batch in loader for i in batch["id"]]
+    mine = split_dataset_by_node(full, rank=get_rank(), world_size=get_world_size())
+    context = {"multiprocessing_context": "fork"} if num_workers else {}
+    loader, _ = prepare_loaders(mine, batch_size=2, num_workers=num_workers, **context)
+    return {
+        "ids": [int(i) for batch in loader for i in batch["id"]],
+        "refused": _refusal(lambda: prepare_loaders(full, batch_size=2)),
+    }
 
 
-def webdataset_ids(shards: list[str], batch_size: int, num_workers: int, split: bool) -> list[int]:
-    """The ids this rank reads from a WebDataset over tar shards (with split_by_node or the default)."""
+def webdataset_ids(shards: list[str], num_workers: int) -> dict:
+    """The ids this rank reads from a WebDataset with split_by_node, and the error for one with
+    WebDataset's default node splitter."""
     import webdataset as wds
 
-    kwargs = {"nodesplitter": wds.split_by_node} if split else {}
-    ds = wds.WebDataset(shards, shardshuffle=False, empty_check=False, **kwargs).decode().to_tuple("id")
-    try:
-        loader, _ = prepare_loaders(ds, batch_size=batch_size, num_workers=num_workers)
-    except ValueError as error:
-        return [-1, len(str(error))] if "split_by_node" in str(error) else [-2]
-    return [int(i) for (batch,) in loader for i in batch]
+    def dataset(**kwargs: object) -> object:
+        return wds.WebDataset(shards, shardshuffle=False, empty_check=False, **kwargs).decode().to_tuple("txt")
+
+    context = {"multiprocessing_context": "fork"} if num_workers else {}
+    loader, _ = prepare_loaders(
+        dataset(nodesplitter=wds.split_by_node), batch_size=2, num_workers=num_workers, **context
+    )
+    return {
+        "ids": [int(i) for (batch,) in loader for i in batch],
+        "refused": _refusal(lambda: prepare_loaders(dataset(), batch_size=2)),
+    }

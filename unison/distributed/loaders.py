@@ -101,11 +101,10 @@ def prepare_loaders(
 
     A training stream (an ``IterableDataset``) must give each rank its own share: a
     :func:`~unison.distributed.shard_stream` wrapper, a Hugging Face dataset after
-    ``split_dataset_by_node``, a WebDataset with ``split_by_node``, a Mosaic
-    ``StreamingDataset``; any other is refused while several ranks run, and with
-    ``num_workers > 0`` unless it splits by worker too. Its loader is torchdata's
-    ``StatefulDataLoader`` when torchdata is installed (``unison[stream]``), so a mid-epoch
-    checkpoint can record its position; Mosaic's ``StreamingDataLoader`` for Mosaic's data.
+    ``split_dataset_by_node``, a WebDataset with ``split_by_node``; any other is refused
+    while several ranks run, and with ``num_workers > 0`` unless it splits by worker too.
+    Its loader is torchdata's ``StatefulDataLoader`` when torchdata is installed
+    (``unison[stream]``), so a mid-epoch checkpoint can record its position.
 
     Returns:
         ``(train_loader, val_loader)``, each None when its dataset is None.

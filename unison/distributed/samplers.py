@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import DistributedSampler, IterableDataset, Sampler
 
 from unison.distributed.primitives import get_rank, get_world_size
 from unison.distributed.sampler_order import advance_position, epoch_order, layout_order, remaining_positions
@@ -41,7 +41,8 @@ def samplers_with_set_epoch(data: Any) -> list[Any]:
 
 
 def set_sampler_epoch(data: Any, epoch: int) -> None:
-    """Calls ``set_epoch(epoch)`` on every sampler behind ``data`` (see :func:`samplers_with_set_epoch`).
+    """Calls ``set_epoch(epoch)`` on every sampler behind ``data`` (see :func:`samplers_with_set_epoch`),
+    and on its dataset when that is a stream (an ``IterableDataset``) with ``set_epoch``.
 
     unison's Engine does this at every epoch start, with the 0-based epoch; call it at
     ``EPOCH_STARTED`` in a loop of your own (or on ignite's Engine), or every epoch
@@ -57,6 +58,9 @@ def set_sampler_epoch(data: Any, epoch: int) -> None:
     """
     for sampler in samplers_with_set_epoch(data):
         sampler.set_epoch(epoch)
+    stream = getattr(data, "dataset", None)  # a stream orders itself (shard_stream, a shuffle buffer)
+    if isinstance(stream, IterableDataset) and callable(getattr(stream, "set_epoch", None)):
+        stream.set_epoch(epoch)
 
 
 class _Resume(NamedTuple):

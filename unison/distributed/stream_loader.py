@@ -11,11 +11,8 @@ from unison.distributed.primitives import get_world_size
 from unison.distributed.stream_sources import splits_by_worker, stream_sharding
 
 
-def _loader_class(dataset: Any) -> type[DataLoader]:
-    """Mosaic's loader for its datasets (it counts the samples its state needs); torchdata's
-    ``StatefulDataLoader`` when installed (it saves each worker's position); else torch's."""
-    if type(dataset).__module__.startswith("streaming."):
-        return importlib.import_module("streaming").StreamingDataLoader
+def _loader_class() -> type[DataLoader]:
+    """torchdata's ``StatefulDataLoader`` when installed (it saves each worker's position); else torch's."""
     try:
         return importlib.import_module("torchdata.stateful_dataloader").StatefulDataLoader
     except ImportError:
@@ -64,6 +61,6 @@ def stream_loader(
             "unison.distributed.shard_stream(dataset) (it splits by rank and by worker), or set "
             "dataset.shards_itself = True if it yields only its process's share (by rank and by get_worker_info())."
         )
-    return _loader_class(dataset)(
+    return _loader_class()(
         dataset, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers, **loader_kwargs
     )

@@ -4,7 +4,7 @@
 own share (so :func:`~unison.distributed.prepare_loaders` may use it as is), or why not and
 what to do. The position of each source's loader is registered with the data-position
 contract (:func:`~unison.distributed.data_state.register_source`). The optional libraries
-(Hugging Face ``datasets``, ``webdataset``, Mosaic ``streaming``, torchdata) are never
+(Hugging Face ``datasets``, ``webdataset``) are never
 imported here: a dataset can only be one of theirs if its library is already loaded.
 """
 
@@ -48,8 +48,6 @@ def stream_sharding(dataset: Any, world_size: int) -> Sharding:
     """Whether ``dataset`` (an ``IterableDataset``) yields only this rank's share at ``world_size`` ranks."""
     if isinstance(dataset, ShardedStream) or getattr(dataset, "shards_itself", False) is True:
         return Sharding(True)
-    if _is_instance(dataset, "streaming", "StreamingDataset"):
-        return Sharding(True)  # it partitions the samples by rank and by worker itself
     if _is_instance(dataset, "datasets", "IterableDataset"):
         split = getattr(dataset, "_distributed", None)
         if split is not None and getattr(split, "world_size", None) == world_size:
@@ -83,10 +81,8 @@ def splits_by_worker(dataset: Any) -> bool:
     """Whether ``dataset`` gives each DataLoader worker its own share (the sources unison knows)."""
     if isinstance(dataset, ShardedStream) or getattr(dataset, "shards_itself", False) is True:
         return True
-    if _is_instance(dataset, "streaming", "StreamingDataset") or _is_instance(
-        dataset, "datasets", "IterableDataset"
-    ):
-        return True
+    if _is_instance(dataset, "datasets", "IterableDataset"):
+        return True  # it deals its shards to the workers (a worker beyond the shard count gets none)
     lists = _module("webdataset.shardlists")
     stages = _webdataset_stages(dataset)
     return bool(stages) and any(stage is getattr(lists, "split_by_worker", None) for stage in stages or [])
@@ -94,33 +90,13 @@ def splits_by_worker(dataset: Any) -> bool:
 
 @register_source
 def stream_position(loader: Any) -> DataPosition | None:
-    """The position of a loader over Mosaic's or WebDataset's data; None for any other loader.
+    """The position of a loader over a WebDataset; None for any other loader.
 
     A :class:`~unison.distributed.iterable.ShardedStream` needs no entry of its own: it has
     ``state_dict``/``load_state_dict``, which the built-in answers for torchdata's
     ``StatefulDataLoader`` and for stateful datasets use.
     """
     dataset = getattr(loader, "dataset", None)
-    if _is_instance(dataset, "streaming", "StreamingDataset"):
-        if not _is_instance(loader, "streaming", "StreamingDataLoader"):
-            return DataPosition(
-                source=type_name(dataset),
-                kind="none",
-                scope=None,
-                elastic=False,
-                fix="load it with streaming.StreamingDataLoader (prepare_loaders does), which counts the samples "
-                "yielded",
-            )
-        # One global sample position (the same on every rank): rank 0's state is the job's, and a
-        # run may resume at another world size (Mosaic reshuffles elastically).
-        return DataPosition(
-            source=type_name(dataset),
-            kind="stateful",
-            scope="global",
-            elastic=True,
-            save=loader.state_dict,
-            load=loader.load_state_dict,
-        )
     if _webdataset_stages(dataset) is not None:
         return DataPosition(
             source=type_name(dataset),
@@ -128,6 +104,6 @@ def stream_position(loader: Any) -> DataPosition | None:
             scope=None,
             elastic=False,
             fix="save at epoch ends only, or use a source with state: unison.distributed.shard_stream over a "
-            "deterministic iterable, or Mosaic's streaming.StreamingDataset",
+            "deterministic iterable (its position is saved by torchdata's StatefulDataLoader)",
         )
     return None
