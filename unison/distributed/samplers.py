@@ -59,8 +59,9 @@ def set_sampler_epoch(data: Any, epoch: int) -> None:
     for sampler in samplers_with_set_epoch(data):
         sampler.set_epoch(epoch)
     stream = getattr(data, "dataset", None)  # a stream orders itself (shard_stream, a shuffle buffer)
-    if isinstance(stream, IterableDataset) and callable(getattr(stream, "set_epoch", None)):
-        stream.set_epoch(epoch)
+    set_stream_epoch = getattr(stream, "set_epoch", None) if isinstance(stream, IterableDataset) else None
+    if callable(set_stream_epoch):
+        set_stream_epoch(epoch)
 
 
 class _Resume(NamedTuple):
