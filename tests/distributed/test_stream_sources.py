@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import datasets
 import pytest
 import webdataset as wds
 from _stream_workers import IdStream, hf_stream_ids, webdataset_ids
+from datasets.distributed import split_dataset_by_node
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -75,6 +77,26 @@ def test_a_stateful_loader_resumes_the_stream_exactly(world_size, num_workers, s
         assert data_position(second).load is not None
         data_position(second).load(state)  # type: ignore[misc]
         assert head + [batch.tolist() for batch in second] == whole, f"rank {rank}"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_hugging_face_stream_split_by_node_resumes_exactly(num_workers):
+    def loader() -> StatefulDataLoader:
+        full = datasets.Dataset.from_dict({"id": list(range(24))}).to_iterable_dataset(num_shards=4)
+        built, _ = prepare_loaders(
+            split_dataset_by_node(full, rank=1, world_size=2), batch_size=2, num_workers=num_workers
+        )
+        return built
+
+    whole = [batch["id"].tolist() for batch in loader()]
+    first = loader()
+    it = iter(first)
+    head = [next(it)["id"].tolist() for _ in range(2)]
+    state = data_position(first).save()  # type: ignore[misc]
+    del it
+    second = loader()
+    data_position(second).load(state)  # type: ignore[misc]
+    assert head + [batch["id"].tolist() for batch in second] == whole
 
 
 def _write_shards(folder, shards: int, per_shard: int) -> list[str]:
