@@ -86,7 +86,9 @@ def webdataset_ids(shards: list[str], num_workers: int) -> dict:
     import webdataset as wds
 
     def dataset(**kwargs: object) -> object:
-        return wds.WebDataset(shards, shardshuffle=False, empty_check=False, **kwargs).decode().to_tuple("txt")
+        return (
+            wds.WebDataset(shards, shardshuffle=False, empty_check=False, **kwargs).decode().to_tuple("txt")
+        )
 
     context = {"multiprocessing_context": "fork"} if num_workers else {}
     loader, _ = prepare_loaders(
@@ -96,3 +98,35 @@ def webdataset_ids(shards: list[str], num_workers: int) -> dict:
         "ids": [int(i) for (batch,) in loader for i in batch],
         "refused": _refusal(lambda: prepare_loaders(dataset(), batch_size=2)),
     }
+
+
+def ddp_epochs_over_stream(size: int, num_workers: int, epochs: int) -> dict:
+    """Trains a DDP model with unison's Engine over ``shard_stream``: each step's backward is a
+    gradient all-reduce, so ranks that disagreed on an epoch's length would hang. Returns the
+    ids of each epoch and the final weight."""
+    from unison.distributed import prepare_model
+    from unison.engine import Engine, Events
+
+    torch.manual_seed(0)
+    model = prepare_model(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    context = {"multiprocessing_context": "fork"} if num_workers else {}
+    loader, _ = prepare_loaders(
+        shard_stream(IdStream(size)), batch_size=2, num_workers=num_workers, **context
+    )
+
+    def step(engine: Engine, batch: torch.Tensor) -> list[int]:
+        optimizer.zero_grad()
+        model(batch.float().unsqueeze(1)).sum().backward()
+        optimizer.step()
+        return batch.tolist()
+
+    engine = Engine(step)
+    seen: dict[int, list[int]] = {}
+
+    @engine.on(Events.ITERATION_COMPLETED)
+    def record(engine: Engine) -> None:
+        seen.setdefault(engine.state.epoch, []).extend(engine.state.output)
+
+    engine.run(loader, max_epochs=epochs)
+    return {"seen": seen, "weight": float(next(model.parameters()).detach().sum())}

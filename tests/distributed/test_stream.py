@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _stream_workers import IdStream, unsharded_stream_refused, wrapped_stream_ids
+from _stream_workers import IdStream, ddp_epochs_over_stream, unsharded_stream_refused, wrapped_stream_ids
 from torch.utils.data import DataLoader, SequentialSampler
 
 from unison.distributed import ShardedStream, prepare_loaders, shard_stream
@@ -167,3 +167,15 @@ def test_a_stream_that_does_not_split_by_rank_is_refused_before_training():
         assert "_stream_workers.IdStream" in message
         assert "while 2 ranks run" in message
         assert "unison.distributed.shard_stream(dataset)" in message
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ddp_training_over_a_stream_of_uneven_size_ends_every_epoch_on_every_rank():
+    size = 3 * 5 + 2  # 17 samples on 3 ranks: the last 2 are an incomplete round
+    results = run_distributed(ddp_epochs_over_stream, size, 2, 2, nproc=3, timeout=100)
+    for epoch in (1, 2):
+        seen = [i for result in results for i in result["seen"][epoch]]
+        assert sorted(seen) == list(range(15)), f"epoch {epoch}: {seen}"
+    assert len({result["weight"] for result in results}) == 1, "the ranks' models drifted apart"
