@@ -5,6 +5,7 @@ from unison.distributed.collate import collate
 from unison.distributed.env import default_backend, detect_launcher, find_free_port
 from unison.distributed.file_dataset import FileDataset
 from unison.distributed.iterable import ShardedStream, shard_stream
+from unison.distributed.job import job_id
 from unison.distributed.launcher import DEFAULT_TIMEOUT, RankFailedError, launch
 from unison.distributed.loaders import prepare_loaders, split_dataset
 from unison.distributed.model import find_unused_from_env, model_device, prepare_model, unwrap_model
@@ -54,6 +55,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "is_distributed",
+    "job_id",
     "launch",
     "model_device",
     "move_to_device",

@@ -46,6 +46,7 @@ from unison.recipe.finish import evaluate_test_set as evaluate_test_set
 from unison.recipe.finish import finish_run, skip_test_phase
 from unison.recipe.finish import write_predictions as write_predictions
 from unison.recipe.history import RunHistory
+from unison.recipe.job_run import job_previous_run, new_job_run, run_job
 from unison.recipe.parts import RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan, plan
 from unison.recipe.preflight import check_port, preflight
@@ -120,12 +121,14 @@ def _run_dir(plan: RunPlan, resume: str | None) -> tuple[Path, str | None]:
     choice: tuple[str, str | None] | None = None
     if get_rank() == 0:
         root = plan.run_root
-        found = previous_run(root, resume)
+        job = run_job(resume)  # under torchrun with an id: the job's own run, restarts resume it
+        found = previous_run(root, resume) if job is None else job_previous_run(root, job)
         if found is not None:
             choice = (str(found[0]), found[1])
         else:
-            run_dir = new_run_folder(root, time.strftime("%Y%m%d-%H%M%S"))  # made now: never shared
-            choice = (str(run_dir), None)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            run_dir = new_run_folder(root, stamp) if job is None else new_job_run(root, stamp, job)
+            choice = (str(run_dir), None)  # made now: never shared
             if resume == "auto":
                 _log.info(
                     "resume=auto: no earlier run of %r under %s; starting fresh.", plan.config.name, root
@@ -311,7 +314,8 @@ def run(
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
     planned = plan(config)  # every slot resolved, every derived value computed once
     preflight(planned)  # fail before spawning: kwargs, the model on meta, the device, the output folder
-    found = previous_run(planned.run_root, resume)
+    job = run_job(resume, explain=False)  # torchrun with an id: every rank checks the job's run
+    found = previous_run(planned.run_root, resume) if job is None else job_previous_run(planned.run_root, job)
     if found is not None:
         check_resume(config, found[0])  # a change no checkpoint can follow fails here, not in a rank
     launcher = detect_launcher()

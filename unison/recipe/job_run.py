@@ -1,0 +1,93 @@
+"""The run folder a job owns: made by its first attempt, found again by every restart.
+
+Under torchrun with a rendezvous id (:func:`unison.distributed.job.job_identity`), the run
+folder is ``<root>/<name>/<stamp>-job-<id>`` and holds ``job.json`` (the exact id and the
+launcher). A restarted worker group (the same id) finds that folder and resumes its newest
+complete checkpoint, with no ``--resume``; a job with another id never sees it and starts
+fresh. Nothing here is a collective: rank 0 reads and writes, and broadcasts its choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from unison.distributed.job import NO_JOB_ID, JobIdentity, job_identity
+from unison.recipe.run_folder import new_run_folder
+from unison.utils import get_logger
+
+_log = get_logger("unison.recipe.run")
+
+JOB_RECORD = "job.json"
+"""The file in a run folder that names the job owning it."""
+
+
+class JobRunError(RuntimeError):
+    """Two run folders claim the same job: which one a restart resumes would be a guess."""
+
+
+def run_job(
+    resume: str | None, environ: Mapping[str, str] | None = None, *, explain: bool = True
+) -> JobIdentity | None:
+    """The job whose run folder this run uses, or None: a ``resume`` given keeps its meaning.
+
+    ``explain``: log, at INFO, when torchrun runs with its default rendezvous id (shared by
+    every job), how to get a restarted group to resume its own run (rank 0 does, once).
+    """
+    if resume is not None:
+        return None
+    job = job_identity(environ)
+    if explain and job is None and _default_torchrun_id(environ):
+        _log.info(
+            "torchrun's rendezvous id is %r, which every job shares: a restarted worker group starts "
+            "a fresh run. Give torchrun --rdzv-id=<an id unique to this job> (under SLURM: "
+            "--rdzv-id=$SLURM_JOB_ID) and a restart resumes the job's own run, or pass --resume auto.",
+            NO_JOB_ID,
+        )
+    return job
+
+
+def _default_torchrun_id(environ: Mapping[str, str] | None) -> bool:
+    env = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in env and env["TORCHELASTIC_RUN_ID"].strip() in ("", NO_JOB_ID)
+
+
+def find_job_run(run_root: Path, job: JobIdentity) -> Path | None:
+    """The run folder under ``run_root`` that ``job`` made, or None when it made none yet.
+
+    Raises:
+        JobRunError: when two folders claim the job, naming both and the fix.
+    """
+    owned = sorted(d.parent for d in run_root.glob(f"*/{JOB_RECORD}") if _claimed_id(d) == job.job_id)
+    if len(owned) > 1:
+        shown = " and ".join(str(d) for d in owned)
+        raise JobRunError(
+            f"run folders {shown} both claim {job.launcher} job {job.job_id!r} ({JOB_RECORD}), so a restart "
+            "cannot tell which one to resume. Move the one that is not this job's out of "
+            f"{run_root}, or start this job with another --rdzv-id."
+        )
+    return owned[0] if owned else None
+
+
+def job_previous_run(run_root: Path, job: JobIdentity) -> tuple[Path, str] | None:
+    """What :func:`~unison.recipe.runner.previous_run` gives for a job: its run folder and
+    ``"auto"`` (its newest complete checkpoint), or None when the job has no run yet."""
+    owned = find_job_run(run_root, job)
+    return None if owned is None else (owned, "auto")
+
+
+def new_job_run(run_root: Path, stamp: str, job: JobIdentity) -> Path:
+    """Makes ``run_root/<stamp>-job-<id>`` and records ``job`` in it; returns the folder."""
+    folder = new_run_folder(run_root, f"{stamp}-{job.folder_name}")
+    (folder / JOB_RECORD).write_text(json.dumps(job.record(), indent=2) + "\n")
+    return folder
+
+
+def _claimed_id(record: Path) -> str | None:
+    try:
+        claimed = json.loads(record.read_text()).get("job_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return claimed if isinstance(claimed, str) else None
