@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from unison.cli.checks import Section, check_backends, check_gpus, check_threads, check_versions
+from unison.cli.elastic_checks import check_elastic
 from unison.cli.launch_checks import check_launcher, check_network, check_rendezvous
 from unison.cli.private_apis import check_private_apis
 
@@ -22,6 +23,7 @@ CHECKS: tuple[Callable[[Mapping[str, str]], Section], ...] = (
     check_gpus,
     check_backends,
     check_launcher,
+    check_elastic,
     check_private_apis,
 )
 """The checks that read only the environment, in report order; :func:`diagnose` adds the others."""
@@ -49,7 +51,8 @@ def run_doctor(
 
     Checks the versions of python, torch, ignite, unison and tensorboardX; CUDA and the
     visible GPUs; the gloo / NCCL / MPI backends; the launcher (torchrun, srun) and its
-    variables; the master address and whether the master port is free here; the
+    variables; the elastic settings a torchrun job recovers with (:mod:`unison.cli.elastic_checks`);
+    the master address and whether the master port is free here; the
     ``NCCL_*`` / ``GLOO_*`` variables; the CPU threads; and whether each private torch or
     ignite API unison relies on still behaves as relied on (:mod:`unison.cli.private_apis`).
 
