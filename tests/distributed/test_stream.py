@@ -19,7 +19,7 @@ def _read(stream: ShardedStream, num_workers: int, batch_size: int = 2) -> list[
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("size", [0, 1, 5, 12, 13])
+@pytest.mark.parametrize("size", [0, 1, 12, 13])
 def test_every_rank_and_worker_reads_its_own_share_and_ranks_agree_on_length(world_size, num_workers, size):
     per_rank = [
         _read(shard_stream(IdStream(size), rank=rank, world_size=world_size), num_workers)
