@@ -96,6 +96,11 @@ def test_a_non_iterable_source_is_refused():
         shard_stream(3)  # type: ignore[arg-type]
 
 
+def test_a_one_shot_iterator_is_refused():
+    with pytest.raises(TypeError, match=r"got an iterator \(generator\), which can be read only once"):
+        shard_stream(i for i in range(4))
+
+
 def test_load_state_dict_refuses_another_shape():
     with pytest.raises(ValueError, match="'epoch' and 'consumed'"):
         shard_stream(IdStream(4)).load_state_dict({"position": 3})

@@ -115,7 +115,7 @@ def shard_stream(
     follows ``set_epoch``). ``set_epoch(epoch)`` is passed on to the source.
 
     Args:
-        source: any iterable, often an ``IterableDataset``.
+        source: an iterable that can be read again from its start, often an ``IterableDataset``.
         rank: this rank; default the current rank (0 outside a process group).
         world_size: the number of ranks; default the current world size.
         equal_length: drop the stream's last incomplete round so all ranks yield as many items.
@@ -131,8 +131,14 @@ def shard_stream(
     """
     if not isinstance(source, Iterable):
         raise TypeError(
-            f"shard_stream(source=...) needs an iterable (an IterableDataset, a generator object), got "
+            f"shard_stream(source=...) needs an iterable (an IterableDataset, a list), got "
             f"{type(source).__name__}: {source!r}."
+        )
+    if isinstance(source, Iterator):
+        raise TypeError(
+            f"shard_stream(source=...) got an iterator ({type(source).__name__}), which can be read only once: "
+            "every epoch and every worker reads the source from its start. Pass what makes it (an "
+            "IterableDataset whose __iter__ opens the stream, a list), not the iterator itself."
         )
     world = get_world_size() if world_size is None else world_size
     here = get_rank() if rank is None else rank
