@@ -48,6 +48,25 @@ def test_the_engine_sets_each_epoch_on_the_stream_before_its_workers_start(num_w
     }
 
 
+def test_persistent_workers_are_refused_for_a_stream_with_epochs():
+    # They would keep the stream they started with: every epoch would read epoch 0's order.
+    with pytest.raises(
+        ValueError,
+        match=r"persistent_workers=True\) with a stream whose order follows set_epoch \(EpochStream\)",
+    ):
+        prepare_loaders(shard_stream(EpochStream(4)), batch_size=2, num_workers=2, persistent_workers=True)
+    loader, _ = prepare_loaders(
+        shard_stream(IdStream(4)), batch_size=2, num_workers=2, persistent_workers=True
+    )
+    assert loader is not None
+
+
+def test_a_stream_for_training_and_a_map_style_set_for_evaluation():
+    train, val = prepare_loaders(IdStream(4), list(range(5)), batch_size=2)
+    assert train is not None and val is not None
+    assert [int(i) for batch in val for i in batch] == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("world_size, num_workers, stop_after", [(1, 0, 1), (2, 2, 1), (3, 0, 4), (3, 2, 4)])
 def test_a_stateful_loader_resumes_the_stream_exactly(world_size, num_workers, stop_after):
     size = 37

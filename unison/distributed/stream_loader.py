@@ -7,6 +7,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from unison.distributed.iterable import ShardedStream
 from unison.distributed.primitives import get_world_size
 from unison.distributed.stream_sources import splits_by_worker, stream_sharding
 
@@ -60,6 +61,18 @@ def stream_loader(
             "nothing says splits by worker: each worker would yield the whole stream. Wrap it: "
             "unison.distributed.shard_stream(dataset) (it splits by rank and by worker), or set "
             "dataset.shards_itself = True if it yields only its process's share (by rank and by get_worker_info())."
+        )
+    # shard_stream's own set_epoch only passes the epoch on: what orders by epoch is its source.
+    ordered = dataset.source if isinstance(dataset, ShardedStream) else dataset
+    if (
+        num_workers > 0
+        and loader_kwargs.get("persistent_workers")
+        and callable(getattr(ordered, "set_epoch", None))
+    ):
+        raise ValueError(
+            f"prepare_loaders(persistent_workers=True) with a stream whose order follows set_epoch "
+            f"({type(ordered).__name__}): persistent workers keep the copy of the stream they started with, so "
+            "every epoch would repeat the first epoch's order. Leave persistent_workers unset for this stream."
         )
     return _loader_class()(
         dataset, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers, **loader_kwargs
