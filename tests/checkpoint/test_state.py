@@ -214,7 +214,7 @@ def test_a_built_checkpoint_holds_its_parts_and_loads_with_weights_only():
         objects=objects,
         config={"a": [1, 2]},
     )
-    assert list(state) == ["meta", "trainer", "sampler", "rng", "objects", "config"]
+    assert list(state) == ["meta", "trainer", "sampler", "data", "rng", "objects", "config"]
     loaded = _through_weights_only(state)
     assert loaded["meta"] == meta and loaded["sampler"] == sampler and loaded["config"] == {"a": [1, 2]}
     assert _same(loaded["objects"]["model"], model.state_dict())

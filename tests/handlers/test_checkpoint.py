@@ -776,7 +776,8 @@ def test_a_stateful_handler_attached_after_the_checkpoint_is_saved_after_it_ran(
     )
     checkpoint.attach()
     engine.add_event_handler(Events.ITERATION_COMPLETED, counter)  # attached after the Checkpoint
-    engine.run(range(10))
+    sampler = unison.distributed.TrainSampler(range(10), shuffle=False, rank=0, world_size=1)
+    engine.run(torch.utils.data.DataLoader(range(10), sampler=sampler))  # data whose position a save can tell
     for path in checkpoint.saved:
         saved = torch.load(path, weights_only=True)
         assert saved["objects"]["counter"]["count"] == saved["meta"]["iteration"], path.name

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from ignite.engine import Events
 
 from unison.checkpoint.state import Position, check_layout, data_length, refit_epoch_length
 from unison.distributed.samplers import TrainSampler, samplers_with_set_epoch
@@ -136,7 +137,7 @@ def sampler_state(
     counted = by_rank is not None and current.samples is not None and not fresh
     if isinstance(sampler, TrainSampler):
         state = sampler.state_dict(
-            consumed=0 if fresh else consumed,  # type: ignore[arg-type]  # known unless done, checked above
+            consumed=0 if fresh else consumed,
             consumed_by_rank=[int(c or 0) for c in by_rank] if counted and by_rank is not None else None,
             epoch=current.sampler_epoch,
         )
@@ -280,10 +281,10 @@ def place_engine(engine: Any, at: Position) -> None:
 class DataTracker:
     """Follows the training data's iterators through a run, for :func:`sampler_state`.
 
-    The Checkpoint handler calls :meth:`run_started` at ``STARTED``, :meth:`epoch_started`
-    at ``EPOCH_STARTED`` (after the engine's ``set_epoch``), :meth:`iterator_ended` at
-    ``DATALOADER_STOP_ITERATION`` and ``TERMINATE_SINGLE_EPOCH``, and :meth:`count` for
-    each batch when the batches' sizes vary.
+    The Checkpoint handler calls :meth:`attach` once, :meth:`run_started` at ``STARTED`` and
+    :meth:`epoch_started` at ``EPOCH_STARTED`` (after the engine's ``set_epoch``); the handlers
+    attached call :meth:`iterator_ended` at ``DATALOADER_STOP_ITERATION`` and
+    ``TERMINATE_SINGLE_EPOCH``, and :meth:`count` for each batch when the batches' sizes vary.
     """
 
     def __init__(self) -> None:
@@ -292,9 +293,34 @@ class DataTracker:
         self._pending: Mapping[str, Any] | None = None
         self._overridden = False
 
-    def run_started(self, data: Any, iteration: int, saved: Mapping[str, Any] | None) -> None:
-        """A run starts at ``iteration``; ``saved`` is the sampler state to resume at, if any."""
+    def attach(self, engine: Any) -> None:
+        """Follows the ends of ``engine``'s data iterators (an ignite Engine)."""
+        engine.add_event_handler(Events.DATALOADER_STOP_ITERATION, self._on_data_ran_out)
+        engine.add_event_handler(Events.TERMINATE_SINGLE_EPOCH, self._on_epoch_cut)
+
+    def _on_data_ran_out(self, engine: Any) -> None:  # a new iterator follows at once
+        state = engine.state
+        self.iterator_ended(state.dataloader, state.iteration, state.epoch, next_epoch_draws=False)
+
+    def _on_epoch_cut(self, engine: Any, iter_counter: int = 0) -> None:  # ignite passes iter_counter
+        state = engine.state
+        self.iterator_ended(state.dataloader, state.iteration, state.epoch, next_epoch_draws=True)
+
+    def _count_batch(self, engine: Any) -> None:
+        self.count(engine.state.batch)
+
+    def run_started(
+        self, data: Any, iteration: int, saved: Mapping[str, Any] | None, *, engine: Any = None
+    ) -> None:
+        """A run starts at ``iteration``; ``saved`` is the sampler state to resume at, if any.
+        With ``engine``, batches are counted on it when their sizes vary."""
         self.counting = resumable_sampler(data) is not None and fixed_batch_size(data) is None
+        if (
+            self.counting
+            and engine is not None
+            and not engine.has_event_handler(self._count_batch, Events.GET_BATCH_COMPLETED)
+        ):
+            engine.add_event_handler(Events.GET_BATCH_COMPLETED, self._count_batch)
         self.current = DataPass(start_iteration=iteration, samples=0 if self.counting else None)
         fresh = saved is None or saved.get("fresh", not int(saved.get("consumed", 0)))
         self._pending = None if fresh or resumable_sampler(data) is None else saved

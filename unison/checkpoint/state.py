@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from unison.checkpoint.data_entry import check_data_entry
 from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.retention import check_options as check_retention
 from unison.distributed.model import unwrap_model
@@ -111,7 +112,7 @@ def to_cpu_copy(obj: Any, reuse: Any = None) -> Any:
 FORMAT = 1
 """The layout version of a checkpoint's dict; a resume refuses any other."""
 
-RESERVED = frozenset({"meta", "trainer", "sampler", "rng", "config"})
+RESERVED = frozenset({"meta", "trainer", "sampler", "data", "rng", "config"})
 """Names a ``to_save`` mapping may not use."""
 
 
@@ -249,6 +250,7 @@ def build_checkpoint(
     trainer: Mapping[str, Any],
     sampler: Mapping[str, Any] | None,
     rng: Sequence[Mapping[str, Any]],
+    data: Mapping[str, Any] | None = None,
     objects: Mapping[str, Any],
     config: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
@@ -258,6 +260,7 @@ def build_checkpoint(
         meta: from :func:`checkpoint_meta`.
         trainer: the trainer's ``state_dict()``.
         sampler: from ``position.sampler_state``; None when the data's sampler cannot resume.
+        data: each rank's own data state (``data_entry.DataEntry.entry``); None for data without one.
         rng: every rank's :func:`capture_rng`, indexed by rank.
         objects: from :func:`object_states`.
         config: the run's configuration as plain data, or None.
@@ -266,6 +269,7 @@ def build_checkpoint(
         "meta": dict(meta),
         "trainer": dict(trainer),
         "sampler": None if sampler is None else dict(sampler),
+        "data": None if data is None else dict(data),
         "rng": list(rng),
         "objects": dict(objects),
         "config": None if config is None else dict(config),
@@ -297,7 +301,8 @@ def check_checkpoint(
     Raises:
         CheckpointError: for another format, a missing object, or another world size
             mid-epoch without the position of a TrainSampler over the saved world size
-            (the epoch's remaining samples cannot be resharded then).
+            (the epoch's remaining samples cannot be resharded then), or with each rank's own
+            data position (:func:`~unison.checkpoint.data_entry.check_data_entry`).
     """
     meta = state.get("meta", {})
     if meta.get("format") != FORMAT:
@@ -311,6 +316,8 @@ def check_checkpoint(
             f"Checkpoint {source} holds no state for {missing} (it has {sorted([*state['objects'], *sharded])}). "
             "Use the same to_save names as the run that wrote it."
         )
+    if meta["mid_epoch"]:  # each rank's own data position, when the data keeps one
+        check_data_entry(state.get("data"), source=source, world_size=world_size)
     if meta["world_size"] == world_size:
         return None
     sampler = state.get("sampler")

@@ -55,7 +55,7 @@ from unison.engine.position import (
     restore_partials,
     run_complete,
 )
-from unison.engine.saved import STATE_KEY, extra_state, load_extra_state, says_more
+from unison.engine.saved import STATE_KEY, extra_state, ignite_keys, load_extra_state, says_more
 from unison.engine.stopping import AgreedStops
 from unison.utils.logging import get_logger, ignite_logger
 
@@ -414,6 +414,6 @@ class Engine(AgreedStops):
                 f"Argument state_dict should be a dictionary, but given {type(state_dict)}: "
                 "Engine.load_state_dict needs what Engine.state_dict() returns."
             )
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
-        load_extra_state(self, state_dict.get(STATE_KEY))
+        super().load_state_dict(ignite_keys(state_dict))  # a stream's first epoch too (no length yet)
+        load_extra_state(self, state_dict.get(STATE_KEY), iteration=state_dict.get("iteration"))
         self._loaded = True

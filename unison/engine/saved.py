@@ -49,8 +49,31 @@ def says_more(extra: Mapping[str, Any], ignite_state: Mapping[str, Any]) -> bool
     return list(extra["position"]) != [iteration // length, iteration % length]
 
 
-def load_extra_state(engine: EngineParts, saved: Mapping[str, Any] | None) -> None:
-    """Restores the entry after ignite's keys were loaded; without one, no request is pending."""
+def ignite_keys(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """ignite's keys of a saved state, for ignite's ``load_state_dict``.
+
+    A state saved before the data's length was known (inside the first epoch over data without
+    a length, ``epoch_length`` None) cannot be loaded by ignite, which derives the epoch from
+    the length: with unison's ``position`` it loads at iteration 0, and :func:`load_extra_state`
+    puts the iteration and the position back. The loop learns the length when the data ends.
+    """
+    keys = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+    saved = state_dict.get(STATE_KEY)
+    if keys.get("epoch_length") is None and keys.get("iteration") and isinstance(saved, Mapping):
+        if "position" in saved:
+            keys["iteration"] = 0
+    return keys
+
+
+def load_extra_state(
+    engine: EngineParts, saved: Mapping[str, Any] | None, iteration: int | None = None
+) -> None:
+    """Restores the entry after ignite's keys were loaded; without one, no request is pending.
+
+    ``iteration``: the saved iteration, put back when ignite could not load it (no epoch length).
+    """
+    if saved is not None and iteration and engine.state.epoch_length is None:
+        engine.state.iteration = int(iteration)
     if saved is None:
         engine._control.clear()
         state = engine.state  # ignite's keys alone: its position, as its loop will take it up

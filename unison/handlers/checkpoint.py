@@ -11,6 +11,7 @@ from typing import Any, Literal
 from ignite.engine import Engine, Events
 
 from unison.checkpoint.attached import attached_states
+from unison.checkpoint.data_entry import DataEntry, mid_epoch_cause, refuse_data_objects
 from unison.checkpoint.io import load_checkpoint
 from unison.checkpoint.loading import load_states
 from unison.checkpoint.lock import hold_folder
@@ -121,6 +122,7 @@ class Checkpoint:
     ) -> None:
         check_options(every_epochs, every_iters, keep_last, keep_best, metric, mode)
         check_to_save(to_save)
+        refuse_data_objects(to_save)  # the trainer's data state is saved per rank, below
         self._agreed = require_sync_point(trainer, "Checkpoint(trainer=...)")
         self.folder = Path(dirname)
         self.to_save = dict(to_save)
@@ -149,6 +151,8 @@ class Checkpoint:
         self._pending_rng: Mapping[str, Any] | None = None
         self.data = DataTracker()
         """Where the training data's iterator stands (the sampler position of a save)."""
+        self.data_entry = DataEntry()
+        """Each rank's own data state, for data that keeps one (the checkpoint's ``data`` entry)."""
         self.lock = open_folder(self.manifest, require_empty=require_empty)  # held until the end of the run
 
     @property
@@ -168,8 +172,7 @@ class Checkpoint:
         k = step_attribute(trainer, "accumulation_steps", 1)
         trainer.add_event_handler(Events.STARTED, self._on_started)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
-        trainer.add_event_handler(Events.DATALOADER_STOP_ITERATION, self._on_data_ran_out)
-        trainer.add_event_handler(Events.TERMINATE_SINGLE_EPOCH, self._on_epoch_cut)
+        self.data.attach(trainer)  # follows the ends of the data iterators
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._restore_pending_rng)
         if self.every_epochs is not None:
             # After every handler of the epoch (an evaluation attached later included): the score
@@ -236,14 +239,15 @@ class Checkpoint:
         if hasattr(engine, "extra_state_dict"):  # all of it, even where ignite's keys imply it
             trainer["unison"] = engine.extra_state_dict()
         stop = trainer.get("unison", {}).get("stop")  # this rank's requests no sync point has settled
-        everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None), (partial, stop)))
+        data = self.data_entry.local()  # None but for data of kind "stateful"
+        everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None), (partial, stop), data))
         if everyone is None:
             return None
         if "unison" in trainer:
-            partials = summed_over_ranks([p for _, _, (p, _) in everyone])
+            partials = summed_over_ranks([p for _, _, (p, _), _ in everyone])
             if partials is not None:
                 trainer["unison"]["partials"] = partials
-            trainer["unison"]["stop_by_rank"] = [s for _, _, (_, s) in everyone]
+            trainer["unison"]["stop_by_rank"] = [s for _, _, (_, s), _ in everyone]
         batch_size, steps = trainer_layout(engine)
         meta = checkpoint_meta(
             trainer_position(engine),
@@ -254,14 +258,16 @@ class Checkpoint:
             metric=self.metric,
             saved_at=time.time(),
         )
-        by_rank = [consumed for _, consumed, _ in everyone]
+        by_rank = [consumed for _, consumed, _, _ in everyone]
+        sampled = self.data_entry.position is None or self.data_entry.position.kind == "sampler"
         if sharded:
             meta["sharded"] = list(sharded)
         return build_checkpoint(
             meta=meta,
             trainer=trainer,
-            sampler=sampler_state(engine.state.dataloader, pass_, iteration, by_rank),
-            rng=[rng for rng, _, _ in everyone],
+            sampler=sampler_state(engine.state.dataloader, pass_, iteration, by_rank) if sampled else None,
+            data=self.data_entry.entry([d for *_, d in everyone], get_world_size()),
+            rng=[rng for rng, *_ in everyone],
             objects=object_states(
                 {n: o for n, o in self._objects(engine).items() if n not in (sharded or ())}
             ),
@@ -374,16 +380,19 @@ class Checkpoint:
     def _on_started(self, engine: Engine) -> None:
         self.lock = hold_folder(self.folder) if self.lock.ended else self.lock  # again only after a release
         state, self._pending_resume = self._pending_resume, None
-        saved = rank_view(None if state is None else state.get("sampler"), get_rank())
+        cause = mid_epoch_cause(self, engine)  # what saves inside an epoch, if anything
+        position = self.data_entry.run_started(engine.state.dataloader, refuse_mid_epoch=cause)
+        sampled = state.get("sampler") if state is not None and position.kind == "sampler" else None
+        saved = rank_view(sampled, get_rank())
         if state is not None:  # the data decides the epoch length, not the checkpoint
             batch_size, steps = trainer_layout(engine)
             saved = fit_to_data(
                 engine, trainer_position(engine), state["meta"], saved, layout=(batch_size, steps)
             )
             self._last_saved_iteration = engine.state.iteration  # that position is on disk
-        self.data.run_started(engine.state.dataloader, engine.state.iteration, saved)
-        if self.data.counting and not engine.has_event_handler(self._count_batch, Events.GET_BATCH_COMPLETED):
-            engine.add_event_handler(Events.GET_BATCH_COMPLETED, self._count_batch)
+            if state["meta"]["mid_epoch"]:  # at an epoch boundary the data starts its next epoch afresh
+                self.data_entry.load(state.get("data"), get_rank(), mid_epoch=True, source=str(self.folder))
+        self.data.run_started(engine.state.dataloader, engine.state.iteration, saved, engine=engine)
         if state is not None and not state["meta"]["mid_epoch"]:
             # At an epoch boundary the next draw happens when the epoch's data iterator is
             # made, as in the uninterrupted run: put the generators back before that.
@@ -393,17 +402,6 @@ class Checkpoint:
         self.data.epoch_started(
             engine.state.dataloader, lambda saved: load_sampler(engine.state.dataloader, saved)
         )
-
-    def _on_data_ran_out(self, engine: Engine) -> None:  # a new iterator follows at once
-        state = engine.state
-        self.data.iterator_ended(state.dataloader, state.iteration, state.epoch, next_epoch_draws=False)
-
-    def _on_epoch_cut(self, engine: Engine, iter_counter: int = 0) -> None:  # ignite passes iter_counter
-        state = engine.state
-        self.data.iterator_ended(state.dataloader, state.iteration, state.epoch, next_epoch_draws=True)
-
-    def _count_batch(self, engine: Engine) -> None:
-        self.data.count(engine.state.batch)
 
     def _restore_pending_rng(self, _: Engine) -> None:
         # Mid-epoch: the uninterrupted run had already made its data iterator when it
