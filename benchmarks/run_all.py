@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 
 import _common as C  # noqa: E402
 
-SCRIPTS = ("overhead", "ddp", "fsdp", "metric_sync", "sync_point", "checkpoint_stall")
+SCRIPTS = ("overhead", "ddp", "fsdp", "metric_sync", "sync_point", "checkpoint_stall", "stream_loading")
 DEFAULT_OUT = HERE / "results" / "latest.json"
 
 

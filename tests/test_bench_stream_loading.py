@@ -1,0 +1,55 @@
+"""benchmarks/stream_loading.py runs, reads every sample of each source, and resumes mid-epoch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_stream_loading_benchmark_runs_and_resumes_each_saved_position(tmp_path):
+    out = tmp_path / "stream.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "stream_loading.py"),
+        "--samples",
+        "512",
+        "--repeats",
+        "1",
+    ]
+    result = subprocess.run(
+        [*cmd, "--workers", "0", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "stream_loading" and "load_average_1_5_15min" in report
+    rows = {r["source"]: r for r in report["results"]}
+    assert sorted(rows) == ["generator", "hf", "webdataset"]
+    for row in rows.values():
+        assert row["num_workers"] == 0 and row["samples"] == 512
+        assert all(v > 0 for v in row["samples_per_s"].values())
+        assert row["ratio_ci95"][0] <= row["ratio_to_raw"] <= row["ratio_ci95"][1]
+    # the script exits non-zero when a resumed loader's first batch is not the next one
+    for name in ("generator", "hf"):
+        state = rows[name]["data_state"]
+        assert state["kind"] == "stateful" and state["state_bytes"] > 0
+    assert rows["webdataset"]["data_state"]["kind"] == "none"
+    assert len(report["targets"]) == 3
+
+
+def test_stream_loading_refuses_too_few_samples_before_reading_anything():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "stream_loading.py"), "--samples", "100"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "--samples must be >= 512" in result.stderr and "got 100" in result.stderr
