@@ -61,10 +61,13 @@ class Checkpoint:
     **What**: each object of ``to_save`` (a model is saved unwrapped from DDP, without the
     ``module.`` prefix; anything else through its ``state_dict()``: optimizers, LR
     schedulers, a GradScaler, handlers such as EarlyStopping), the trainer's state, the
-    training sampler's position, the random generator states of every rank, the config,
-    the world size, the per-rank batch size and the library versions. Everything loads with
+    training data's position (its sampler's, or each rank's own data state: a loader or a
+    stream in ``to_save`` is refused), every rank's generator states, the config, the world
+    size, the per-rank batch size and the library versions. Everything loads with
     ``torch.load(weights_only=True)``: numpy scalars and paths become plain values, other
     values are refused at save time, naming their key. Non-finite weights are not saved.
+    Mid-epoch saves (``every_iters``, a Preemption) of data that cannot tell its position
+    are refused at ``STARTED``.
 
     **How**: rank 0 writes durably and records the file in ``manifest.json``
     (:class:`~unison.checkpoint.writer.CheckpointWriter`). Rotation keeps the newest
@@ -382,8 +385,7 @@ class Checkpoint:
         state, self._pending_resume = self._pending_resume, None
         cause = mid_epoch_cause(self, engine)  # what saves inside an epoch, if anything
         position = self.data_entry.run_started(engine.state.dataloader, refuse_mid_epoch=cause)
-        sampled = state.get("sampler") if state is not None and position.kind == "sampler" else None
-        saved = rank_view(sampled, get_rank())
+        saved = rank_view(state.get("sampler") if state and position.kind == "sampler" else None, get_rank())
         if state is not None:  # the data decides the epoch length, not the checkpoint
             batch_size, steps = trainer_layout(engine)
             saved = fit_to_data(
