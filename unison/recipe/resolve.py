@@ -75,30 +75,37 @@ def resolve(config: Config) -> Resolved:
     dead = unowned(config)  # scheduler_kwargs without scheduler_type: read by nothing
     if dead is not None:
         raise refs.error(*dead)
-    metrics = _metric_slots(config, refs)
+    found: dict[str, Any] = {}
+    for names, resolver in FAMILIES:
+        found.update(zip(names, resolver(config, refs, found), strict=True))
+    return Resolved(**found)
+
+
+def _watched(config: Config, refs: _References, found: dict[str, Any]) -> tuple[()]:
+    """The metric that checkpoints and early stopping watch is one the validation reports."""
+    metrics = found["metrics"]
     own_loss = "criterion" in config.validation.validator  # QuantumGrav's: the validation loss, always reported
     _check_watched_metrics(config, [*metrics, *(["loss"] if own_loss or not metrics else [])], refs)
-    optimizer_type, optimizer_kwargs, optimizer_args = _optimizer_slots(config, refs)
-    scheduler_type, scheduler_kwargs = _scheduler_slots(config, refs)
-    loss = _loss_slot(config, refs)
-    model_type, model_args, model_kwargs = _model_slots(config, refs)
-    data_build, data_kwargs = _data_slots(config, refs)
-    return Resolved(
-        optimizer_type=optimizer_type,
-        optimizer_kwargs=optimizer_kwargs,
-        optimizer_args=optimizer_args,
-        scheduler_type=scheduler_type,
-        scheduler_kwargs=scheduler_kwargs,
-        loss=loss,
-        model_type=model_type,
-        model_args=model_args,
-        model_kwargs=model_kwargs,
-        batches=batch_slots(config, refs, loss),
-        data_build=data_build,
-        data_kwargs=data_kwargs,
-        metrics=metrics,
-        after_training=_hook_slots(config, refs),
-    )
+    return ()
+
+
+Resolver = Callable[[Config, _References, dict[str, Any]], tuple[Any, ...]]
+"""One slot family: ``(config, refs, found)`` -> its values, in the order of its field names
+(``found``: what the families before it resolved, by :class:`Resolved` field)."""
+
+FAMILIES: tuple[tuple[tuple[str, ...], Resolver], ...] = (
+    (("metrics",), lambda c, r, found: (_metric_slots(c, r),)),
+    ((), _watched),
+    (("optimizer_type", "optimizer_kwargs", "optimizer_args"), lambda c, r, found: _optimizer_slots(c, r)),
+    (("scheduler_type", "scheduler_kwargs"), lambda c, r, found: _scheduler_slots(c, r)),
+    (("loss",), lambda c, r, found: (_loss_slot(c, r),)),
+    (("model_type", "model_args", "model_kwargs"), lambda c, r, found: _model_slots(c, r)),
+    (("data_build", "data_kwargs"), lambda c, r, found: _data_slots(c, r)),
+    (("batches",), lambda c, r, found: (batch_slots(c, r, found["loss"]),)),
+    (("after_training",), lambda c, r, found: (_hook_slots(c, r),)),
+)
+"""The slot families :func:`resolve` takes in this order, each with the :class:`Resolved` fields it
+fills: the first reference refused stops the pass, so the order decides which error a config meets."""
 
 
 def make_metrics(resolved: Resolved, section: str = "validation") -> dict[str, Any]:
