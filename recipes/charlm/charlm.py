@@ -11,9 +11,9 @@ import math
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
-from unison.distributed import rank_zero_only, unwrap_model
+from unison.distributed import rank_zero_only, shard_stream, unwrap_model
 from unison.utils import get_logger
 
 log = get_logger("charlm")
@@ -66,6 +66,32 @@ def build_datasets(
     ids = vocab.encode(text[:limit] if limit else text)
     cut = int(len(ids) * (1 - val_fraction))
     return Windows(ids[:cut], block), Windows(ids[cut:], block)
+
+
+class WindowStream(IterableDataset):
+    """The training windows as a stream: a generator over them, in a new seeded order each epoch."""
+
+    def __init__(self, windows: Windows, seed: int) -> None:
+        self.windows = windows
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):  # noqa: ANN204 - a generator of (input, target) windows
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        for i in torch.randperm(len(self.windows), generator=gen).tolist():
+            yield self.windows[i]
+
+
+def build_stream(
+    seed: int, block: int = 64, val_fraction: float = 0.1, limit: int | None = None
+) -> tuple[IterableDataset, Dataset]:
+    """build_datasets, with the training windows streamed: each rank reads its share
+    (shard_stream); validation stays map-style."""
+    train, val = build_datasets(seed, block, val_fraction, limit)
+    return shard_stream(WindowStream(train, seed)), val
 
 
 class CharTransformer(nn.Module):

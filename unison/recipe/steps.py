@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from unison.config import ConfigError
-from unison.distributed import prepare_loaders, prepare_model
+from unison.distributed import get_world_size, prepare_loaders, prepare_model
 from unison.engine import Engine, Events, TrainStep, UpdateEvents, create_evaluator, create_trainer
 from unison.handlers import (
     Checkpoint,
@@ -46,6 +46,7 @@ from unison.recipe.lr_scaling import attach_lr_warmup, scaled_optimizer_kwargs, 
 from unison.recipe.parts import Datasets, RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan
 from unison.recipe.resolve import make_metrics
+from unison.recipe.stream_data import check_mid_epoch_saves, check_stream_sharding, train_shuffle
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
 from unison.utils import get_logger, manual_seed
@@ -122,12 +123,13 @@ def build_loaders(plan: RunPlan, datasets: Datasets) -> tuple[DataLoader | None,
         Call it on every rank with the same plan: the samplers shard by rank.
     """
     t = plan.loaders.training
+    check_stream_sharding(plan, datasets.train, get_world_size())  # a stream: data.build's, named
     train_loader, _ = prepare_loaders(
         datasets.train,
         None,
         batch_size=t.batch_size,
         seed=t.seed,
-        shuffle=t.shuffle,
+        shuffle=train_shuffle(plan, datasets.train),  # a stream's source decides its order
         drop_last=t.drop_last,
         collate_fn=t.collate_fn,
         **t.worker_kwargs(),
@@ -318,6 +320,7 @@ def attach_checkpoint(
     ck = plan.checkpoint
     if ck is None:
         return None
+    check_mid_epoch_saves(plan, parts.train_loader)  # refused by config key, before the trainer starts
     checkpoint = Checkpoint(
         run_dir / "checkpoints",
         to_save,
