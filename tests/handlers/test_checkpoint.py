@@ -121,7 +121,7 @@ def test_a_two_rank_checkpoint_loads_with_weights_only_and_holds_an_exact_resume
     for path in Path(tmp_path).glob("*.pt"):
         torch.load(path, weights_only=True)  # every file the library wrote
     state = torch.load(r0["saved"][-1], weights_only=True)
-    assert sorted(state) == ["config", "meta", "objects", "rng", "sampler", "trainer"]
+    assert sorted(state) == ["config", "data", "meta", "objects", "rng", "sampler", "trainer"]
     objects = state["objects"]
     assert sorted(objects) == ["early_stopping", "model", "optimizer", "scaler", "scheduler"]
 

@@ -90,6 +90,7 @@ def test_without_a_job_id_each_start_is_a_fresh_run(tmp_path, worker, caplog, ru
     first, resume = _run_dir(_plan(tmp_path), None)
     _checkpointed(first)
     assert resume is None and not (first / JOB_RECORD).exists()
+    caplog.clear()  # what the first start told, where an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="unison"):
         second, resume = _run_dir(_plan(tmp_path), None)
     assert resume is None and second != first
