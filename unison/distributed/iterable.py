@@ -43,6 +43,11 @@ class ShardedStream(IterableDataset):
         for _ in range(start):
             if next(source, _END) is _END:
                 return
+        if width == 1 and workers == 1:  # one process reads it all: no rounds to deal
+            for item in source:
+                self._consumed += 1
+                yield item
+            return
         index = start
         while True:
             round_ = []
