@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from unison.distributed.activation_ckpt import ActivationCheckpointing, ac_spec, checkpoint_blocks
 from unison.distributed.compile import compile_model, compile_spec
 from unison.distributed.ddp_buckets import FixedBucketsDDP, layout_is_fixable
 from unison.distributed.fsdp import FSDPOptions, shard_model
@@ -70,6 +71,7 @@ def prepare_model(
     strategy: Strategy = "ddp",
     fsdp: FSDPOptions | Mapping[str, Any] | None = None,
     compile: bool | Mapping[str, Any] = False,
+    activation_checkpointing: ActivationCheckpointing = False,
     sync_batchnorm: bool = False,
     find_unused_parameters: bool | None = None,
     **ddp_kwargs: Any,
@@ -86,7 +88,12 @@ def prepare_model(
     recommends for DDP and FSDP2 (see :mod:`unison.distributed.compile`), in place: the
     returned module and its ``state_dict`` keys are the uncompiled ones.
 
-    The order is the one DDP needs: move first, convert BatchNorm layers next, wrap last.
+    ``activation_checkpointing`` makes the chosen blocks recompute their activations in the
+    backward pass (see :mod:`unison.distributed.activation_ckpt`), in place, before
+    wrapping: the blocks keep their classes and ``state_dict`` keys.
+
+    The order is the one DDP needs: move first, checkpoint the blocks and convert BatchNorm
+    layers next, wrap last.
     ``device_ids`` is ``[cuda index]`` on a GPU and None on the CPU. DDP broadcasts rank 0's
     parameters at wrapping, so every replica starts from the same weights.
 
@@ -115,6 +122,9 @@ def prepare_model(
             ``cpu_offload``); only with ``strategy="fsdp"``.
         compile: True, or a mapping of ``torch.compile`` options (``mode``,
             ``fullgraph``, ``dynamic``); False for none.
+        activation_checkpointing: False (none), ``"auto"`` (with ``strategy="fsdp"`` the
+            FSDP units, else the repeated blocks: classes with two or more instances holding
+            parameters; of these the ones made of layers) or a list of class names.
         **ddp_kwargs: other ``DistributedDataParallel`` arguments.
 
     Returns:
@@ -135,7 +145,8 @@ def prepare_model(
         raise ValueError("prepare_model(fsdp=...) was given with strategy='ddp'; pass strategy='fsdp' to shard.")
     fsdp_options = FSDPOptions.of(fsdp) if strategy == "fsdp" else None
     compile_options = compile_spec(compile)
-    wrapped = _wrap(model, device, fsdp_options, sync_batchnorm, find_unused_parameters, ddp_kwargs)
+    ac_rule = ac_spec(activation_checkpointing, "prepare_model(activation_checkpointing=...)")
+    wrapped = _wrap(model, device, fsdp_options, ac_rule, sync_batchnorm, find_unused_parameters, ddp_kwargs)
     return compile_model(wrapped, compile_options) if compile_options is not None else wrapped
 
 
@@ -143,6 +154,7 @@ def _wrap(
     model: nn.Module,
     device: torch.device | str | None,
     fsdp_options: FSDPOptions | None,
+    ac_rule: str | tuple[str, ...] | None,
     sync_batchnorm: bool,
     find_unused_parameters: bool | None,
     ddp_kwargs: dict[str, Any],
@@ -153,6 +165,8 @@ def _wrap(
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     model = model.to(target)
+    if ac_rule is not None:
+        checkpoint_blocks(model, ac_rule, fsdp_options)
     if not is_distributed():
         return model
     if fsdp_options is not None:
