@@ -7,19 +7,22 @@ Two ways to give the data, one per config:
 - ``data.build``: ``fn(seed, **data.kwargs) -> (train, val[, test])``, the user's own;
 - ``data.files`` and ``data.reader`` (QuantumGrav's keys): one
   :class:`~unison.distributed.FileDataset` over the files, split by ``data.split`` with
-  ``training.seed`` (:mod:`unison.recipe.file_data`).
+  ``training.seed`` (:mod:`unison.recipe.file_data`);
+- ``data.stream``: training data streamed from files or a Hugging Face dataset on disk
+  (:mod:`unison.config.stream_config`, :mod:`unison.recipe.stream_files`).
 
 :func:`check_data` checks the section's values; it runs inside
 :func:`~unison.config.validate`.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: the schema reads these fields' types with its own
+# names (schema._hints), which hold no StreamConfig, so they are objects here, not strings.
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from unison.config.loader import KeyPath, PyObjectRef, RawConfig
+from unison.config.stream_config import StreamConfig, check_stream
 
 
 def _key(default: Any, doc: str, slot: str | None = None) -> Any:
@@ -96,6 +99,9 @@ class DataConfig:
     safe_globals: list[PyObjectRef] = _key(
         [], "your own item classes, allowed when cached items are loaded (torch.load weights_only=True)"
     )
+    stream: StreamConfig | None = _key(
+        None, "training data streamed from files and a reader, or from a Hugging Face dataset (docs/data.md)"
+    )
 
 
 def uses_files(data: DataConfig) -> bool:
@@ -112,6 +118,11 @@ def check_data(data: DataConfig, raw: RawConfig) -> None:
     section: KeyPath = ("data",)
     defaults = DataConfig()  # a key written with its default value (a saved config) asks for nothing
     given = [k for k in FILE_KEYS if raw.origin.given("data", k) and getattr(data, k) != getattr(defaults, k)]
+    if data.stream is not None:
+        build = ["build"] if data.build is not None else []
+        kwargs = ["kwargs"] if raw.origin.given("data", "kwargs") and data.kwargs else []
+        check_stream(data.stream, raw, build + given + kwargs)
+        return
     if data.build is not None and given:
         raise raw.origin.error(
             section + (given[0],),

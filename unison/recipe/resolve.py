@@ -32,6 +32,7 @@ from unison.recipe.batch import BatchSlots, batch_slots, criterion_loss, with_lo
 from unison.recipe.dead_keys import unowned
 from unison.recipe.file_data import file_data_slots
 from unison.recipe.references import _References
+from unison.recipe.stream_files import stream_data_slots
 
 
 @dataclass
@@ -342,7 +343,10 @@ def _checked_factory(fn: Callable[..., Any], refs: _References) -> Callable[...,
 
 def _data_slots(config: Config, refs: _References) -> tuple[Callable[..., Any], dict[str, Any]]:
     """``data.build`` (a function of the user's returning the datasets) and ``data.kwargs``; with
-    ``data.files``, the file-backed dataset that takes its place (:mod:`unison.recipe.file_data`)."""
+    ``data.files``, the file-backed dataset that takes its place (:mod:`unison.recipe.file_data`); with
+    ``data.stream``, the stream's (:mod:`unison.recipe.stream_files`)."""
+    if config.data.stream is not None:
+        return stream_data_slots(config, refs), {}
     if uses_files(config.data):
         return file_data_slots(config, refs), {}
     build = refs.ref(config.data.build, "data", "data.build")

@@ -47,6 +47,7 @@ from unison.recipe.parts import Datasets, RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan
 from unison.recipe.resolve import make_metrics
 from unison.recipe.stream_data import check_mid_epoch_saves, check_stream_sharding, train_shuffle
+from unison.recipe.stream_workers import check_stream_workers
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
 from unison.utils import get_logger, manual_seed
@@ -124,6 +125,7 @@ def build_loaders(plan: RunPlan, datasets: Datasets) -> tuple[DataLoader | None,
     """
     t = plan.loaders.training
     check_stream_sharding(plan, datasets.train, get_world_size())  # a stream: data.build's, named
+    check_stream_workers(plan, datasets.train)  # training.num_workers, named
     train_loader, _ = prepare_loaders(
         datasets.train,
         None,
