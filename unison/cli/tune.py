@@ -58,6 +58,7 @@ from unison.recipe.planning import plan as plan_run
 from unison.recipe.preflight import check_port, preflight
 from unison.recipe.runner import launch_config
 from unison.recipe.tracking_sweep import SweepRun, sweep_tracking, trial_overrides
+from unison.recipe.tracking_wandb import wandb_trial_overrides
 from unison.recipe.tune_space import (
     SweepPlan,
     as_overrides,
@@ -205,6 +206,7 @@ def run_trial(
             "training.path=null",
             *TRIAL_QUIET,
             *trial_overrides(tracking, trial.number),
+            *wandb_trial_overrides(plan.config, plan.study_name, trial.number),  # logging.wandb: grouped
         ]
         config = load_config(plan.path, [*plan.overrides, *sets, *layout])
         preflight(plan_run(config))

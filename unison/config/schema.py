@@ -16,10 +16,12 @@ from typing import Any, Literal, Union
 
 from unison.config.data_config import DataConfig
 from unison.config.loader import KeyPath, PyObjectRef
-from unison.config.mlflow_config import MLflowConfig
+from unison.config.logging_config import LoggingConfig
+from unison.config.mlflow_config import MLflowConfig  # noqa: F401 (logging.mlflow's type)
 from unison.config.model_config import ModelConfig
 from unison.config.origin import NO_ORIGIN, Origin
 from unison.config.profiling import ProfileConfig
+from unison.config.wandb_config import WandbConfig  # noqa: F401 (logging.wandb's type)
 
 
 def option(
@@ -294,15 +296,6 @@ class EarlyStoppingConfig:
         {}, "keyword arguments: this section's keys (patience, mode, min_delta or delta ...) set them; the "
         "others go to a handler class of your own",
     )
-
-
-@dataclass
-class LoggingConfig:
-    root: str = option("runs", "runs go to <root>/<name>/<timestamp>/")
-    tensorboard: bool = option(True, "write TensorBoard event files to <run>/tb")
-    progress: bool = option(True, "a progress bar on rank 0")
-    log_every: int = option(50, "iterations between learning-rate points in TensorBoard")
-    mlflow: MLflowConfig | None = option(None, "track the run in MLflow from rank 0 (docs/tracking.md); null: off")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from unison.recipe.planning import RunPlan
 from unison.recipe.references import _References
 from unison.recipe.resolve import Resolved
 from unison.recipe.tracking_store import check_mlflow
+from unison.recipe.tracking_wandb import check_wandb
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.preflight")
@@ -47,6 +48,7 @@ def preflight(plan: RunPlan) -> None:
     _check_output_root(plan, refs)
     _check_find_unused(config, refs)
     check_mlflow(config)  # logging.mlflow: installed, names given, every at sync points (the store: planned)
+    check_wandb(config)  # logging.wandb: installed, names given, every at sync points
     model = _meta_model(resolved, refs)
     if model is not None:
         _meta_optimizer(plan, model, refs)

@@ -8,7 +8,7 @@ never the config:
 - :class:`TrainerPlan`: how the trainer steps and how long it runs (``training``);
 - :class:`ControlPlan`: the guards that stop or watch a run, and the average of the weights;
 - :class:`CheckpointPlan`: the checkpoint handler and preemption (``checkpoint``);
-- :class:`LoggingPlan`: TensorBoard, HParams, the profiler, the progress bar, MLflow (``logging``);
+- :class:`LoggingPlan`: TensorBoard, HParams, the profiler, the progress bar, MLflow, W&B (``logging``);
 - :class:`FinishPlan`: what the run does after training (``testing``, ``predict``).
 """
 
@@ -24,6 +24,7 @@ from unison.config import Config
 from unison.distributed import device as rank_device
 from unison.handlers.hparams import HParamValue
 from unison.recipe.config_record import config_record, hparams_of, params_of
+from unison.recipe.wandb_plan import WandbPlan, wandb_plan
 
 
 @dataclass(frozen=True)
@@ -126,13 +127,14 @@ class MLflowPlan:
 @dataclass(frozen=True)
 class LoggingPlan:
     """TensorBoard (``tb_every``: the period of its learning-rate points; None when off) with its
-    HParams session, the profiler window (``training.profile``), the progress bar and MLflow."""
+    HParams session, the profiler window (``training.profile``), the progress bar, MLflow and W&B."""
 
     tb_every: int | None
     hparams: dict[str, HParamValue] | None
     profile: dict[str, Any] | None
     progress: bool
     mlflow: MLflowPlan | None
+    wandb: WandbPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,7 @@ def logging_plan(config: Config) -> LoggingPlan:
         profile=None if window is None else dataclasses.asdict(window),
         progress=lg.progress,
         mlflow=mlflow,
+        wandb=wandb_plan(config),
     )
 
 

@@ -50,6 +50,7 @@ from unison.recipe.stream_data import check_mid_epoch_saves, check_stream_shardi
 from unison.recipe.stream_workers import check_stream_workers
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
+from unison.recipe.tracking_wandb import attach_wandb
 from unison.utils import get_logger, manual_seed
 
 _log = get_logger("unison.recipe.run")  # the run's logger: its lines keep the name they had before the split
@@ -362,5 +363,6 @@ def attach_logging(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
     attach_hparams(plan, parts, run_dir)  # logging.tensorboard: the settings for the HParams view
     attach_profiler(plan, parts, run_dir)  # training.profile: a trace of a few iterations per rank
     attach_tracking(plan, parts, run_dir)  # logging.mlflow (unison.recipe.tracking)
+    attach_wandb(plan, parts, run_dir)  # logging.wandb (unison.recipe.tracking_wandb)
     if lg.progress:
         ProgressBar().attach(parts.trainer)

@@ -1,0 +1,135 @@
+"""What :class:`~unison.handlers.wandb.WandbLogger` does with a W&B run, on rank 0 only.
+
+:class:`RunWriter`, the thread that writes to the run (so training never waits on W&B), and
+the run's record in the run folder (:func:`read_record`, :func:`write_record`), which a
+resumed run reads to continue the same W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from unison.utils import get_logger
+
+_log = get_logger("unison.handlers.wandb")
+
+Checkpoint = tuple[Path, Mapping[str, Any]]
+"""A checkpoint's file (or sharded folder) and what its manifest entry says of it."""
+
+
+def read_record(run_file: Path) -> dict[str, Any]:
+    """The record :func:`write_record` left in ``run_file``; empty when there is none or it
+    cannot be read."""
+    try:
+        record = json.loads(run_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) and isinstance(record.get("id"), str) else {}
+
+
+def write_record(run_file: Path, record: Mapping[str, Any]) -> None:
+    """Writes ``record`` (the run's id, project, entity and last step logged) to ``run_file``
+    atomically."""
+    run_file.parent.mkdir(parents=True, exist_ok=True)
+    temp = run_file.with_name(run_file.name + ".tmp")
+    temp.write_text(json.dumps(dict(record), sort_keys=True) + "\n")
+    os.replace(temp, run_file)
+
+
+class RunWriter:
+    """Rank 0's writes to one W&B run, made in order by a thread of their own.
+
+    The training thread hands over batches of points (:meth:`points`) and the run's end
+    (:meth:`finish`, which waits for everything handed over). ``wandb.log`` hands each row to
+    W&B's own service process and can block when that process is busy: here it blocks this
+    thread, never training. A step at or below the last one the run holds (a resumed run
+    replaying what the run before it logged past its checkpoint) is skipped: W&B keeps one row
+    per step, in increasing order. After each batch the last step is recorded in ``record``'s
+    file, for the next resume.
+
+    Args:
+        run: the open ``wandb`` run; only this writer's thread uses it from now on.
+        last_step: the last step the run holds (-1 for a new run).
+        run_file: where the run's record is kept (None: nowhere).
+        record: the record, updated with ``last_step`` after each batch.
+    """
+
+    def __init__(
+        self, run: Any, last_step: int, run_file: Path | None = None, record: Mapping[str, Any] | None = None
+    ) -> None:
+        self.run = run
+        self.last_step = last_step
+        self.run_file = run_file
+        self.record = dict(record or {})
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._warned = False
+        self._thread = threading.Thread(target=self._work, name="unison-wandb", daemon=True)
+        self._thread.start()
+
+    def points(self, points: Mapping[int, Mapping[str, float]]) -> None:
+        """Queues ``{step: {name: value}}`` for the run; returns at once."""
+        self._queue.put(("points", points))
+
+    def finish(self, status: str, checkpoint: Checkpoint | None = None, timeout: float = 600.0) -> bool:
+        """Queues the checkpoint's record and the run's end with ``status``, then waits up to
+        ``timeout`` seconds for all queued writes.
+
+        Returns:
+            Whether everything was done in time (else a warning says what is left).
+        """
+        self._queue.put(("end", (status, checkpoint)))
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            _log.warning("W&B: run %s: writes still pending after %g s; leaving them", self.run.id, timeout)
+            return False
+        return True
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            kind, payload = item
+            try:
+                if kind == "points":
+                    self._write(payload)
+                else:
+                    self._end(*payload)
+            except Exception as err:  # W&B refused: training goes on, the warning says so once
+                if not self._warned:
+                    _log.warning(
+                        "W&B: run %s: %s not written: %s: %s", self.run.id, kind, type(err).__name__, err
+                    )
+                self._warned = True
+
+    def _write(self, points: Mapping[int, Mapping[str, float]]) -> None:
+        logged = False
+        for step in sorted(points):
+            if step > self.last_step:
+                self.run.log(dict(points[step]), step=step)
+                self.last_step, logged = step, True
+        if logged and self.run_file is not None:
+            write_record(self.run_file, {**self.record, "last_step": self.last_step})
+
+    def _end(self, status: str, checkpoint: Checkpoint | None) -> None:
+        if checkpoint is not None:
+            self._log_checkpoint(*checkpoint)
+        if status == "KILLED":
+            self.run.mark_preempting()  # stopped to be resumed: W&B shows it preempted
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+    def _log_checkpoint(self, path: Path, entry: Mapping[str, Any]) -> None:
+        """The checkpoint as a reference artifact (its path and entry, no copy of its bytes) and
+        in the run's summary."""
+        import wandb
+
+        self.run.summary.update(
+            {"checkpoint/path": str(path), **{f"checkpoint/{k}": v for k, v in entry.items()}}
+        )
+        artifact = wandb.Artifact(f"checkpoint-{self.run.id}", type="model", metadata=dict(entry))
+        artifact.add_reference(path.resolve().as_uri(), name=path.name, checksum=False)
+        self.run.log_artifact(artifact, aliases=["latest", f"iteration-{entry.get('iteration', 0)}"])

@@ -1,0 +1,126 @@
+"""``logging.wandb`` in a run and a sweep: the check before spawning, the logger, the trials' keys.
+
+- :func:`check_wandb`, in the launching process before any rank starts: W&B is installed,
+  the names given are not empty, ``every`` has sync points to use;
+- :func:`attach_wandb`, on every rank: a :class:`~unison.handlers.wandb.WandbLogger` with the
+  plan's settings (:mod:`unison.recipe.wandb_plan`), writing under ``<run>/wandb`` and
+  recording its run in ``<run>/wandb-run.json`` (continued by ``--resume``); only rank 0 opens
+  a W&B run;
+- :func:`wandb_trial_overrides`: a sweep's trials in the sweep's project, grouped under it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+from unison.config import Config, ConfigError
+from unison.handlers.wandb import WandbLogger
+from unison.handlers.wandb_writer import Checkpoint
+from unison.recipe.parts import RunParts
+from unison.recipe.planning import RunPlan
+from unison.recipe.references import _References
+
+EXTRA = "pip install 'unison[wandb]'"
+RUN_FILE = "wandb-run.json"
+"""In a run folder: the W&B run it writes to (id, project, entity, last step), continued on resume."""
+
+
+def _error(config: Config, key: str, message: str) -> ConfigError:
+    return _References.of(config).error(key, message)
+
+
+def check_wandb(config: Config) -> None:
+    """With ``logging.wandb`` set: W&B is installed, the names given are not empty, and ``every``
+    has sync points to read the loss at.
+
+    Raises:
+        ConfigError: naming the key (file and line), the value and the fix.
+    """
+    w = config.logging.wandb
+    if w is None:
+        return
+    try:
+        found = importlib.util.find_spec("wandb") is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        found = False
+    if not found:
+        raise _error(
+            config,
+            "logging.wandb",
+            f"logging.wandb is set, but Weights & Biases is not installed here: {EXTRA}, or remove logging.wandb",
+        )
+    for key in ("project", "entity", "name", "group"):
+        if getattr(w, key) is not None and not str(getattr(w, key)).strip():
+            raise _error(
+                config, f"logging.wandb.{key}", f"{key} is empty; give a name or null for the default"
+            )
+    for n, tag in enumerate(w.tags):
+        if not isinstance(tag, str) or not tag.strip():
+            raise _error(config, f"logging.wandb.tags.{n}", f"tag {tag!r} must be a non-empty string")
+    if w.every is not None and (w.every < 1 or config.training.sync_every is None):
+        raise _error(
+            config,
+            "logging.wandb.every",
+            f"every: {w.every} must be a positive number of iterations, read at the trainer's sync points "
+            f"(training.sync_every: {config.training.sync_every}); set training.sync_every, or every: null "
+            "for epoch ends only",
+        )
+
+
+def newest_checkpoint(parts: RunParts) -> Checkpoint | None:
+    """The newest checkpoint of the run (a file, or a sharded checkpoint's folder) and its
+    manifest entry; None when there is none."""
+    checkpoint = parts.checkpoint
+    newest = [] if checkpoint is None else checkpoint.manifest.newest()
+    if checkpoint is None or not newest:
+        return None
+    entry = newest[0]
+    fields = {k: v for k, v in dataclasses.asdict(entry).items() if isinstance(v, (int, float, str))}
+    return checkpoint.folder / entry.file, fields
+
+
+def attach_wandb(plan: RunPlan, parts: RunParts, run_dir: Path) -> WandbLogger | None:
+    """``logging.wandb``: builds and attaches the W&B logger; None when it is off.
+
+    Distributed:
+        Every rank builds and attaches it alike (it joins the trainer's sync point with
+        ``every``); only rank 0 opens a W&B run, at the trainer's ``STARTED``.
+    """
+    w = plan.logging.wandb
+    if w is None:
+        return None
+    logger = WandbLogger(
+        w.project,
+        trainer=parts.trainer,
+        evaluators={"val": parts.evaluator},
+        entity=w.entity,
+        name=w.name or run_dir.name,
+        group=w.group,
+        tags=w.tags,
+        mode=w.mode,  # type: ignore[arg-type]  # checked by the schema: online, offline, disabled
+        config=w.config,
+        every=w.every,
+        directory=run_dir,
+        run_file=run_dir / RUN_FILE,
+        checkpoint=(lambda: newest_checkpoint(parts)) if w.log_checkpoints else None,
+    )
+    logger.attach(parts.trainer)
+    return logger
+
+
+def wandb_trial_overrides(config: Config, study_name: str, number: int) -> list[str]:
+    """``--set`` keys for trial ``number`` of a sweep with ``logging.wandb``: the sweep's project
+    (the config's name, as the trial's own name is ``trial-NNNN``), the run named after the
+    trial, grouped under the sweep (``tune-<study>``). Empty without ``logging.wandb``."""
+    w = config.logging.wandb
+    if w is None:
+        return []
+    values = {
+        "project": w.project or config.name,
+        "name": f"trial-{number:04d}",
+        "group": w.group or f"tune-{study_name}",
+    }
+    return [f"logging.wandb.{key}={json.dumps(value)}" for key, value in values.items()]
