@@ -7,7 +7,10 @@ validates, so no validation window overlaps a training one.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -92,6 +95,25 @@ def build_stream(
     (shard_stream); validation stays map-style."""
     train, val = build_datasets(seed, block, val_fraction, limit)
     return shard_stream(WindowStream(train, seed)), val
+
+
+@functools.cache
+def _vocabulary() -> Vocabulary:
+    return Vocabulary(load_text())
+
+
+def read_topics(
+    path: Path, block: int = 64, limit: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A shard of stream_files.yaml: the file names documentation topics, one a line; yields the
+    consecutive windows of their text (the first ``limit`` characters only, for smoke runs)."""
+    names = Path(path).read_text().split()
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[name] for name in names if name in topics)  # topics vary a little by Python
+    windows = Windows(_vocabulary().encode(text[:limit] if limit else text), block)
+    for i in range(len(windows)):
+        yield windows[i]
 
 
 class CharTransformer(nn.Module):
