@@ -45,16 +45,18 @@ def mid_epoch_refusal(position: DataPosition, why: str) -> str:
     return (
         f"{why}: mid-epoch checkpoints need to know where the training data stands, and a {position.source} "
         f"cannot tell, so a resume would replay part of the epoch and never train the rest. Fix: {position.fix}; "
-        "or save at epoch ends only (Checkpoint(every_iters=None), without Preemption)."
+        "or save at epoch ends only (Checkpoint(every_iters=None, every_seconds=None), without Preemption)."
     )
 
 
 def mid_epoch_cause(checkpoint: Any, engine: Any) -> str | None:
     """What makes ``checkpoint`` (a Checkpoint handler) save inside an epoch, for a refusal's
-    message: its ``every_iters``, or a Preemption of it on the engine's sync point; None for
-    saves at epoch ends only."""
+    message: its ``every_iters`` or ``every_seconds``, or a Preemption of it on the engine's
+    sync point; None for saves at epoch ends only."""
     if checkpoint.every_iters is not None:
         return f"Checkpoint(every_iters={checkpoint.every_iters})"
+    if getattr(checkpoint, "every_seconds", None) is not None:
+        return f"Checkpoint(every_seconds={checkpoint.every_seconds})"
     sync_point = getattr(engine, "sync_point", None)
     contributors = sync_point.contributors() if sync_point is not None else []
     if any(getattr(c, "checkpoint", None) is checkpoint for c in contributors):

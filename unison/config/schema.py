@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from unison.config.checkpoint_config import CheckpointConfig
 from unison.config.data_config import DataConfig
 from unison.config.loader import KeyPath, PyObjectRef
 from unison.config.logging_config import LoggingConfig
@@ -254,24 +255,6 @@ class PredictConfig:
         False, "after training, predict the test (else validation) set into the run directory"
     )
     batch_size: int | None = option(None, "per-rank batch size; default validation.batch_size")
-
-
-@dataclass
-class CheckpointConfig:
-    enabled: bool = option(True, "write checkpoints to <run>/checkpoints")
-    every_epochs: int | None = option(1, "save every this many epochs")
-    every_iters: int | None = option(None, "save every this many iterations")
-    keep_last: int | None = option(2, "newest checkpoints to keep")
-    keep_best: int = option(1, "best checkpoints (by metric) to keep as well")
-    metric: str | None = option(None, "validation metric ranking checkpoints; default the first metric")
-    mode: Literal["max", "min"] = option(
-        "max",
-        "whether a higher or lower metric is better; when left out, min for a loss-like metric "
-        "(loss, *_loss, mse, mae, perplexity ...), else max",
-    )
-    async_save: bool = option(False, "write in a background thread")
-    preemption: bool = option(True, "on SIGTERM/SIGUSR1 save at an agreed iteration and exit 75")
-    requeue: bool = option(False, "under SLURM, requeue the job after a preemption save")
 
 
 @dataclass

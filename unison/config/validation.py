@@ -219,6 +219,7 @@ def _check_values(config: Config, raw: RawConfig) -> None:
         (("validation", "batch_size"), config.validation.batch_size),
         (("checkpoint", "every_epochs"), config.checkpoint.every_epochs),
         (("checkpoint", "every_iters"), config.checkpoint.every_iters),
+        (("checkpoint", "every_seconds"), config.checkpoint.every_seconds),
         (("checkpoint", "keep_last"), config.checkpoint.keep_last),
         (("early_stopping", "patience"), config.early_stopping.patience),
         (("logging", "log_every"), config.logging.log_every),

@@ -27,7 +27,7 @@ from unison.checkpoint.position import (
     trainer_layout,
     trainer_position,
 )
-from unison.checkpoint.ranks import agreed_verdict, choose, gather_on_first, open_folder, summed_over_ranks
+from unison.checkpoint.ranks import choose, gather_on_first, open_folder, summed_over_ranks
 from unison.checkpoint.retention import best_entry
 from unison.checkpoint.sharded_save import background_group, dcp_states, save_sharded, sharded_names
 from unison.checkpoint.state import (
@@ -41,11 +41,13 @@ from unison.checkpoint.state import (
     restore_rng,
     rng_of_rank,
 )
-from unison.checkpoint.verify import raise_refusal, skip_message, to_plain
+from unison.checkpoint.verify import to_plain
+from unison.checkpoint.vetting import vetted
 from unison.checkpoint.writer import CheckpointWriter
 from unison.distributed.primitives import get_rank, get_world_size
 from unison.distributed.replicated import agree_replicated
 from unison.distributed.sync import require_sync_point
+from unison.handlers.timed_saves import TimedSaves
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -55,8 +57,10 @@ class Checkpoint:
     """Saves everything an exact resume needs, durably, from rank 0; resumes every rank.
 
     **When**: every ``every_epochs`` epochs and every ``every_iters`` iterations, after every
-    handler of that event whatever their attach order (an evaluation included), and at the
-    end of the run. Inside an epoch, a save waits for the end of the accumulation window.
+    handler of that event whatever their attach order (an evaluation included), at the first
+    sync point ``every_seconds`` after the last save began (rank 0's clock:
+    :class:`~unison.handlers.timed_saves.TimedSaves`), and at the end of the run. Inside an
+    epoch, a save waits for the end of the accumulation window.
 
     **What**: each object of ``to_save`` (a model is saved unwrapped from DDP, without the
     ``module.`` prefix; anything else through its ``state_dict()``: optimizers, LR
@@ -66,7 +70,7 @@ class Checkpoint:
     size, the per-rank batch size and the library versions. Everything loads with
     ``torch.load(weights_only=True)``: numpy scalars and paths become plain values, other
     values are refused at save time, naming their key. Non-finite weights are not saved.
-    Mid-epoch saves (``every_iters``, a Preemption) of data that cannot tell its position
+    Mid-epoch saves (``every_iters``, ``every_seconds``, a Preemption) of data that cannot tell its position
     are refused at ``STARTED``.
 
     **How**: rank 0 writes durably and records the file in ``manifest.json``
@@ -87,6 +91,7 @@ class Checkpoint:
         trainer: the training engine (a unison Engine).
         every_epochs: save every this many epochs; None for never.
         every_iters: save every this many iterations; None for never.
+        every_seconds: save this many seconds after the last save began (or the start); None for never.
         at_end: save when the run completes or stops.
         keep_last: how many of the newest checkpoints to keep; None keeps all.
         keep_best: how many of the best by ``metric`` to keep as well.
@@ -112,6 +117,7 @@ class Checkpoint:
         *,
         every_epochs: int | None = 1,
         every_iters: int | None = None,
+        every_seconds: float | None = None,
         at_end: bool = True,
         keep_last: int | None = 2,
         keep_best: int = 0,
@@ -136,6 +142,8 @@ class Checkpoint:
         self.trainer = trainer
         self.every_epochs = every_epochs
         self.every_iters = every_iters
+        self.every_seconds = every_seconds
+        self.timed = TimedSaves(self, every_seconds) if every_seconds is not None else None  # its saves
         self.at_end = at_end
         self.metric = metric
         self.mode = mode
@@ -177,15 +185,15 @@ class Checkpoint:
         trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
         self.data.attach(trainer)  # follows the ends of the data iterators
         trainer.add_event_handler(Events.GET_BATCH_STARTED, self._restore_pending_rng)
-        if self.every_epochs is not None:
+        if self.every_epochs is not None or self.timed is not None:
             # After every handler of the epoch (an evaluation attached later included): the score
             # recorded is this epoch's.
             trainer.after_epoch(self._epoch_trigger)  # type: ignore[attr-defined]  # a unison Engine (checked above)
-        if self.every_iters is not None:
+        if self.every_iters is not None or self.timed is not None:
             # After every handler of the iteration and its sync point: the saved state is the
             # whole iteration's, and a stop agreed at it is already applied.
             trainer.after_iteration(self._iteration_trigger)  # type: ignore[attr-defined]  # a unison Engine (checked above)
-            if k > 1 and self.every_iters % k:
+            if k > 1 and self.every_iters is not None and self.every_iters % k:
                 _log.info(
                     "Checkpoint(every_iters=%d) with accumulation_steps=%d: each save waits for the end of its "
                     "accumulation window.",
@@ -194,6 +202,8 @@ class Checkpoint:
                 )
         trainer.add_event_handler(Events.COMPLETED, self._on_end)
         trainer.add_event_handler(Events.TERMINATE, self._on_end)
+        if self.timed is not None:
+            self.timed.attach(trainer)  # after STARTED's handlers above: the clock starts with the run
 
     def _iteration_trigger(self, engine: Engine) -> None:
         if self.every_iters is not None and engine.state.iteration % self.every_iters == 0:
@@ -206,8 +216,12 @@ class Checkpoint:
             return  # the epoch's save follows, after the epoch's handlers (evaluation)
         self.save(engine)
 
+    def request_save(self) -> None:
+        """A save after this iteration's window, or this epoch's handlers; on every rank alike (agreed sums)."""
+        self._save_due = True
+
     def _epoch_trigger(self, engine: Engine) -> None:
-        if self.every_epochs is not None and engine.state.epoch % self.every_epochs == 0:
+        if self._save_due or (self.every_epochs is not None and engine.state.epoch % self.every_epochs == 0):
             self.save(engine)
 
     def _on_end(self, engine: Engine) -> None:
@@ -293,6 +307,8 @@ class Checkpoint:
         if engine.state.iteration == self._last_saved_iteration:
             return self.saved[-1] if self.saved else None  # this iteration is already on disk
         start = time.perf_counter()
+        if self.timed is not None:
+            self.timed.restart()  # the next interval counts from this save's start
         names = sharded_names(self._objects(engine))  # the same on every rank
         shards = dcp_states(self._objects(engine), names) if names else None
         if shards is not None:  # DCP stores one copy of each buffer: every rank's is rank 0's first
@@ -301,7 +317,7 @@ class Checkpoint:
             state, problem = (self.collect(engine, sharded=names) if names else self.collect(engine)), None
         except PositionUnknown as err:  # rank 0 only, after the collective: shared below
             state, problem = None, err
-        state, write = self._vetted(state, problem, shards)
+        state, write = vetted(state, problem, shards, self.manifest, self.trainer.state.iteration)
         self._last_saved_iteration = engine.state.iteration
         if not write:
             return None
@@ -321,22 +337,6 @@ class Checkpoint:
         if path is not None:
             self.stall_seconds.append(time.perf_counter() - start)
         return path
-
-    def _vetted(
-        self, state: dict[str, Any] | None, problem: Exception | None, shards: dict[str, Any] | None
-    ) -> tuple[dict[str, Any] | None, bool]:
-        """Collective: every rank acts on rank 0's verdict (``ranks.agreed_verdict``).
-
-        Returns the state to write (rank 0; None elsewhere) and whether to write: False for
-        weights that are not finite. Raises rank 0's refusal on every rank.
-        """
-        state, verdict = agreed_verdict(state, problem, shards)
-        if verdict is None:
-            return state, True
-        raise_refusal(verdict)
-        if get_rank() == 0:
-            _log.warning(skip_message(verdict, self.manifest, self.trainer.state.iteration))
-        return None, False
 
     def wait(self) -> None:
         """Blocks until an asynchronous write has finished; re-raises its error."""

@@ -101,6 +101,7 @@ class CheckpointPlan:
 
     every_epochs: int | None
     every_iters: int | None
+    every_seconds: float | None
     keep_last: int | None
     keep_best: int
     async_save: bool
@@ -184,6 +185,7 @@ def checkpoint_plan(config: Config) -> CheckpointPlan | None:
     return CheckpointPlan(
         every_epochs=config.training.checkpoint_at or ck.every_epochs,
         every_iters=ck.every_iters,
+        every_seconds=ck.every_seconds,
         keep_last=ck.keep_last,
         keep_best=ck.keep_best,
         async_save=ck.async_save,

@@ -330,6 +330,7 @@ def attach_checkpoint(
         parts.trainer,
         every_epochs=ck.every_epochs,
         every_iters=ck.every_iters,
+        every_seconds=ck.every_seconds,
         keep_last=ck.keep_last,
         keep_best=ck.keep_best,
         metric=plan.watched.metric,

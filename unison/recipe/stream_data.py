@@ -9,8 +9,8 @@ the same in terms of the config, naming the key, its file and line, and the fix:
 - :func:`train_shuffle`: ``training.shuffle: true`` written for a stream (left unset, the
   source decides);
 - :func:`check_stream_sharding`: a stream that does not split by rank (``data.build``);
-- :func:`check_mid_epoch_saves`: ``checkpoint.every_iters`` or ``checkpoint.preemption``
-  with a stream that cannot tell its position.
+- :func:`check_mid_epoch_saves`: ``checkpoint.every_iters``, ``checkpoint.every_seconds`` or
+  ``checkpoint.preemption`` with a stream that cannot tell its position.
 
 Each runs in the rank, once the data is built, before the trainer starts.
 """
@@ -75,29 +75,38 @@ def check_stream_sharding(plan: RunPlan, train: Any, world_size: int) -> None:
 
 
 def check_mid_epoch_saves(plan: RunPlan, train_loader: Any) -> None:
-    """Refuses mid-epoch checkpoints (``checkpoint.every_iters``, ``checkpoint.preemption``) of a
-    training loader that cannot tell where its data stands, naming those keys.
+    """Refuses mid-epoch checkpoints (``checkpoint.every_iters``, ``checkpoint.every_seconds``,
+    ``checkpoint.preemption``) of a training loader that cannot tell where its data stands,
+    naming those keys.
 
     Raises:
-        ConfigError: at ``checkpoint.every_iters`` (or ``checkpoint.preemption``), with the fix.
+        ConfigError: at the first of those keys that is set, with the fix.
     """
     ck = plan.checkpoint
-    if ck is None or train_loader is None or (ck.every_iters is None and not ck.preemption):
+    if ck is None or train_loader is None:
+        return
+    if ck.every_iters is None and ck.every_seconds is None and not ck.preemption:
         return
     position = data_position(train_loader)
     if position.reports:
         return
     causes = []
     if ck.every_iters is not None:
-        causes.append(f"checkpoint.every_iters: {ck.every_iters} ({_where(plan, 'checkpoint', 'every_iters')})")
+        causes.append(
+            f"checkpoint.every_iters: {ck.every_iters} ({_where(plan, 'checkpoint', 'every_iters')})"
+        )
+    if ck.every_seconds is not None:
+        causes.append(
+            f"checkpoint.every_seconds: {ck.every_seconds:g} ({_where(plan, 'checkpoint', 'every_seconds')})"
+        )
     if ck.preemption:
         causes.append(f"checkpoint.preemption: true ({_where(plan, 'checkpoint', 'preemption')})")
-    key = ("checkpoint", "every_iters") if ck.every_iters is not None else ("checkpoint", "preemption")
+    settings = (("every_iters", ck.every_iters), ("every_seconds", ck.every_seconds), ("preemption", True))
+    key = next(("checkpoint", name) for name, value in settings if value is not None)
     raise plan.config.origin.error(
         key,
         f"checkpoints are saved inside an epoch ({', '.join(causes)}), and the training data from data.build, a "
         f"{position.source}, cannot tell where it stands: a resume would replay part of the epoch and never "
         "train the rest. Fix: save at epoch ends only (checkpoint.preemption: false, checkpoint.every_iters "
-        f"unset, checkpoint.every_epochs for the period), or a source that saves its position ({position.fix}).",
+        f"and checkpoint.every_seconds unset, checkpoint.every_epochs for the period), or a source that saves its position ({position.fix}).",
     )
-
