@@ -21,6 +21,7 @@ from unison.config.logging_config import LoggingConfig
 from unison.config.mlflow_config import MLflowConfig  # noqa: F401 (logging.mlflow's type)
 from unison.config.model_config import ModelConfig
 from unison.config.origin import NO_ORIGIN, Origin
+from unison.config.parallel_docs import AC_DOC
 from unison.config.profiling import ProfileConfig
 from unison.config.wandb_config import WandbConfig  # noqa: F401 (logging.wandb's type)
 
@@ -88,6 +89,7 @@ class ParallelConfig:
         "environment variable (true/false, 1/0, yes/no) when set, else false. A value given here wins",
     )
     sync_batchnorm: bool = option(False, "convert BatchNorm layers to SyncBatchNorm")
+    activation_checkpointing: bool | str | list[str] = option(False, AC_DOC)
     output_device: int | str | None = option(
         None, "DDP's output_device on GPUs (a cuda index or device); null: the rank's own device; not used "
         "on the CPU (a log line says so)",

@@ -19,6 +19,7 @@ from unison.config.usercode import describe
 from unison.distributed.env import port_is_free
 from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
+from unison.recipe.ac_check import check_activation_checkpointing
 from unison.recipe.batch import with_loss
 from unison.recipe.planning import RunPlan
 from unison.recipe.references import _References
@@ -53,6 +54,7 @@ def preflight(plan: RunPlan) -> None:
     if model is not None:
         _meta_optimizer(plan, model, refs)
         _check_shard_rule(config, model, refs)
+    check_activation_checkpointing(config, model, refs)
     for name, (cls, kwargs) in resolved.metrics.items():
         kwargs = with_loss(cls, kwargs, resolved.loss)
         try:

@@ -32,7 +32,8 @@ class ModelPlan:
     """How ``prepare_model`` wraps the model: ``parallel``'s strategy and options, ``training.compile``.
 
     ``compile`` is False when off and ``{}`` for torch's defaults; ``fsdp`` holds FSDP2's options
-    with ``strategy: fsdp``, else None; ``output_device`` is DDP's, used on GPU ranks only.
+    with ``strategy: fsdp``, else None; ``output_device`` is DDP's, used on GPU ranks only;
+    ``activation_checkpointing`` is the rule of the blocks that recompute their activations.
     """
 
     strategy: Literal["ddp", "fsdp"]
@@ -41,6 +42,7 @@ class ModelPlan:
     sync_batchnorm: bool
     find_unused_parameters: bool | None
     output_device: int | str | None
+    activation_checkpointing: bool | str | tuple[str, ...] = False
 
     def ddp_options(self, device: torch.device | None = None) -> dict[str, Any]:
         """DDP's extra options on this rank's ``device``: ``output_device`` on a GPU, none on the CPU
@@ -159,6 +161,11 @@ def model_plan(config: Config, compile_options: dict[str, Any] | None) -> ModelP
         sync_batchnorm=p.sync_batchnorm,
         find_unused_parameters=p.find_unused_parameters,
         output_device=p.output_device,
+        activation_checkpointing=(
+            tuple(p.activation_checkpointing)
+            if isinstance(p.activation_checkpointing, list)
+            else p.activation_checkpointing
+        ),
     )
 
 

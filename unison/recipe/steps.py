@@ -154,6 +154,7 @@ def build_model(plan: RunPlan) -> nn.Module:
         strategy=m.strategy,
         fsdp=m.fsdp,
         compile=m.compile,
+        activation_checkpointing=m.activation_checkpointing,
         sync_batchnorm=m.sync_batchnorm,
         find_unused_parameters=m.find_unused_parameters,
         **m.ddp_options(),  # parallel.output_device, on GPUs
