@@ -23,6 +23,20 @@ snapshot kept between saves would reach).
 
 Target: async stall <= 20% of sync.
 
+**Throughput against the disk.** What a save writes per second bounds how often a run can
+afford to checkpoint (``checkpoint.every_seconds``), and the disk bounds the save: each
+round also writes, into the same folder, a file of the checkpoint's size in 8 MiB blocks
+and fsyncs it (``_disk.py``), and the report sets each save's MB/s against that file's:
+
+    file sync      bytes of the file / stall (the whole save is inside save())
+    file async     bytes of the file / time from save() until it was durable
+    sharded        a 2-rank FSDP2 model (gloo, on the CPU whatever --device says) saved
+                   to a sharded folder: its bytes / rank 0's stall; rank 0 writes the
+                   disk's file between rounds, while the other rank waits
+
+"x disk" is the save's median MB/s over the disk's median MB/s, each over the same number
+of rounds: 1.0 would be a save that costs nothing but its bytes.
+
 On a GPU (``--device cuda``, the default where torch sees one) the model, its optimizer
 and the batches live on the GPU: a save copies the state to CPU memory first (the async
 save inside ``save()``, the sync one as it writes), and the handler waits for the queued
@@ -32,11 +46,13 @@ own. The reference copies go into CPU tensors.
     python benchmarks/checkpoint_stall.py                    # ~1-2 minutes on 2 busy cores
     python benchmarks/checkpoint_stall.py --quick            # a smoke run
     python benchmarks/checkpoint_stall.py --repeats 9 --json stall.json --dir /scratch/ckpt
+    python benchmarks/checkpoint_stall.py --width 512 --layers 2 --repeats 1 --steps 2   # seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -47,6 +63,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
+from _disk import folder_bytes, mb_per_s, write_seconds  # noqa: E402
 
 MODES = ("sync", "async")
 TARGET = 0.20
@@ -95,8 +112,46 @@ def one_run(
     C.synchronize(device)
     wall = time.perf_counter() - wall
     checkpoint.wait()
+    if not checkpoint.stall_seconds:  # a rank other than 0 of a sharded save: rank 0 keeps the record
+        return {"stall_s": float("nan"), "run_s": wall, "durable_s": float("nan")}
     durable = checkpoint.manifest.entries[-1].saved_at - started[0]
     return {"stall_s": checkpoint.stall_seconds[-1], "run_s": wall, "durable_s": durable}
+
+
+def sharded_worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Runs on every rank: an FSDP2 model saved to a sharded folder once per round, after a
+    warm-up; after each round rank 0 writes a file of the folder's size (the disk, interleaved)."""
+    import torch
+
+    from unison.distributed import barrier, get_rank, prepare_model
+
+    torch.set_num_threads(cfg["threads"])
+    model = prepare_model(build(cfg["width"], cfg["layers"]), strategy="fsdp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(get_rank())
+    data = [(torch.randn(4, cfg["width"], generator=gen), torch.randn(4, cfg["width"], generator=gen))]
+    root = Path(cfg["root"])
+    one_run(model, optimizer, data, root / "sharded", "sync", cfg["steps"])  # warm-up
+    size = folder_bytes(root / "sharded") if get_rank() == 0 else 0
+    stalls, disk = [], []
+    for _ in range(cfg["repeats"]):
+        stalls.append(one_run(model, optimizer, data, root / "sharded", "sync", cfg["steps"])["stall_s"])
+        barrier()
+        if get_rank() == 0:
+            disk.append(write_seconds(root / "disk", size))
+        barrier()
+    return {"stall_s": stalls, "disk_s": disk, "bytes": size}
+
+
+def throughput_rows(saves: dict[str, tuple[int, list[float]]], disk: dict[str, list[float]]) -> dict[str, Any]:
+    """Each save's median MB/s (its bytes over each round's seconds) against the disk's, written
+    in the same rounds: ``saves[name] = (bytes, seconds)``, ``disk[name]`` the disk's seconds."""
+    out: dict[str, Any] = {}
+    for name, (nbytes, seconds) in saves.items():
+        save = C.median(mb_per_s(nbytes, s) for s in seconds)
+        own = C.median(mb_per_s(nbytes, s) for s in disk[name])
+        out[name] = {"mb": nbytes / 1e6, "save_mb_s": save, "disk_mb_s": own, "x_disk": save / own}
+    return out
 
 
 def copy_timings(model: Any, reused: dict[str, Any], device: Any = "cpu") -> dict[str, float]:
@@ -133,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="default cuda when available, else cpu"
     )
+    parser.add_argument(
+        "--no-sharded", action="store_true", help="skip the 2-rank sharded save (it spawns 2 processes)"
+    )
     parser.add_argument("--check", action="store_true", help=f"exit 1 if async stall > {TARGET * 100:.0f}%% of sync")
     args = parser.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
@@ -161,13 +219,18 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     copies: list[dict[str, float]] = []
     reused = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    disk: list[float] = []
+    sharded: dict[str, Any] | None = None
     try:
         for mode in MODES:  # warm-up: first writes to a folder, first file-system allocations
             one_run(model, optimizer, data, root / mode, mode, args.steps, device)
+        file_bytes = sum(folder_bytes(p) for p in (root / "sync").glob("*.pt"))
         for round_index in range(repeats):
-            for mode in C.rotated((*MODES, "copy"), round_index):
+            for mode in C.rotated((*MODES, "copy", "disk"), round_index):
                 if mode == "copy":
                     copies.append(copy_timings(model, reused, device))
+                elif mode == "disk":
+                    disk.append(write_seconds(root / "disk", file_bytes))
                 else:
                     results[mode].append(one_run(model, optimizer, data, root / mode, mode, args.steps, device))
             last = {m: results[m][-1]["stall_s"] for m in MODES}
@@ -175,7 +238,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"  round {round_index + 1}/{repeats}: "
                 + "  ".join(f"{m} stall {v * 1e3:.0f} ms" for m, v in last.items())
             )
-        file_mb = sum(p.stat().st_size for p in (root / "sync").glob("*.pt")) / 1e6
+        file_mb = file_bytes / 1e6
+        if not args.no_sharded:
+            from unison.distributed import launch
+
+            cfg = {"width": args.width, "layers": args.layers, "steps": args.steps, "repeats": repeats}
+            cfg.update(root=str(root), threads=C.rank_threads(2))
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on the CPU: else each would take a GPU
+            try:
+                sharded = launch(sharded_worker, cfg, nproc_per_node=2, backend="gloo", start_method="spawn")[0]
+            finally:
+                if visible is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES")
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = visible
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -230,6 +307,23 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
     )
+    saves = {
+        "file_sync": (file_bytes, stalls["sync"]),
+        "file_async": (file_bytes, [r["durable_s"] for r in results["async"]]),
+    }
+    disks = {"file_sync": disk, "file_async": disk}
+    if sharded is not None:
+        saves["sharded_sync"] = (sharded["bytes"], sharded["stall_s"])
+        disks["sharded_sync"] = sharded["disk_s"]
+    throughput = throughput_rows(saves, disks)
+    C.print_table(
+        f"Save throughput against the disk's sequential write (fsync, same folder), median of {repeats}",
+        ["save", "MB", "save MB/s", "disk MB/s", "x disk"],
+        [
+            [n, f"{t['mb']:.1f}", f"{t['save_mb_s']:.0f}", f"{t['disk_mb_s']:.0f}", f"{t['x_disk']:.2f}"]
+            for n, t in throughput.items()
+        ],
+    )
     met = ratio <= TARGET
     print(f"\ntarget: async stall <= {TARGET:.0%} of sync: {ratio:.1%} -> {C.verdict(met)}")
     report = {
@@ -247,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": summary,
         "async_over_sync_stall": ratio,
+        "throughput": throughput,
         "target": TARGET,
         "met": met,
     }
