@@ -24,11 +24,13 @@ def timed_saves(
     origins: list[float] | None = None,
     max_epochs: int = 2,
     checkpoint: dict[str, Any] | None = None,
+    save_takes: float = 0.0,
     **parts: Any,
 ) -> dict[str, Any]:
     """Trains with ``Checkpoint(every_seconds=...)`` (epoch saves off unless ``checkpoint`` says
     otherwise) and returns the iterations at which this rank began a save, the iterations at
-    which the ranks agreed a timed save was due, and the files rank 0 wrote."""
+    which the ranks agreed a timed save was due, and the files rank 0 wrote. Each save's write
+    moves the clock on by ``save_takes``, inside ``save()`` (a save that takes time)."""
     rank = get_rank()
     options = {"every_epochs": None, **(checkpoint or {}), "every_seconds": every_seconds}
     run = build_run(folder, checkpoint=options, **parts)
@@ -48,6 +50,14 @@ def timed_saves(
         restart()
 
     timed.restart = _restart
+    if save_takes:
+        write = run.checkpoint.writer.write
+
+        def _slow_write(*args: Any, **kwargs: Any) -> Any:  # inside save(): its clock moves on
+            now[0] += save_takes
+            return write(*args, **kwargs)
+
+        run.checkpoint.writer.write = _slow_write
     run.trainer.run(run.loader, max_epochs=max_epochs)
     return {
         "saves": began[1:],  # the first is the run's start

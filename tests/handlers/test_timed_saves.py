@@ -50,6 +50,28 @@ def test_saves_wait_for_the_end_of_the_accumulation_window(tmp_path):
     assert all(iteration % k == 0 for iteration in result["saves"])
 
 
+def test_the_interval_counts_from_the_start_of_a_save_and_waits_for_sync_points(tmp_path):
+    # Each save takes 3 clock seconds: counted from its start, the next one is due 5 s after it
+    # began (2 iterations later), not 5 s after it ended (5 iterations later).
+    slow = timed_saves(
+        str(tmp_path / "slow"),
+        every_seconds=5,
+        ticks=[1.0],
+        max_epochs=1,
+        save_takes=3.0,
+        checkpoint={"async_save": True},
+        size=48,
+        sync_every=1,
+    )
+    assert slow["saves"] == [5, 7, 9, 11, 12]  # 12: the run's end
+
+    # Without sync points inside the epoch, the decision waits for the epoch's end.
+    epochs_only = timed_saves(
+        str(tmp_path / "epochs"), every_seconds=5, ticks=[1.0], size=48, sync_every=None
+    )
+    assert epochs_only["saves"] == epochs_only["asked"] == [12, 24]
+
+
 @pytest.mark.parametrize("seconds", [0, -1.5, True, "60", float("inf"), float("nan")])
 def test_every_seconds_must_be_a_positive_finite_number(tmp_path, seconds):
     with pytest.raises(ValueError) as info:
