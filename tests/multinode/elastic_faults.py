@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,13 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CONFIG = ROOT / "recipes" / "digits" / "config.yaml"
 SIZE, BATCH, EVERY = 96, 4, 4
-TUNED = {"join_timeout": 60, "last_call_timeout": 3, "close_timeout": 5, "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+TUNED = {
+    "join_timeout": 60,
+    "last_call_timeout": 3,
+    "close_timeout": 5,
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 3,
+}
 """Rendezvous settings that re-form the group in seconds. torch's defaults: join_timeout 600,
 last_call_timeout 30, close_timeout 30, and a lost node is noticed after its keep-alive missed
 3 times, 5 s apart."""
@@ -43,6 +50,7 @@ TORCH_DEFAULTS: dict[str, int] = {}
 MONITOR_INTERVAL = 0.5
 RUN_TIMEOUT_S = 150.0
 RESUMED = re.compile(r"Resumed from (\S+) \(epoch \d+, iteration (\d+)\)")
+REGROUPED = re.compile(r"^I\d{4} (\d\d:\d\d:\d\d\.\d+) .*Rendezvous complete for workers", re.M)
 
 
 @dataclass
@@ -53,7 +61,7 @@ class Outcome:
     outputs: dict[str, str]
     trace: list[dict[str, Any]]
     fault_t: float
-    fault_at: int
+    fault: dict[str, Any]
 
     @property
     def resumed(self) -> list[int]:
@@ -72,6 +80,21 @@ class Outcome:
         """From the fault to the first step after it."""
         return min(r["t"] for r in self.after()) - self.fault_t
 
+    def regrouped_s(self) -> float:
+        """From the fault to node A's agent's first "Rendezvous complete" after it (its log's clock)."""
+        day = datetime.fromtimestamp(self.fault_t).date()
+        times = [
+            datetime.combine(day, datetime.strptime(m[1], "%H:%M:%S.%f").time()).timestamp()
+            for m in REGROUPED.finditer(self.outputs["A"])
+        ]
+        return min(t for t in times if t > self.fault_t) - self.fault_t
+
+    def redone(self) -> int:
+        """The iterations the first group completed after the checkpoint the next one resumed:
+        the step of the fault completes only where the worker went on (a SIGTERM)."""
+        last = self.fault["at"] if self.fault["fault"] == "term" else self.fault["at"] - 1
+        return last - self.resumed[0]
+
     def _first_pids(self) -> set[int]:
         starts: dict[int, float] = {}
         for r in self.trace:
@@ -79,7 +102,9 @@ class Outcome:
         return {pid for pid, t in starts.items() if t < self.fault_t}
 
     def show(self) -> str:
-        return "\n".join(f"--- node {n} (exit {self.codes[n]}) ---\n{t[-3000:]}" for n, t in self.outputs.items())
+        return "\n".join(
+            f"--- node {n} (exit {self.codes[n]}) ---\n{t[-3000:]}" for n, t in self.outputs.items()
+        )
 
 
 @dataclass
@@ -92,7 +117,10 @@ class Agents:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     port: int = field(default_factory=find_free_port)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    deadline: float = field(default_factory=lambda: time.monotonic() + RUN_TIMEOUT_S)
+    timeout: float = RUN_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.timeout
 
     @property
     def flag(self) -> Path:
@@ -153,7 +181,10 @@ class Agents:
             time.sleep(0.05)
 
     def flag_time(self) -> float:
-        self.wait_until(lambda: self.flag.exists() and self.flag.read_text() != "", f"the fault at step {self.fault['at']}")
+        self.wait_until(
+            lambda: self.flag.exists() and self.flag.read_text() != "",
+            f"the fault at step {self.fault['at']}",
+        )
         return float(self.flag.read_text())
 
     def kill(self, node: str) -> None:
@@ -167,7 +198,7 @@ class Agents:
             except subprocess.TimeoutExpired:
                 break
         codes = {n: p.poll() for n, p in self.procs.items()}
-        return Outcome(codes, {n: self.output(n) for n in self.procs}, self._trace(), fault_t, self.fault["at"])
+        return Outcome(codes, {n: self.output(n) for n in self.procs}, self._trace(), fault_t, self.fault)
 
     def _trace(self) -> list[dict[str, Any]]:
         lines = []
@@ -195,9 +226,9 @@ def start_both(agents: Agents) -> None:
     agents.start("A")
 
 
-def node_lost(root: Path, rdzv_conf: dict[str, int], at: int = 7) -> Outcome:
+def node_lost(root: Path, rdzv_conf: dict[str, int], at: int = 7, timeout: float = RUN_TIMEOUT_S) -> Outcome:
     """Node B's worker stops at step ``at``; B's agent and its worker are then killed (SIGKILL)."""
-    with Agents(root, rdzv_conf, {"node": "B", "at": at, "fault": "hang"}) as agents:
+    with Agents(root, rdzv_conf, {"node": "B", "at": at, "fault": "hang"}, timeout=timeout) as agents:
         start_both(agents)
         agents.flag_time()
         fault_t = time.time()
@@ -205,17 +236,19 @@ def node_lost(root: Path, rdzv_conf: dict[str, int], at: int = 7) -> Outcome:
         return agents.finish(fault_t)
 
 
-def worker_crash(root: Path, rdzv_conf: dict[str, int], at: int = 7) -> Outcome:
+def worker_crash(
+    root: Path, rdzv_conf: dict[str, int], at: int = 7, timeout: float = RUN_TIMEOUT_S
+) -> Outcome:
     """Node B's worker kills itself (SIGKILL) at step ``at``; both agents live on."""
-    with Agents(root, rdzv_conf, {"node": "B", "at": at, "fault": "crash"}) as agents:
+    with Agents(root, rdzv_conf, {"node": "B", "at": at, "fault": "crash"}, timeout=timeout) as agents:
         start_both(agents)
         fault_t = agents.flag_time()
         return agents.finish(fault_t)
 
 
-def node_joins(root: Path, rdzv_conf: dict[str, int], at: int = 6) -> Outcome:
+def node_joins(root: Path, rdzv_conf: dict[str, int], at: int = 6, timeout: float = RUN_TIMEOUT_S) -> Outcome:
     """Node A trains alone; at its step ``at`` node B's agent starts (the fault's time) and joins."""
-    with Agents(root, rdzv_conf, {"node": "A", "at": at, "fault": "term"}) as agents:
+    with Agents(root, rdzv_conf, {"node": "A", "at": at, "fault": "term"}, timeout=timeout) as agents:
         agents.start("A")
         agents.flag_time()
         fault_t = time.time()
@@ -223,9 +256,11 @@ def node_joins(root: Path, rdzv_conf: dict[str, int], at: int = 6) -> Outcome:
         return agents.finish(fault_t)
 
 
-def agent_sigterm(root: Path, rdzv_conf: dict[str, int], at: int = 6) -> Outcome:
+def agent_sigterm(
+    root: Path, rdzv_conf: dict[str, int], at: int = 6, timeout: float = RUN_TIMEOUT_S
+) -> Outcome:
     """At step ``at`` of node B's worker, B's agent (and only it) gets SIGTERM."""
-    with Agents(root, rdzv_conf, {"node": "B", "at": at, "fault": "term"}) as agents:
+    with Agents(root, rdzv_conf, {"node": "B", "at": at, "fault": "term"}, timeout=timeout) as agents:
         start_both(agents)
         agents.flag_time()
         fault_t = time.time()

@@ -98,7 +98,9 @@ class TraceNet(nn.Module):
         try:
             while not received:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"no SIGTERM reached rank {os.environ.get('RANK')} in {TERM_WAIT_S:g} s")
+                    raise RuntimeError(
+                        f"no SIGTERM reached rank {os.environ.get('RANK')} in {TERM_WAIT_S:g} s"
+                    )
                 time.sleep(0.02)
         finally:
             signal.signal(signal.SIGTERM, previous)
