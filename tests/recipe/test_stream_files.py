@@ -122,6 +122,12 @@ def test_stream_files_are_checked_before_any_process_starts(tmp_path: Path) -> N
     assert "'shards/test-*.txt' matched no file" in message
     message = _error(folder, STREAM.replace("shards/val.txt", "../val.txt"))
     assert "data.stream.val_files.0" in message and "stays inside the config's folder" in message
+    outside = folder.parent / f"{folder.name}-outside.txt"
+    outside.write_text("5,1")
+    (folder / "shards" / "train-9.txt").symlink_to(outside)  # a glob's match that leads out of the folder
+    message = _error(folder, STREAM)
+    assert "data.stream.files.0" in message and "train-9.txt, which is refused" in message
+    (folder / "shards" / "train-9.txt").unlink()
     message = _error(folder, STREAM.replace("samples.read\n", "samples.read_at\n"))
     assert message.startswith(f"{config}:{_line(folder, 'reader:')}: data.stream.reader:")
     assert "(path, index)" in message and "data.files and data.reader" in message
