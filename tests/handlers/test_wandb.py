@@ -70,7 +70,9 @@ def test_a_run_holds_its_config_each_epochs_loss_validation_and_recent_loss(tmp_
     assert [rows[end]["val/mse"] for end in ends] == seen["val"]
     points = [step for step, row in rows.items() if "train/recent_loss" in row]
     assert points == [4, 8, 10]  # the first sync point at or after every 3rd iteration, never an epoch's end
-    assert [rows[p]["train/recent_loss"] for p in points] == pytest.approx(windows(seen["losses"], points, ends))
+    assert [rows[p]["train/recent_loss"] for p in points] == pytest.approx(
+        windows(seen["losses"], points, ends)
+    )
     assert all(row["train/lr"] == 0.05 for row in rows.values())
     record = json.loads((tmp_path / "wandb-run.json").read_text())
     assert (record["id"], record["last_step"]) == (seen["run_id"], 2 * ITERS)
@@ -104,7 +106,13 @@ class _SlowRun:
         self.exit_code = exit_code
 
 
-def test_the_writer_thread_takes_the_wait_and_skips_steps_the_run_holds() -> None:
+def test_the_writer_thread_takes_the_wait_and_skips_steps_the_run_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import wandb
+
+    stopped: list[None] = []
+    monkeypatch.setattr(wandb, "teardown", lambda: stopped.append(None))
     run = _SlowRun()
     writer = RunWriter(run, last_step=3)
     start = time.perf_counter()
@@ -113,6 +121,9 @@ def test_the_writer_thread_takes_the_wait_and_skips_steps_the_run_holds() -> Non
     assert writer.finish("FINISHED")
     assert handed < 0.05 and run.rows == [(6, {"a": 3.0}), (9, {"a": 4.0})]  # 2 and 3: logged before
     assert run.exit_code == 0
+    # W&B's service stopped with the run: a rank's process leaves without exit handlers, and the
+    # service would hold the launcher's output open for a minute.
+    assert stopped == [None]
 
 
 def test_a_resumed_run_continues_the_recorded_run_logging_no_step_twice(tmp_path: Path) -> None:
@@ -125,7 +136,9 @@ def test_a_resumed_run_continues_the_recorded_run_logging_no_step_twice(tmp_path
         trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss)
         data = [(torch.ones(4, 2) * i, torch.zeros(4, 1)) for i in range(3)]
         if resume_epoch:
-            trainer.load_state_dict({"iteration": resume_epoch * 3, "epoch_length": 3, "max_epochs": max_epochs})
+            trainer.load_state_dict(
+                {"iteration": resume_epoch * 3, "epoch_length": 3, "max_epochs": max_epochs}
+            )
         logger = WandbLogger("unison-tests", trainer=trainer, directory=tmp_path, run_file=record)
         logger.attach()
         trainer.run(data, max_epochs=max_epochs)
@@ -159,7 +172,9 @@ def test_at_two_ranks_one_run_from_rank_0_with_values_agreed_by_all_ranks(tmp_pa
     assert ranks[0]["epoch_loss"] == ranks[1]["epoch_loss"]  # agreed at the sync point
     rows = history(file)
     assert [rows[end]["train/loss"] for end in ranks[0]["epoch_end"]] == ranks[0]["epoch_loss"]
-    per_iteration = [statistics.fmean(pair) for pair in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    per_iteration = [
+        statistics.fmean(pair) for pair in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)
+    ]
     points = [step for step, row in rows.items() if "train/recent_loss" in row]
     assert points == [2, 4, 8, 10]  # not 6 nor 12: epoch ends
     assert [rows[p]["train/recent_loss"] for p in points] == pytest.approx(

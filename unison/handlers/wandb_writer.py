@@ -117,10 +117,16 @@ class RunWriter:
 
     def _end(self, status: str, checkpoint: Checkpoint | None) -> None:
         if checkpoint is not None:
-            self._log_checkpoint(*checkpoint)
+            try:
+                self._log_checkpoint(*checkpoint)
+            except Exception as err:  # the run still ends
+                _log.warning(
+                    "W&B: run %s: checkpoint not recorded: %s: %s", self.run.id, type(err).__name__, err
+                )
         if status == "KILLED":
             self.run.mark_preempting()  # stopped to be resumed: W&B shows it preempted
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+        _stop_service()
 
     def _log_checkpoint(self, path: Path, entry: Mapping[str, Any]) -> None:
         """The checkpoint as a reference artifact (its path and entry, no copy of its bytes) and
@@ -133,3 +139,14 @@ class RunWriter:
         artifact = wandb.Artifact(f"checkpoint-{self.run.id}", type="model", metadata=dict(entry))
         artifact.add_reference(path.resolve().as_uri(), name=path.name, checksum=False)
         self.run.log_artifact(artifact, aliases=["latest", f"iteration-{entry.get('iteration', 0)}"])
+
+
+def _stop_service() -> None:
+    """Stops W&B's service process once no run of this process is open. W&B stops it at exit,
+    but a rank's process ends without running exit handlers (``multiprocessing`` leaves through
+    ``os._exit``), and the service, which holds the launcher's output open, would linger."""
+    import wandb
+
+    teardown = getattr(wandb, "teardown", None)
+    if wandb.run is None and callable(teardown):
+        teardown()
