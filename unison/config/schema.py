@@ -365,7 +365,8 @@ def _is_section(tp: Any) -> bool:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, globalns=globals(), localns={"PyObjectRef": PyObjectRef})
+    # Each class's annotations are read in its own module: sections live in modules of their own.
+    return typing.get_type_hints(cls, localns={"PyObjectRef": PyObjectRef})
 
 
 def section_in(tp: Any) -> type | None:
