@@ -105,6 +105,9 @@ class _SlowRun:
     def finish(self, exit_code: int) -> None:
         self.exit_code = exit_code
 
+    def mark_preempting(self) -> None:
+        self.exit_code = -1
+
 
 def test_the_writer_thread_takes_the_wait_and_skips_steps_the_run_holds(
     monkeypatch: pytest.MonkeyPatch,
@@ -124,6 +127,20 @@ def test_the_writer_thread_takes_the_wait_and_skips_steps_the_run_holds(
     # W&B's service stopped with the run: a rank's process leaves without exit handlers, and the
     # service would hold the launcher's output open for a minute.
     assert stopped == [None]
+
+
+@pytest.mark.parametrize(("status", "exit_code"), [("KILLED", 1), ("FAILED", 1)])
+def test_a_preempted_run_is_marked_preempting_and_a_failed_one_ends_with_exit_code_1(
+    status: str, exit_code: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import wandb
+
+    monkeypatch.setattr(wandb, "teardown", lambda: None)
+    run = _SlowRun()
+    marks: list[str] = []
+    monkeypatch.setattr(run, "mark_preempting", lambda: marks.append("preempting"))
+    assert RunWriter(run, last_step=-1).finish(status)
+    assert run.exit_code == exit_code and marks == (["preempting"] if status == "KILLED" else [])
 
 
 def test_a_resumed_run_continues_the_recorded_run_logging_no_step_twice(tmp_path: Path) -> None:

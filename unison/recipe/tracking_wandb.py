@@ -100,7 +100,7 @@ def attach_wandb(plan: RunPlan, parts: RunParts, run_dir: Path) -> WandbLogger |
         name=w.name or run_dir.name,
         group=w.group,
         tags=w.tags,
-        mode=w.mode,  # type: ignore[arg-type]  # checked by the schema: online, offline, disabled
+        mode=w.mode,
         config=w.config,
         every=w.every,
         directory=run_dir,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unison.config import Config
+from unison.handlers.wandb import Mode
 from unison.recipe.config_record import config_record
 
 PYOBJECT = "!pyobject "
@@ -26,7 +27,7 @@ class WandbPlan:
     name: str | None
     group: str | None
     tags: tuple[str, ...]
-    mode: str | None
+    mode: Mode | None
     every: int | None
     log_checkpoints: bool
     config: dict[str, Any]
