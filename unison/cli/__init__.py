@@ -111,6 +111,7 @@ def _export(args: argparse.Namespace) -> int:
         force=args.force,
         mode=args.mode,
         debug=args.debug,
+        format=args.format,
     )
 
 
@@ -261,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--ema", action="store_true", help="export the EMA average instead of the trained weights"
     )
     export.add_argument("--force", action="store_true", help="replace --out when it exists")
+    export.add_argument(
+        "--format",
+        choices=("pt", "safetensors"),
+        default="pt",
+        help="pt: torch.save (default); safetensors: no pickle, the run's config and final metrics as "
+        "metadata, tied weights stored once (pip install 'unison[export]')",
+    )
     export.add_argument(
         "--mode",
         choices=("max", "min"),

@@ -4,7 +4,9 @@ The checkpoint is picked from the run's ``checkpoints/`` (the best by its record
 the newest whole one, or a path), read in this process whatever its kind
 (:class:`~unison.checkpoint.consolidate.CheckpointReader`: a file, or a sharded folder
 put together), and written with ``torch.save`` as a dict of tensors whose keys are the
-plain model class's: ``model.load_state_dict(torch.load(path, weights_only=True))``.
+plain model class's: ``model.load_state_dict(torch.load(path, weights_only=True))``; or,
+with ``format="safetensors"``, as a safetensors file carrying the run's config and final
+metrics (:mod:`unison.cli.export_formats`).
 
 The run folder is only read: its manifest is not rebuilt and nothing in it is removed, so
 a run that is still training can be exported.
@@ -25,6 +27,7 @@ from unison.checkpoint.entry import Entry, file_in
 from unison.checkpoint.io import CheckpointError, atomic_save, load_checkpoint
 from unison.checkpoint.manifest import MANIFEST, read_entries
 from unison.checkpoint.retention import best_entry, has_score, oldest_first
+from unison.cli.export_formats import FORMATS, SUFFIXES, FormatError, run_metadata, save_safetensors
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -195,14 +198,15 @@ def _given(value: str, folder: Path) -> Path:
     return path
 
 
-def output_path(run: Path, out: str | None, *, ema: bool, force: bool) -> Path:
-    """Where to write: ``out``, else ``<run>/model.pt`` (``model-ema.pt`` with ``ema``).
+def output_path(run: Path, out: str | None, *, ema: bool, force: bool, format: str = "pt") -> Path:
+    """Where to write: ``out``, else ``<run>/model.pt`` (``model-ema.pt`` with ``ema``; ``.safetensors``
+    for that ``format``).
 
     Raises:
         ExportError: for an existing file without ``force``, a folder, or a path inside the
             run's ``checkpoints/`` (which holds checkpoints only).
     """
-    target = Path(out) if out else run / ("model-ema.pt" if ema else "model.pt")
+    target = Path(out) if out else run / (("model-ema" if ema else "model") + SUFFIXES[format])
     shown = f"--out {out}" if out else f"the output {target} (the default)"
     if target.is_dir():
         raise ExportError(f"{shown}: this is a folder. Expected a file path, e.g. {target / 'model.pt'}.")
@@ -234,6 +238,7 @@ def export_weights(
     ema: bool = False,
     force: bool = False,
     mode: str | None = None,
+    format: str = "pt",
 ) -> Exported:
     """Writes the weights of one checkpoint of a run as a plain ``state_dict`` file.
 
@@ -245,6 +250,8 @@ def export_weights(
         ema: write the EMA average of the weights instead of the trained ones.
         force: replace ``out`` when it exists.
         mode: ``"max"`` or ``"min"``: how ``best`` ranks scores; default the run's ``checkpoint.mode``.
+        format: ``"pt"`` (``torch.save``) or ``"safetensors"`` (with the run's config and final
+            metrics as metadata; tied weights stored once: see :mod:`unison.cli.export_formats`).
 
     Returns:
         What was written, and from which checkpoint.
@@ -258,8 +265,10 @@ def export_weights(
 
             $ unison export runs/mnist/20250101-120000 --checkpoint last --out mnist.pt
     """
+    if format not in FORMATS:
+        raise ExportError(f"--format {format}: expected one of {', '.join(FORMATS)}.")
     run = run_folder(run_dir)
-    target = output_path(run, out, ema=ema, force=force)
+    target = output_path(run, out, ema=ema, force=force, format=format)
     source, which = choose_checkpoint(run, checkpoint, mode=mode)
     if target.resolve() == source.resolve():
         raise ExportError(f"--out {out}: this is the checkpoint being exported. Write the weights elsewhere.")
@@ -271,8 +280,15 @@ def export_weights(
         except CheckpointError as err:
             raise ExportError(f"--ema: {err}") from err
     weights = reader.weights(ema=ema)
-    atomic_save(weights, target)
-    tensors = [value for value in weights.values() if isinstance(value, torch.Tensor)]
+    written: dict[str, Any] = weights
+    if format == "safetensors":
+        try:
+            written = save_safetensors(weights, target, run_metadata(run, meta))  # tied weights once
+        except FormatError as err:
+            raise ExportError(str(err)) from err
+    else:
+        atomic_save(weights, target)
+    tensors = [value for value in written.values() if isinstance(value, torch.Tensor)]
     return Exported(
         out=target,
         source=source,
@@ -320,6 +336,7 @@ def run_export(
     force: bool = False,
     mode: str | None = None,
     debug: bool = False,
+    format: str = "pt",
 ) -> int:
     """``unison export``: :func:`export_weights`, then its summary line; returns the exit status.
 
@@ -330,7 +347,9 @@ def run_export(
 
     setup_logging()  # the fallbacks' warnings, on stderr
     try:
-        done = export_weights(run_dir, checkpoint=checkpoint, out=out, ema=ema, force=force, mode=mode)
+        done = export_weights(
+            run_dir, checkpoint=checkpoint, out=out, ema=ema, force=force, mode=mode, format=format
+        )
     except (ExportError, CheckpointError) as err:
         if debug:
             raise
