@@ -13,6 +13,7 @@ from unison.distributed.collate import collate
 from unison.distributed.primitives import get_rank
 from unison.distributed.samplers import EvalSampler, TrainSampler
 from unison.distributed.stream_loader import stream_loader
+from unison.distributed.worker_start import worker_context
 
 
 def split_dataset(dataset: Dataset, fractions: Sequence[float], *, seed: int) -> list[Subset]:
@@ -156,7 +157,10 @@ def prepare_loaders(
             "for graph items."
         )
     common = dict(
-        num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn or collate, **loader_kwargs
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=collate_fn or collate,
+        **worker_context(num_workers, loader_kwargs),
     )
     train_loader = None
     if train is not None:

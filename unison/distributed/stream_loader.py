@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from unison.distributed.iterable import ShardedStream
 from unison.distributed.primitives import get_world_size
 from unison.distributed.stream_sources import splits_by_worker, stream_sharding
+from unison.distributed.worker_start import worker_context
 
 
 def _loader_class() -> type[DataLoader]:
@@ -75,5 +76,9 @@ def stream_loader(
             "every epoch would repeat the first epoch's order. Leave persistent_workers unset for this stream."
         )
     return _loader_class()(
-        dataset, batch_size=batch_size, drop_last=drop_last, num_workers=num_workers, **loader_kwargs
+        dataset,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        **worker_context(num_workers, loader_kwargs),
     )

@@ -18,6 +18,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from unison.distributed import prepare_loaders
+from unison.distributed.worker_start import worker_context
 from unison.recipe.loader_plan import LoaderPlan
 
 
@@ -47,6 +48,6 @@ def eval_loader(loader: LoaderPlan, dataset: Any) -> DataLoader | None:
             sampler=built.sampler,
             drop_last=True,
             collate_fn=built.collate_fn,  # the one prepare_loaders chose
-            **kwargs,
+            **worker_context(kwargs.get("num_workers", 0), kwargs),
         )
     return built
