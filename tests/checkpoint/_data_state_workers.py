@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from unison.checkpoint import CheckpointError
 from unison.distributed import TrainSampler, get_rank, get_world_size, prepare_model
+from unison.distributed.worker_start import worker_context
 from unison.engine import Events, create_trainer
 from unison.handlers import Checkpoint, Preemption
 
@@ -86,11 +87,13 @@ def make_loader(source: str, num_workers: int = 0) -> Any:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     rank, world = get_rank(), get_world_size()
+    # Workers forked from the rank, as prepare_loaders starts them (worker_start.py).
+    workers = worker_context(num_workers, {"num_workers": num_workers})
     if source == "stateful-shard":
-        return StatefulDataLoader(StreamShard(SIZE, rank, world), batch_size=BATCH, num_workers=num_workers)
+        return StatefulDataLoader(StreamShard(SIZE, rank, world), batch_size=BATCH, **workers)
     if source == "train-sampler":
         sampler = TrainSampler(Ids(), seed=3)
-        return StatefulDataLoader(Ids(), batch_size=BATCH, sampler=sampler, num_workers=num_workers)
+        return StatefulDataLoader(Ids(), batch_size=BATCH, sampler=sampler, **workers)
     if source == "hf-stream":
         from datasets import Dataset as HFDataset
         from datasets.distributed import split_dataset_by_node

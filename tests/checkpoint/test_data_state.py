@@ -88,6 +88,25 @@ def test_every_resume_of_two_ranks_equals_the_uninterrupted_run(source, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("source", "epoch_length"), [("stateful-shard", 6), ("train-sampler", 5)])
+def test_every_resume_of_two_ranks_with_two_workers_equals_the_uninterrupted_run(
+    source, epoch_length, tmp_path
+):
+    """Each rank's loader keeps one position per worker: a stream's 10 ids of a rank split 5 and 5
+    over the workers (3 batches each, the last of one id), the sampler's 10 indices 5 batches
+    handed out round robin. Every save of both epochs resumes on both ranks."""
+    results = run_distributed(resume_from_every_save, str(tmp_path), source, 2, nproc=2, timeout=300)
+    for result in results:
+        check_every_resume(result, epoch_length=epoch_length)
+    for epoch in range(2):
+        ids = [
+            [i for batch in r["trained"][epoch * epoch_length : (epoch + 1) * epoch_length] for i in batch]
+            for r in results
+        ]
+        assert sorted(ids[0] + ids[1]) == list(range(SIZE)), f"epoch {epoch + 1}: a sample missed or repeated"
+
+
+@pytest.mark.slow
 def test_a_per_rank_stream_position_is_refused_at_another_world_size(tmp_path):
     (path, _) = run_distributed(
         save_mid_epoch, str(tmp_path / "saved"), "stateful-shard", 3, nproc=2, timeout=120
