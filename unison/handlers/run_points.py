@@ -10,6 +10,7 @@ from the device between sync points. A subclass says where the points go: it ope
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
@@ -89,6 +90,10 @@ class RunPoints:
         self._pending: Points = {}
         self._window = (0.0, 0.0)  # the epoch's loss (sum, count) over all ranks at the last point
         self._next_point = every or 0
+        self.hand_over_s = 0.0
+        """Inside an epoch, the points of ``every`` wait until this many seconds have passed since
+        the last batch was handed over (0: each point at once); an epoch's end hands all over."""
+        self._handed = time.monotonic()
 
     # -- where the points go (subclasses; rank 0 only) -------------------------------------
 
@@ -132,7 +137,8 @@ class RunPoints:
         done = count - self._window[1]
         if done > 0:
             self._point({"train/recent_loss": (total - self._window[0]) / done, **self._learning_rates()})
-            self._flush()
+            if time.monotonic() - self._handed >= self.hand_over_s:
+                self._flush()
         self._window = (total, count)
 
     def _point(self, values: Mapping[str, float]) -> None:
@@ -142,6 +148,7 @@ class RunPoints:
     def _flush(self) -> None:
         if self._pending and self._open_here:
             self._send(self._pending)
+            self._handed = time.monotonic()
         self._pending = {}
 
     # -- event handlers ---------------------------------------------------------------------

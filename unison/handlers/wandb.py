@@ -21,6 +21,11 @@ __all__ = ["WandbLogger"]
 
 Mode = Literal["online", "offline", "disabled"]
 MODES = ("online", "offline", "disabled")
+HAND_OVER_S = 2.0
+"""Inside an epoch, ``every``'s points go to the writer thread in batches at least this many
+seconds apart: each hand-over costs the training thread the writer's Python work (``wandb.log``
+holds the interpreter's lock for about a millisecond a row), and W&B sends its rows in batches of
+its own anyway. An epoch's end hands over all its points."""
 
 
 def new_id() -> str:
@@ -38,7 +43,8 @@ class WandbLogger(RunPoints):
     read at the trainer's sync points (no collective added, nothing read from the device
     between sync points). An epoch's points go in one batch to a thread of rank 0 that calls
     ``wandb.log`` (:class:`~unison.handlers.wandb_writer.RunWriter`): training never waits on
-    W&B. At ``COMPLETED`` rank 0 records ``checkpoint()`` (when given), ends the run and waits
+    W&B. Inside an epoch, ``every``'s points are handed over at most every
+    :data:`HAND_OVER_S` seconds. At ``COMPLETED`` rank 0 records ``checkpoint()`` (when given), ends the run and waits
     for the writes; a run stopped without ``COMPLETED`` (preemption) is marked preempting and
     ends with exit code 1, as a failed one does.
 
@@ -100,6 +106,7 @@ class WandbLogger(RunPoints):
         if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
             raise ValueError(f"WandbLogger(tags={tags!r}) must be a list of non-empty strings.")
         super().__init__("WandbLogger", trainer, evaluators, every)
+        self.hand_over_s = HAND_OVER_S
         self.project = project
         self.entity = entity
         self.name = name
