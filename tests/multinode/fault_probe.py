@@ -11,7 +11,8 @@
   - ``"hang"``: sleeps until it is killed (its node is lost);
   - ``"crash"``: kills itself with SIGKILL (a worker crash);
   - ``"term"``: waits until SIGTERM reaches it, hands the signal on to the handler it
-    found (unison's Preemption), and trains on: the ranks save at an agreed iteration.
+    found (unison's Preemption: the ranks save at an agreed iteration) and trains on; with
+    no handler installed, the signal then takes its default action.
 """
 
 from __future__ import annotations
@@ -104,3 +105,5 @@ class TraceNet(nn.Module):
                 time.sleep(0.02)
         finally:
             signal.signal(signal.SIGTERM, previous)
+        if not callable(previous) and previous != signal.SIG_IGN:
+            os.kill(os.getpid(), signal.SIGTERM)  # no handler: the default action, as without the probe
