@@ -3,9 +3,11 @@
 A map-style loader with a TrainSampler has one global position (the ``sampler`` entry,
 :mod:`unison.checkpoint.position`). A source of kind ``"stateful"``
 (:func:`unison.distributed.data_state.data_position`: torchdata's ``StatefulDataLoader``, a
-Hugging Face streaming dataset) keeps its position itself, and each rank's differs: every
-rank's state is gathered to rank 0 with the other per-rank states of a save, stored by rank,
-and each rank loads its own before its data iterator is made. No collective here.
+Hugging Face streaming dataset) keeps its position itself: every rank's state is gathered to
+rank 0 with the other per-rank states of a save, stored by rank, and each rank loads its own
+before its data iterator is made. A state of scope ``"global"`` (a ``shard_stream`` without
+loader workers: every rank's counts the same source items) is the same on every rank; when it
+is elastic, a run at another world size loads it on every rank. No collective here.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class DataEntry:
             "source": position.source,
             "scope": position.scope,
             "elastic": position.elastic,
+            "not_elastic": position.not_elastic,
             "world_size": world_size,
             "by_rank": list(by_rank),
         }
@@ -135,8 +138,13 @@ class DataEntry:
                 f"Checkpoint {source} holds the data state of a {entry['source']}; this run's training data is "
                 f"a {position.source}. Resume with the same kind of training data."
             )
-        if position.load is not None and rank < len(entry["by_rank"]):
-            position.load(entry["by_rank"][rank])
+        by_rank = entry["by_rank"]
+        if position.load is None or not by_rank:
+            return
+        if rank < len(by_rank):
+            position.load(by_rank[rank])
+        elif entry.get("scope") == "global" and entry.get("elastic"):  # more ranks than saved it
+            position.load(by_rank[0])
 
 
 def check_data_entry(entry: Mapping[str, Any] | None, *, source: str, world_size: int) -> None:
@@ -147,8 +155,9 @@ def check_data_entry(entry: Mapping[str, Any] | None, *, source: str, world_size
     """
     if entry is None or entry.get("elastic") or entry["world_size"] == world_size:
         return
+    why = f" Not elastic because {entry['not_elastic']}." if entry.get("not_elastic") else ""
     raise CheckpointError(
         f"Checkpoint {source} holds each rank's position in a {entry['source']} saved at world size "
         f"{entry['world_size']}; this run has world size {world_size}. A per-rank data position cannot be "
-        f"divided among other ranks: resume with {entry['world_size']} ranks, or start the run afresh."
+        f"divided among other ranks: resume with {entry['world_size']} ranks, or start the run afresh.{why}"
     )

@@ -18,6 +18,7 @@ import torch
 from ignite.engine import Events
 
 from unison.checkpoint.state import Position, check_layout, data_length, refit_epoch_length
+from unison.distributed.primitives import get_world_size
 from unison.distributed.samplers import TrainSampler, samplers_with_set_epoch
 from unison.utils.logging import get_logger
 
@@ -252,6 +253,11 @@ def fit_to_data(
     if getattr(engine, "epoch_length_given", False):
         return saved
     data = engine.state.dataloader
+    if meta.get("world_size") != get_world_size() and data_length(data) is None:
+        # A stream resharded: the saved length counts another world size's batches. The
+        # epoch learns its length again, as a first epoch does (EpochTracker.relearn).
+        engine.state.epoch_length = None
+        return saved
     if not meta["mid_epoch"]:
         fit = refit_epoch_length(at, data_length(data), warn=True)
         if fit is not None:

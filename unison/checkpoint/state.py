@@ -300,8 +300,8 @@ def check_checkpoint(
 
     Raises:
         CheckpointError: for another format, a missing object, or another world size
-            mid-epoch without the position of a TrainSampler over the saved world size
-            (the epoch's remaining samples cannot be resharded then), or with each rank's own
+            mid-epoch without the position of a TrainSampler over the saved world size or of an
+            elastic stream (the epoch's remaining samples cannot be resharded then), or with each rank's own
             data position (:func:`~unison.checkpoint.data_entry.check_data_entry`).
     """
     meta = state.get("meta", {})
@@ -322,7 +322,8 @@ def check_checkpoint(
         return None
     sampler = state.get("sampler")
     if meta["mid_epoch"]:
-        if not sampler or sampler.get("world_size") != meta["world_size"]:
+        stream = bool((state.get("data") or {}).get("elastic"))  # a stream's global position: it reshards
+        if not stream and (not sampler or sampler.get("world_size") != meta["world_size"]):
             raise CheckpointError(
                 f"Checkpoint {source} was taken mid-epoch (iteration {meta['iteration']}) with world size "
                 f"{meta['world_size']}; this run has {world_size}. Resume with {meta['world_size']} ranks, "

@@ -11,7 +11,8 @@ data stood. Every training loader answers, through :func:`data_position`:
   saves stay allowed.
 - ``scope``: ``"global"`` when one position serves the whole job (it counts samples of the
   global order), ``"rank"`` when each rank keeps its own.
-- ``elastic``: whether a run saved at N ranks may continue at M.
+- ``elastic``: whether a run saved at N ranks may continue at M (``not_elastic`` says why not,
+  where a setting decides it).
 - ``fix``: what to use instead, for the error a refused save raises.
 
 Sources register a recognizer (:func:`register_source`); the first that answers wins, and
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from unison.distributed.iterable import ShardedStream
 from unison.distributed.samplers import TrainSampler, samplers_with_set_epoch
 
 Kind = Literal["sampler", "stateful", "none"]
@@ -43,6 +45,7 @@ class DataPosition:
         scope: ``"global"`` or ``"rank"``; None when the kind is ``"none"``.
         elastic: whether the position can continue at another world size.
         fix: for ``kind == "none"``: what to use instead, a sentence.
+        not_elastic: where a setting keeps it from another world size: which, and the fix.
         save: returns this rank's state (``kind == "stateful"``), plain values only.
         load: puts a saved state back (``kind == "stateful"``).
     """
@@ -52,6 +55,7 @@ class DataPosition:
     scope: Scope | None
     elastic: bool
     fix: str = ""
+    not_elastic: str = ""
     save: Callable[[], Any] | None = None
     load: Callable[[Any], None] | None = None
 
@@ -179,4 +183,33 @@ def _stateful_dataset(loader: Any) -> DataPosition | None:
     )
 
 
-_builtin: list[Recognizer] = [_stateful_loader, _resumable_sampler, _stateful_dataset]
+def _sharded_stream(loader: Any) -> DataPosition | None:
+    """A :func:`~unison.distributed.shard_stream` stream, iterated directly or by a loader (plain or
+    torchdata's) that saves its state.
+
+    With no loader workers every rank reads the same rounds of ``world_size`` items, one each,
+    in lockstep: at a save all ranks have read the same number of source items, a position in
+    the stream's global order that any world size can continue from. With workers the rounds
+    are dealt to the workers in turn and the loader interleaves their batches, so the items
+    read are no prefix of the stream: each rank's position is its own.
+    """
+    dataset = loader.dataset if isinstance(loader, DataLoader) else loader
+    if not isinstance(dataset, ShardedStream):
+        return None
+    answer = _stateful_loader(loader) or _stateful_dataset(loader)
+    if answer is None or answer.kind != "stateful":
+        return answer
+    workers = loader.num_workers if isinstance(loader, DataLoader) else 0
+    if workers == 0 and dataset.equal_length:
+        return replace(answer, scope="global", elastic=True)
+    why = (
+        f"its loader has num_workers={workers}, which deals the stream's rounds to the workers in turn, so "
+        "each rank's position is its own; with num_workers=0 the stream's position is global and elastic"
+        if workers
+        else "shard_stream(equal_length=False) lets the ranks' positions differ at the stream's end; "
+        "equal_length=True (the default) with num_workers=0 makes the stream's position global and elastic"
+    )
+    return replace(answer, not_elastic=why)
+
+
+_builtin: list[Recognizer] = [_sharded_stream, _stateful_loader, _resumable_sampler, _stateful_dataset]

@@ -252,6 +252,7 @@ class Engine(AgreedStops):
         elif event_name is Events.EPOCH_COMPLETED:
             if self._control_contributors and not is_last_epoch(self.state) and not self.should_terminate:
                 self._sync(epoch_end=False)
+            self._epoch.end_epoch(self.state)
             run_after(self, self._after_epoch, event_name)
 
     def _iteration_tail(self) -> None:

@@ -24,6 +24,8 @@ class EpochTracker:
         resume_offset: iterations of the next epoch already done (after a mid-epoch resume).
         done: whether the current epoch has ended (``EPOCH_COMPLETED`` or cut short).
         fresh_iterator: the next epoch must make its data iterator after ``set_epoch``.
+        relearn: the current epoch resumed mid-epoch before its length was known; the length it
+            learns counts iterations of two runs (of two world sizes, for a resharded stream).
     """
 
     def __init__(self) -> None:
@@ -31,6 +33,7 @@ class EpochTracker:
         self.resume_offset = 0
         self.done = True
         self.fresh_iterator = False
+        self.relearn = False
         self.loaded: int | None = None
         self.tracked: State | None = None  # the state this tracker follows
         self.pending_partials: list[list[float]] | None = None
@@ -61,9 +64,18 @@ class EpochTracker:
     def start_epoch(self) -> bool:
         """At ``EPOCH_STARTED``; returns whether the data iterator must be made anew."""
         self.iteration, self.resume_offset = self.resume_offset, 0
+        self.relearn = self.iteration > 0 and self.tracked is not None and self.tracked.epoch_length is None
         self.done = False
         fresh, self.fresh_iterator = self.fresh_iterator, False
         return fresh
+
+    def end_epoch(self, state: State) -> None:
+        """After ``EPOCH_COMPLETED``'s handlers, before the after-epoch callbacks (a checkpoint's save):
+        a length learned by a resumed epoch is no later epoch's, which learns its own, from a fresh
+        data iterator."""
+        if self.relearn:
+            self.relearn, self.fresh_iterator = False, True
+            state.epoch_length = None
 
     def ends_here(self, state: State) -> bool:
         """Whether the current iteration is the epoch's last."""
