@@ -72,20 +72,27 @@ class TraceNet(nn.Module):
             fh.write(json.dumps(line) + "\n")
 
     def _fault(self) -> None:
-        try:
-            with open(self.flag, "x") as fh:  # once per run: a restarted group trains on
-                fh.write(repr(time.time()))
-        except FileExistsError:
+        if self.fault == "term":
+            self._wait_for_sigterm()
+            return
+        if not self._announce():
             return
         if self.fault == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif self.fault == "hang":
-            while True:
-                time.sleep(1.0)
-        else:
-            self._wait_for_sigterm()
+        while True:  # "hang"
+            time.sleep(1.0)
+
+    def _announce(self) -> bool:
+        """Creates the flag, holding the time; False where it exists (a restarted group trains on)."""
+        try:
+            with open(self.flag, "x") as fh:
+                fh.write(repr(time.time()))
+        except FileExistsError:
+            return False
+        return True
 
     def _wait_for_sigterm(self) -> None:
+        """Catches SIGTERM before the flag tells the driver to send it, so none is missed."""
         received: list[int] = []
         previous = signal.getsignal(signal.SIGTERM)
 
@@ -97,6 +104,8 @@ class TraceNet(nn.Module):
         signal.signal(signal.SIGTERM, on_term)
         deadline = time.monotonic() + TERM_WAIT_S
         try:
+            if not self._announce():
+                return
             while not received:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
