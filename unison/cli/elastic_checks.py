@@ -17,7 +17,9 @@ from unison.distributed.env import detect_launcher
 from unison.distributed.job import NO_JOB_ID
 
 SHARE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-RDZV_CONF = "join_timeout=300,last_call_timeout=5,close_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=3"
+RDZV_CONF = (
+    "join_timeout=300,last_call_timeout=5,close_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=3"
+)
 """Rendezvous timeouts that re-form a group in seconds rather than torch's 30 s + 30 s."""
 ADVICE = (
     f"export {SHARE_VAR}=1; torchrun --max-restarts=3 --monitor-interval=1 "
