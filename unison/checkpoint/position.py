@@ -227,7 +227,8 @@ def fit_to_data(
     Reports a changed per-rank layout (:func:`~unison.checkpoint.state.check_layout`). Unless
     the run was given ``epoch_length``, the data decides the epoch length: at an epoch
     boundary through :func:`~unison.checkpoint.state.refit_epoch_length`, mid-epoch through
-    :func:`fit_resumed_epoch` and :func:`place_engine`.
+    :func:`fit_resumed_epoch` and :func:`place_engine`. Data without a length (a stream) at
+    another world size learns its epoch length again, the resumed epoch and the next.
 
     Args:
         engine: the trainer (a unison Engine), with the checkpoint's state loaded.

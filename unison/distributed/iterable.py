@@ -117,7 +117,10 @@ def shard_stream(
     the number of source items read), which torchdata's ``StatefulDataLoader`` saves per
     worker. A resume re-reads the source and skips those items: it is exact when the source
     yields the same order again for the same epoch (a file list, a seeded shuffle that
-    follows ``set_epoch``). ``set_epoch(epoch)`` is passed on to the source.
+    follows ``set_epoch``). ``set_epoch(epoch)`` is passed on to the source. Without loader
+    workers (and with ``equal_length``) all ranks have read the same items at any save: the
+    position is global, and a checkpoint resumes at another world size, reading the rest of
+    the epoch in rounds of the new one; with workers each rank's position is its own.
 
     Args:
         source: an iterable that can be read again from its start, often an ``IterableDataset``.
