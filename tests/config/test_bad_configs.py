@@ -275,6 +275,13 @@ FILE_CASES = [
         ("must be > 0",),
     ),
     Bad("lr-negative", "training:\n  lr: -0.1  # <-- here\n", "training.lr", ("must be > 0",)),
+    Bad("lr-nan", "training:\n  lr: .nan  # <-- here\n", "training.lr", ("must be > 0 and finite", "nan")),
+    Bad(
+        "every_seconds-inf",
+        "checkpoint:\n  every_seconds: .inf  # <-- here\n",
+        "checkpoint.every_seconds",
+        ("must be > 0 and finite", "inf", "leave the key out"),
+    ),
     Bad(
         "num_workers-negative",
         "training:\n  num_workers: -1  # <-- here\n",

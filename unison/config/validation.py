@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Any
 
 from unison.config.checks_base import matches, metric_direction, takes_float
@@ -229,10 +230,11 @@ def _check_values(config: Config, raw: RawConfig) -> None:
         (("training", "lr"), config.training.lr),
     ]
     for path, value in positive:
-        if value is not None and value <= 0:
+        if value is not None and not 0 < value < math.inf:  # NaN compares false both ways
             raise raw.origin.error(
                 path,
-                f"must be > 0, got {value!r}",
+                f"must be > 0 and finite, got {value!r}"
+                + ("; leave the key out (or null) for none" if value == math.inf else ""),
             )
     for path, value in (
         (("training", "num_workers"), config.training.num_workers),
