@@ -47,3 +47,32 @@ def test_points_inside_an_epoch_wait_for_the_hand_over_period_and_an_epoch_end_h
     assert sorted(merged) == [2, 4, 6, 8, 10, 12]  # the same points either way
     assert all("train/recent_loss" in merged[s] for s in (2, 4, 8, 10)) and "train/loss" in merged[12]
     assert kept.status == "FINISHED"
+
+
+@pytest.mark.parametrize(
+    ("evaluators", "every", "error", "says"),
+    [
+        ({"train": "trainer"}, None, ValueError, "other than 'train'"),
+        ({"val": "trainer"}, None, TypeError, "an evaluation Engine other than the trainer"),
+        ({}, 0, ValueError, "must be a positive int"),
+        ({}, 2, ValueError, "sync_every=None"),
+    ],
+)
+def test_every_tracker_checks_its_trainer_evaluators_and_every_alike(evaluators, every, error, says) -> None:
+    from unison.handlers.mlflow import MLflowLogger
+
+    model = torch.nn.Linear(3, 1)
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, sync_every=None)
+    given = {name: trainer for name in evaluators}
+    for who, build in (
+        ("Kept", lambda: Kept(trainer, given, every)),
+        (
+            "MLflowLogger",
+            lambda: MLflowLogger(
+                "sqlite:///unused.db", trainer=trainer, experiment="e", evaluators=given, every=every
+            ),
+        ),
+    ):
+        with pytest.raises(error) as err:
+            build()
+        assert str(err.value).startswith(f"{who}(") and says in str(err.value), str(err.value)

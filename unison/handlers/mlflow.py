@@ -26,6 +26,7 @@ from unison.handlers.mlflow_store import (
     record_run,
     recorded_run,
 )
+from unison.handlers.run_points import checked_tracker_arguments
 from unison.utils import get_logger
 from unison.utils.secrets import redact_url
 
@@ -115,35 +116,9 @@ class MLflowLogger:
         for name, value in (("tracking_uri", tracking_uri), ("experiment", experiment)):
             if not isinstance(value, str) or not value:
                 raise ValueError(f"MLflowLogger({name}={value!r}) must be a non-empty string.")
-        if not isinstance(trainer, Engine):
-            raise TypeError(
-                f"MLflowLogger(trainer=...) needs an Engine (from unison.engine.create_trainer), got "
-                f"{type(trainer).__name__}."
-            )
-        evaluators = dict(evaluators or {})
-        for name, evaluator in evaluators.items():
-            if not isinstance(name, str) or not name or name == "train" or key(name) != name:
-                raise ValueError(
-                    f"MLflowLogger(evaluators={{{name!r}: ...}}): each name prefixes its metrics, so it must be "
-                    "a non-empty word other than 'train' (the trainer's prefix); use e.g. 'val' or 'test'."
-                )
-            if not isinstance(evaluator, Engine) or evaluator is trainer:
-                raise TypeError(
-                    f"MLflowLogger(evaluators={{{name!r}: ...}}) needs an evaluation Engine other than the "
-                    f"trainer, got {type(evaluator).__name__}."
-                )
-        if every is not None:
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(
-                    f"MLflowLogger(every={every!r}) must be a positive int (iterations between loss points) "
-                    "or None (epoch ends only)."
-                )
-            require_sync_point(trainer, f"MLflowLogger(every={every})")
-            if getattr(trainer, "sync_every", None) is None:
-                raise ValueError(
-                    f"MLflowLogger(every={every}) reads the loss at the trainer's sync points, and this trainer "
-                    "has none inside an epoch (sync_every=None). Give the trainer sync_every, or every=None."
-                )
+        evaluators = checked_tracker_arguments(
+            "MLflowLogger", trainer, evaluators, every, word=lambda n: key(n) == n
+        )
         self.tracking_uri = tracking_uri
         self.trainer = trainer
         self.evaluators = evaluators
@@ -276,7 +251,9 @@ class MLflowLogger:
             tags=[RunTag(k, v) for k, v in limited(tags, True).items()],
         )
         self._writer = StoreWriter(client, run_id)
-        _log.info("MLflow: run %s in experiment %r at %s", run_id, self.experiment, redact_url(self.tracking_uri))
+        _log.info(
+            "MLflow: run %s in experiment %r at %s", run_id, self.experiment, redact_url(self.tracking_uri)
+        )
 
     def _log_metrics(self, values: Mapping[str, float], step: int) -> None:
         if not values or self._writer is None:  # rank 0 with its run open only

@@ -11,7 +11,7 @@ from the device between sync points. A subclass says where the points go: it ope
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from ignite.engine import Engine, Events
@@ -26,6 +26,52 @@ Points = dict[int, dict[str, float]]
 
 def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def checked_tracker_arguments(
+    who: str,
+    trainer: Engine,
+    evaluators: Mapping[str, Engine] | None,
+    every: int | None,
+    word: Callable[[str], bool] = str.isidentifier,
+) -> dict[str, Engine]:
+    """The evaluators of a tracker (``who``: its class, for errors), after checking what every
+    tracker takes alike: an Engine as the trainer, evaluators named by a ``word`` other than
+    ``train`` (their metrics' prefix), and ``every`` a positive int over a trainer with sync
+    points inside an epoch.
+
+    Raises:
+        TypeError, ValueError: naming the argument, the value and the fix.
+    """
+    if not isinstance(trainer, Engine):
+        raise TypeError(
+            f"{who}(trainer=...) needs an Engine (from unison.engine.create_trainer), got {type(trainer).__name__}."
+        )
+    evaluators = dict(evaluators or {})
+    for name, evaluator in evaluators.items():
+        if not isinstance(name, str) or not name or name == "train" or not word(name):
+            raise ValueError(
+                f"{who}(evaluators={{{name!r}: ...}}): each name prefixes its metrics, so it must be a "
+                "non-empty word other than 'train' (the trainer's prefix); use e.g. 'val' or 'test'."
+            )
+        if not isinstance(evaluator, Engine) or evaluator is trainer:
+            raise TypeError(
+                f"{who}(evaluators={{{name!r}: ...}}) needs an evaluation Engine other than the trainer, got "
+                f"{type(evaluator).__name__}."
+            )
+    if every is not None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"{who}(every={every!r}) must be a positive int (iterations between loss points) or None "
+                "(epoch ends only)."
+            )
+        require_sync_point(trainer, f"{who}(every={every})")
+        if getattr(trainer, "sync_every", None) is None:
+            raise ValueError(
+                f"{who}(every={every}) reads the loss at the trainer's sync points, and this trainer has none "
+                "inside an epoch (sync_every=None). Give the trainer sync_every, or every=None."
+            )
+    return evaluators
 
 
 class RunPoints:
@@ -54,34 +100,7 @@ class RunPoints:
     def __init__(
         self, who: str, trainer: Engine, evaluators: Mapping[str, Engine] | None, every: int | None
     ) -> None:
-        if not isinstance(trainer, Engine):
-            raise TypeError(
-                f"{who}(trainer=...) needs an Engine (from unison.engine.create_trainer), got {type(trainer).__name__}."
-            )
-        evaluators = dict(evaluators or {})
-        for name, evaluator in evaluators.items():
-            if not isinstance(name, str) or not name.isidentifier() or name == "train":
-                raise ValueError(
-                    f"{who}(evaluators={{{name!r}: ...}}): each name prefixes its metrics, so it must be a word "
-                    "other than 'train' (the trainer's prefix); use e.g. 'val' or 'test'."
-                )
-            if not isinstance(evaluator, Engine) or evaluator is trainer:
-                raise TypeError(
-                    f"{who}(evaluators={{{name!r}: ...}}) needs an evaluation Engine other than the trainer, got "
-                    f"{type(evaluator).__name__}."
-                )
-        if every is not None:
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(
-                    f"{who}(every={every!r}) must be a positive int (iterations between loss points) or None "
-                    "(epoch ends only)."
-                )
-            require_sync_point(trainer, f"{who}(every={every})")
-            if getattr(trainer, "sync_every", None) is None:
-                raise ValueError(
-                    f"{who}(every={every}) reads the loss at the trainer's sync points, and this trainer has none "
-                    "inside an epoch (sync_every=None). Give the trainer sync_every, or every=None."
-                )
+        evaluators = checked_tracker_arguments(who, trainer, evaluators, every)
         self.who = who
         self.trainer = trainer
         self.evaluators = evaluators
