@@ -11,6 +11,7 @@ from the device between sync points. A subclass says where the points go: it ope
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
 import torch
@@ -74,7 +75,7 @@ def checked_tracker_arguments(
     return evaluators
 
 
-class RunPoints:
+class RunPoints(ABC):
     """The points of a training run, gathered on every rank and sent by rank 0.
 
     - ``train/loss``, the epoch's mean loss over all ranks (``trainer.state.metrics["loss"]``),
@@ -116,17 +117,17 @@ class RunPoints:
 
     # -- where the points go (subclasses; rank 0 only) -------------------------------------
 
+    @abstractmethod
     def _open(self) -> None:
         """Opens the run; raises when it cannot."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _send(self, points: Points) -> None:
         """Hands a batch of points over; must return at once."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _end(self, status: str) -> None:
         """Ends the run: ``FINISHED``, ``KILLED`` (stopped without ``COMPLETED``) or ``FAILED``."""
-        raise NotImplementedError
 
     # -- what to log (every rank; nothing read from the device between sync points) --------
 
