@@ -13,7 +13,7 @@ from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank
 from unison.distributed.sync import require_sync_point
-from unison.handlers.lr_record import LRRecord, used_rates
+from unison.handlers.lr_record import LRRecord
 from unison.handlers.mlflow_store import (
     TRUNCATED,
     StoreWriter,
@@ -26,7 +26,12 @@ from unison.handlers.mlflow_store import (
     record_run,
     recorded_run,
 )
-from unison.handlers.run_points import checked_tracker_arguments
+from unison.handlers.run_points import (
+    checked_tracker_arguments,
+    loss_sync_state,
+    trainer_optimizer,
+    trainer_rates,
+)
 from unison.utils import get_logger
 from unison.utils.secrets import redact_url
 
@@ -142,19 +147,14 @@ class MLflowLogger:
     # -- what to log (every rank; nothing read from the device between sync points) --------
 
     def _learning_rates(self) -> dict[str, float]:
-        optimizer = self._optimizer()
-        return {} if optimizer is None else used_rates(optimizer)  # the rates the last update used
+        return trainer_rates(self.trainer)
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        optimizer = getattr(getattr(self.trainer, "process_function", None), "optimizer", None)
-        return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        return trainer_optimizer(self.trainer)
 
     def sync_state(self) -> torch.Tensor:
         """This rank's loss sum and count of the epoch so far (the trainer's sync point calls it)."""
-        average = getattr(getattr(self.trainer, "process_function", None), "loss_average", None)
-        if average is None:
-            return torch.zeros(2, dtype=torch.float64)
-        return average.sync_state().to(torch.float64).reshape(2)
+        return loss_sync_state(self.trainer)
 
     def load_synced_state(self, state: torch.Tensor) -> None:
         """Every rank: the sums over all ranks; at a point, rank 0 logs the mean since the last one."""

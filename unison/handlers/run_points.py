@@ -29,6 +29,27 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def trainer_optimizer(trainer: Engine) -> torch.optim.Optimizer | None:
+    """The optimizer of a trainer built by ``create_trainer``; None for another engine."""
+    optimizer = getattr(getattr(trainer, "process_function", None), "optimizer", None)
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def trainer_rates(trainer: Engine) -> dict[str, float]:
+    """The learning rates the trainer's last update used (``train/lr``, or one per group)."""
+    optimizer = trainer_optimizer(trainer)
+    return {} if optimizer is None else used_rates(optimizer)
+
+
+def loss_sync_state(trainer: Engine) -> torch.Tensor:
+    """This rank's loss sum and count of the epoch so far, as a tracker adds them to the
+    trainer's sync point (zeros for a trainer without a loss average)."""
+    average = getattr(getattr(trainer, "process_function", None), "loss_average", None)
+    if average is None:
+        return torch.zeros(2, dtype=torch.float64)
+    return average.sync_state().to(torch.float64).reshape(2)
+
+
 def checked_tracker_arguments(
     who: str,
     trainer: Engine,
@@ -132,19 +153,14 @@ class RunPoints(ABC):
     # -- what to log (every rank; nothing read from the device between sync points) --------
 
     def _learning_rates(self) -> dict[str, float]:
-        optimizer = self._optimizer()
-        return {} if optimizer is None else used_rates(optimizer)
+        return trainer_rates(self.trainer)
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        optimizer = getattr(getattr(self.trainer, "process_function", None), "optimizer", None)
-        return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        return trainer_optimizer(self.trainer)
 
     def sync_state(self) -> torch.Tensor:
         """This rank's loss sum and count of the epoch so far (the trainer's sync point calls it)."""
-        average = getattr(getattr(self.trainer, "process_function", None), "loss_average", None)
-        if average is None:
-            return torch.zeros(2, dtype=torch.float64)
-        return average.sync_state().to(torch.float64).reshape(2)
+        return loss_sync_state(self.trainer)
 
     def load_synced_state(self, state: torch.Tensor) -> None:
         """Every rank: the sums over all ranks; at a point, the mean since the last one."""
