@@ -30,6 +30,13 @@ recomputation (``preserve_rng_state``), so dropout draws the same mask twice and
 gradients are those of the plain model. Under ``torch.no_grad`` (evaluation, prediction)
 the block runs its plain forward: nothing is saved, so nothing is recomputed.
 
+Buffers: the recomputation runs on copies of the block's buffers, dropped when it ends
+(:class:`_ScratchBuffers`, the recompute half of ``checkpoint``'s ``context_fn``), so a
+buffer the forward updates is updated once per step, as without: BatchNorm's running
+statistics and ``num_batches_tracked`` (in training mode its output uses the batch's own
+statistics, so the copies give the same activations). Under ``torch.compile`` the graph
+applies a buffer's update once, in the forward, and recomputes only activations.
+
 The order :func:`~unison.distributed.model.prepare_model` uses: move the model, checkpoint
 the blocks, then wrap (DDP) or shard (FSDP2), then compile.
 """
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -166,4 +174,36 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(module).forward
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
-    return checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
+    if torch.compiler.is_compiling():  # dynamo takes only dispatch modes as contexts; see the module's note
+        return checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
+    contexts = functools.partial(_contexts, module)
+    return checkpoint(forward, module, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def _contexts(module: nn.Module) -> tuple[nullcontext[None], _ScratchBuffers]:
+    return nullcontext(), _ScratchBuffers(module)
+
+
+class _ScratchBuffers:
+    """Inside, every buffer of ``module`` (and its submodules) is a copy; on exit the originals are back.
+
+    Reusable: a backward with ``retain_graph`` recomputes the block again, in the same context.
+    The originals are never written, so their version counters (and anything autograd saved
+    of them) stay as the forward left them.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.originals: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        for owner in self.module.modules():
+            for name, buffer in owner._buffers.items():
+                if buffer is not None:
+                    self.originals.append((owner, name, buffer))
+                    owner._buffers[name] = buffer.clone()
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, buffer in self.originals:
+            owner._buffers[name] = buffer
+        self.originals = []
