@@ -7,6 +7,11 @@ submodules become units is the ``shard`` rule: ``"auto"`` takes the repeated blo
 layers, residual blocks, the layers of an MLP), or a list of class names. The root is
 always a unit, holding what no unit took.
 
+Tied weights (a language model's output projection that is its embedding, blocks sharing
+a layer): FSDP2 shards a parameter within one unit only, so a chosen unit holding a
+parameter that a module outside it uses too is not made a unit; its parameters stay with
+the root, the unit that holds every module using them (:func:`untied_units`).
+
 The helpers here keep unison's guarantees under sharding:
 
 - :func:`no_gradient_sync`: an accumulation window's inner backward passes keep their
@@ -28,6 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -157,6 +165,62 @@ def _outermost(model: nn.Module, chosen: Any) -> list[nn.Module]:
     return units
 
 
+def untied_units(
+    model: nn.Module, units: Sequence[nn.Module]
+) -> tuple[list[nn.Module], dict[str, list[str]]]:
+    """``units`` without those that share a parameter with a module outside them, and the ties.
+
+    A unit whose parameter is also used by another unit or by the root's own modules is
+    left to the root; so is, in turn, any unit that shares a parameter with what the root
+    took. ``units`` are disjoint (outermost). Returns the units kept, in order, and each
+    tied parameter that crosses a unit's border: its first name -> its other names.
+
+    Example:
+        >>> m = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.Linear(4, 5, bias=False))
+        >>> m[2].weight = m[0].weight
+        >>> kept, ties = untied_units(m, [m[1], m[2]])
+        >>> kept == [m[1]], ties
+        (True, {'0.weight': ['2.weight']})
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = {key: found for key, found in names.items() if len(found) > 1}
+    kept = list(units)
+    crossing: set[int] = set()
+    while True:
+        owners: dict[int, set[int]] = {}  # a tied parameter -> the units using it (-1: the root)
+        for i, unit in enumerate(kept):
+            for param in unit.parameters():
+                owners.setdefault(id(param), set()).add(i)
+        for param in _root_parameters(model, {id(unit) for unit in kept}):
+            owners.setdefault(id(param), set()).add(-1)
+        shared = {key for key, users in owners.items() if key in tied and len(users) > 1}
+        dropped = {i for key in shared for i in owners[key] if i >= 0}
+        crossing |= shared
+        if not dropped:
+            return kept, {
+                names[key][0]: names[key][1:] for key in sorted(crossing, key=lambda k: names[k][0])
+            }
+        kept = [unit for i, unit in enumerate(kept) if i not in dropped]
+
+
+def _root_parameters(model: nn.Module, units: set[int]) -> list[nn.Parameter]:
+    """The parameters of the modules reached from ``model`` without entering one of ``units``."""
+    found: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        seen.add(id(module))
+        found.extend(p for p in module._parameters.values() if p is not None)
+        for child in module.children():
+            if id(child) not in units and id(child) not in seen:
+                visit(child)
+
+    visit(model)
+    return found
+
+
 def shard_model(model: nn.Module, options: FSDPOptions, device: torch.device, world_size: int) -> nn.Module:
     """Applies ``fully_shard`` to the units of ``options.shard``, innermost first, then the root.
 
@@ -173,6 +237,14 @@ def shard_model(model: nn.Module, options: FSDPOptions, device: torch.device, wo
         )
     _broadcast_parameters(model)
     units = auto_units(model) if options.shard == "auto" else named_units(model, list(options.shard))
+    units, ties = untied_units(model, units)
+    for name, others in ties.items():
+        _log.info(
+            "parallel.fsdp: %s is tied to %s; the modules holding it are sharded with the root unit, "
+            "the one unit that holds them all (FSDP2 shards a parameter in one unit).",
+            name,
+            ", ".join(others),
+        )
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(
         param_dtype=options.dtype("param_dtype"), reduce_dtype=options.dtype("reduce_dtype")
