@@ -17,7 +17,10 @@ from unison.config.schema_walk import walk_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
-CONFIGS = sorted(ROOT.glob("recipes/*/config.yaml")) + sorted(DATA.glob("*.yaml"))
+CONFIGS = sorted({*ROOT.glob("recipes/**/*.yaml"), *ROOT.glob("recipes/**/*.yml")}) + sorted(
+    {*DATA.glob("**/*.yaml"), *DATA.glob("**/*.yml")}
+)
+"""Every config of the repository's recipes and of the loader's tests, in any folder below them."""
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +134,71 @@ def test_every_key_of_the_schema_is_a_property_with_its_doc_and_default():
             assert key.path == ("model", "type"), key.path  # required: no default
         assert prop.get("anyOf") != [], key.path
         assert prop != {"description": prop["description"]} or key.type is Any, key.path  # a type for each
+
+
+BASE = "model:\n  type: !pyobject torch.nn.Linear\ndata:\n  build: !pyobject mine.build\n"
+"""A config the loader accepts, without importing anything: the cases below change it."""
+
+
+def _accepted_by_the_loader() -> list[tuple[str, str]]:
+    """Configs the loader accepts that a schema made apart from it is likely to refuse: each section
+    written empty (YAML null; model and data hold required keys), an enum in another case where the
+    loader folds it, the keys a model section keeps for from_config, and each source of data."""
+    cases = []
+    for key in walk_keys():
+        if key.is_section and key.path[0] not in ("model", "data"):
+            empty: Any = None
+            for name in reversed(key.path):
+                empty = {name: empty}
+            cases.append((f"{'.'.join(key.path)}: (empty)", yaml.safe_dump(empty)))
+    return [
+        *cases,
+        ("log_level: info", "log_level: info\n"),
+        ("log_level: Warning", "log_level: Warning\n"),
+        (
+            "model: from_config keys",
+            "model:\n  type: !pyobject mine.Net\n  from_config: true\n  encoder: [{in: 2, out: 4}]\n  depth: 3\n",
+        ),
+        (
+            "data.stream: files",
+            "data:\n  stream:\n    files: [train-*.txt]\n    val_files: [val.txt]\n    reader: !pyobject mine.read\n",
+        ),
+        ("data.stream: hf_dataset", "data:\n  stream: {hf_dataset: saved, val_split: test}\n"),
+        ("data.files", "data:\n  files: [a.zarr]\n  reader: !pyobject mine.read_data\n"),
+    ]
+
+
+def _config(tmp_path: Path, change: str) -> tuple[Path, Any]:
+    """BASE with the sections of ``change`` in place of its own: the file and what it holds."""
+    data = yaml.load(BASE, Loader=UnisonLoader)  # noqa: S506 - a SafeLoader subclass
+    data.update(yaml.load(change, Loader=UnisonLoader))  # noqa: S506
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.dump(data, Dumper=_TagDumper, sort_keys=False))
+    return path, data
+
+
+class _TagDumper(yaml.SafeDumper):
+    """Writes a PyObjectRef back as its ``!pyobject`` tag."""
+
+
+_TagDumper.add_representer(PyObjectRef, lambda dumper, ref: dumper.represent_scalar("!pyobject", ref.path))
+
+
+@pytest.mark.parametrize(
+    ("what", "change"), _accepted_by_the_loader(), ids=[c[0] for c in _accepted_by_the_loader()]
+)
+def test_what_the_loader_accepts_the_schema_accepts(validator, tmp_path, what, change):
+    path, data = _config(tmp_path, change)
+    load_config(path)  # the loader accepts it
+    assert not errors(validator, data), what
+
+
+def test_keys_a_model_section_keeps_only_with_from_config_are_refused_by_both(validator, tmp_path):
+    for change in (
+        "model:\n  type: !pyobject mine.Net\n  depth: 3\n",
+        "model:\n  type: !pyobject mine.Net\n  from_config: false\n  depth: 3\n",
+    ):
+        path, data = _config(tmp_path, change)
+        with pytest.raises(ConfigError, match="from_config: true"):
+            load_config(path)
+        assert errors(validator, data), change

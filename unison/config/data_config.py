@@ -34,6 +34,8 @@ def _key(default: Any, doc: str, slot: str | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, "alias": None, "slot": slot})
 
 
+INSTEAD_OF_BUILD = ("files", "stream")
+"""The keys that name the training data in place of ``data.build`` (the required key): one of the three."""
 FILE_KEYS = (
     "files", "reader", "count", "pre_transform", "pre_filter", "transform", "output", "validate_data",
     "n_processes", "chunksize", "split", "float_type", "int_type", "safe_globals",
@@ -139,7 +141,8 @@ def check_data(data: DataConfig, raw: RawConfig) -> None:
             )
         raise raw.origin.error(
             section + ("build",),
-            "required: set data.build (e.g. `build: !pyobject my_recipe.build`), or data.files and data.reader",
+            "required: set data.build (e.g. `build: !pyobject my_recipe.build`), or data.files and data.reader, "
+            "or data.stream",
         )
     if data.build is not None:
         return

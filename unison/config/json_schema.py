@@ -7,20 +7,30 @@ other keys, an old name a ``deprecated`` property). A ``!pyobject`` key is a str
 Schema never sees YAML tags, and an editor told of the tag reads ``!pyobject a.b`` as the
 string ``a.b``. What the schema cannot say (ranges, keys that depend on each other,
 whether a ``!pyobject`` fits its key) ``unison config --check`` and ``unison run`` check.
+
+It follows the rules the loader (:mod:`unison.config.validation`) reads the same
+declarations with, so a config the loader accepts is valid: a section may be written
+empty (null, read as ``{}``); a key declared ``any_case`` takes its values in any case; a
+section with ``EXTRA_KEYS`` keeps keys it does not define (when its ``EXTRA_KEYS_WITH``
+key is true, as ``model.from_config``); ``data.build`` may be replaced by any key of
+:data:`~unison.config.data_config.INSTEAD_OF_BUILD`. ``tests/config/test_json_schema.py``
+holds every config of ``recipes/`` and of the loader's tests to it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import types
 import typing
 from typing import Any, Literal, Union
 
+from unison.config.data_config import INSTEAD_OF_BUILD
 from unison.config.loader import PyObjectRef
 from unison.config.origin import KeyPath
 from unison.config.resolve import SLOTS
-from unison.config.schema import REQUIRED, Config, _is_section
+from unison.config.schema import REQUIRED, Config, _is_section, literal_strings
 from unison.config.schema_walk import SchemaKey, section_keys
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -32,8 +42,8 @@ PYOBJECT_NOTE = (
 )
 """What the description of every ``!pyobject`` key adds."""
 
-ALTERNATIVES: dict[KeyPath, tuple[str, ...]] = {("data", "build"): ("files",)}
-"""Required keys another key of their section can stand in for (data.files with a reader, for data.build)."""
+ALTERNATIVES: dict[KeyPath, tuple[str, ...]] = {("data", "build"): INSTEAD_OF_BUILD}
+"""Required keys another key of their section can stand in for (data.files or data.stream, for data.build)."""
 
 _SCALARS: dict[Any, str] = {
     bool: "boolean",
@@ -118,7 +128,14 @@ def _section(cls: type, path: KeyPath) -> dict[str, Any]:
                 "description": f"The old name of `{name}`, still read: {prop['description']}",
                 "deprecated": True,
             }
-    out: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
+    out: dict[str, Any] = {"type": "object", "properties": properties}
+    extra = getattr(cls, "EXTRA_KEYS", None)  # a section the loader lets keep keys it does not define
+    gate = getattr(cls, "EXTRA_KEYS_WITH", None)
+    if extra is None:
+        out["additionalProperties"] = False
+    elif gate is not None:  # only with ``gate: true``; else its own keys alone
+        out["if"] = {"properties": {gate: {"const": True}}, "required": [gate]}
+        out["else"] = {"propertyNames": {"enum": list(properties)}}
     plain = [name for name in required if path + (name,) not in ALTERNATIVES]
     if plain:
         out["required"] = plain
@@ -130,6 +147,12 @@ def _section(cls: type, path: KeyPath) -> dict[str, Any]:
 
 def _property(key: SchemaKey, required: bool) -> dict[str, Any]:
     schema = type_schema(key.type, key.path)
+    if key.is_section:  # written empty (null), the loader reads it as {}
+        schema = {**schema, "type": ["object", "null"]}
+    if key.any_case:  # the loader reads "info" as "INFO"
+        schema = {
+            "anyOf": [schema, {"type": "string", "pattern": _any_case_pattern(literal_strings(key.type))}]
+        }
     notes = [key.doc]
     if key.slot is not None:
         if key.slot in SLOTS:
@@ -146,6 +169,14 @@ def _property(key: SchemaKey, required: bool) -> dict[str, Any]:
         if default is not _NO_VALUE:
             prop["default"] = default
     return prop
+
+
+def _any_case_pattern(values: list[str]) -> str:
+    """A pattern (ECMA 262, as editors run it) matching ``values`` in any case: ``[Ii][Nn][Ff][Oo]``."""
+    spelled = (
+        "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in v) for v in values
+    )
+    return "^(?:" + "|".join(spelled) + ")$"
 
 
 def _not_null(schema: dict[str, Any]) -> dict[str, Any]:

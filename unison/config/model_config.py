@@ -40,6 +40,7 @@ def _key(default: Any, doc: str, slot: str | None = None) -> Any:
 @dataclass
 class ModelConfig:
     EXTRA_KEYS = NESTED_KEYS  # validation puts keys the section does not define here
+    EXTRA_KEYS_WITH = "from_config"  # ... and check_model refuses them unless this key is true
 
     type: PyObjectRef | str | None = _key(
         None,
@@ -84,7 +85,7 @@ def check_model(model: ModelConfig, raw: RawConfig) -> None:
     given = raw.data.get("model") if isinstance(raw.data, dict) else None
     own = [f.name for f in fields(ModelConfig)]
     extra = [str(k) for k in (given or {}) if str(k) not in own] if isinstance(given, dict) else []
-    if extra and not model.from_config:
+    if extra and not getattr(model, ModelConfig.EXTRA_KEYS_WITH):
         key = extra[0]
         near = difflib.get_close_matches(key, own, n=1, cutoff=0.6)
         hint = f" Did you mean {near[0]!r}?" if near else ""

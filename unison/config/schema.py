@@ -27,11 +27,17 @@ from unison.config.wandb_config import WandbConfig  # noqa: F401 (logging.wandb'
 
 
 def option(
-    default: Any = dataclasses.MISSING, doc: str = "", *, alias: str | None = None, slot: str | None = None
+    default: Any = dataclasses.MISSING,
+    doc: str = "",
+    *,
+    alias: str | None = None,
+    slot: str | None = None,
+    any_case: bool = False,
 ) -> Any:
-    """A schema field: its default, a line of documentation, an accepted old name, and
-    for ``!pyobject`` fields the slot it fills (checked when resolved)."""
-    metadata = {"doc": doc, "alias": alias, "slot": slot}
+    """A schema field: its default, a line of documentation, an accepted old name, for
+    ``!pyobject`` fields the slot it fills (checked when resolved), and for a ``Literal``
+    field whether its values are read in any case (``info`` for ``INFO``, :func:`in_case_of`)."""
+    metadata = {"doc": doc, "alias": alias, "slot": slot, "any_case": any_case}
     if isinstance(default, (dict, list)):
         value = default
         return field(default_factory=lambda: type(value)(value), metadata=metadata)
@@ -328,7 +334,9 @@ class Config:
         "argument when it takes one; a torch loss gets (y_pred, y). Fills training.loss; both different: an error",
         slot="loss",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] | None = option(None, "console log level, every rank")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] | None = option(
+        None, "console log level, every rank (any case: info is INFO)", any_case=True
+    )
     imports: list[str] = option(
         [], "your own modules (installed or on sys.path) that !pyobject may name; not stdlib or libraries"
     )
@@ -377,6 +385,25 @@ def section_in(tp: Any) -> type | None:
     if typing.get_origin(tp) in (Union, types.UnionType):
         return next((a for a in typing.get_args(tp) if _is_section(a)), None)
     return None
+
+
+def literal_strings(tp: Any) -> list[str]:
+    """The string values of the ``Literal`` in ``tp`` (itself, or one in a union)."""
+    if typing.get_origin(tp) is Literal:
+        return [v for v in typing.get_args(tp) if isinstance(v, str)]
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return [v for a in typing.get_args(tp) for v in literal_strings(a)]
+    return []
+
+
+def in_case_of(value: Any, tp: Any) -> Any:
+    """``value`` written as the ``Literal`` value of ``tp`` it equals in any case (``"info"`` -> ``"INFO"``);
+    anything else as is."""
+    if isinstance(value, str):
+        for allowed in literal_strings(tp):
+            if allowed.casefold() == value.casefold():
+                return allowed
+    return value
 
 
 def _type_name(tp: Any) -> str:

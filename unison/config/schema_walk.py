@@ -28,6 +28,7 @@ class SchemaKey:
         doc: its line of documentation.
         alias: an old name still read for it, or None.
         slot: the ``!pyobject`` slot it fills, or None.
+        any_case: whether its ``Literal`` values are read in any case.
     """
 
     path: KeyPath
@@ -36,6 +37,7 @@ class SchemaKey:
     doc: str
     alias: str | None
     slot: str | None
+    any_case: bool = False
 
     @property
     def is_section(self) -> bool:
@@ -65,6 +67,7 @@ def section_keys(cls: type, prefix: KeyPath = ()) -> list[SchemaKey]:
                 doc=f.metadata.get("doc", ""),
                 alias=f.metadata.get("alias"),
                 slot=f.metadata.get("slot"),
+                any_case=f.metadata.get("any_case", False),
             )
         )
     return keys

@@ -18,7 +18,7 @@ from unison.config.compat import apply_compat
 from unison.config.data_config import check_data
 from unison.config.loader import KeyPath, RawConfig
 from unison.config.model_config import check_model
-from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
+from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, in_case_of, section_in
 from unison.config.tuning import check_tuning
 from unison.config.unknown_keys import check_unknown_keys
 from unison.config.watched import watched_of
@@ -62,6 +62,8 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
                 )
         given_as[name] = key
         tp = hints[name]
+        if fields[name].metadata.get("any_case"):
+            value = in_case_of(value, tp)
         if _is_section(tp) or (isinstance(value, dict) and section_in(tp) is not None):
             values[name] = _build(section_in(tp), value, raw, path + (key,))  # type: ignore[arg-type]  # a section
             continue
@@ -89,8 +91,6 @@ def validate(raw: RawConfig) -> Config:
             an unknown key, the nearest valid one.
     """
     check_unknown_keys(Config, raw)  # every unknown key at once, before any value is checked
-    if isinstance(raw.data.get("log_level"), str):
-        raw.data["log_level"] = raw.data["log_level"].upper()  # any case: info, Info, INFO
     config = _build(Config, raw.data, raw, ())
     for path in REQUIRED:
         if path == ("data", "build"):
