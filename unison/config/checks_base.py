@@ -67,3 +67,22 @@ def metric_direction(name: str) -> Literal["max", "min"] | None:
     if words & _HIGHER_IS_BETTER:
         return "max"
     return None
+
+
+def literal_strings(tp: Any) -> list[str]:
+    """The string values of the ``Literal`` in ``tp`` (itself, or one in a union)."""
+    if typing.get_origin(tp) is Literal:
+        return [v for v in typing.get_args(tp) if isinstance(v, str)]
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return [v for a in typing.get_args(tp) for v in literal_strings(a)]
+    return []
+
+
+def in_case_of(value: Any, tp: Any) -> Any:
+    """``value`` written as the ``Literal`` value of ``tp`` it equals in any case (``"info"`` -> ``"INFO"``);
+    anything else as is."""
+    if isinstance(value, str):
+        for allowed in literal_strings(tp):
+            if allowed.casefold() == value.casefold():
+                return allowed
+    return value

@@ -26,11 +26,12 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+from unison.config.checks_base import literal_strings
 from unison.config.data_config import INSTEAD_OF_BUILD
 from unison.config.loader import PyObjectRef
 from unison.config.origin import KeyPath
 from unison.config.resolve import SLOTS
-from unison.config.schema import REQUIRED, Config, _is_section, literal_strings
+from unison.config.schema import REQUIRED, Config, _is_section
 from unison.config.schema_walk import SchemaKey, section_keys
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"

@@ -36,7 +36,7 @@ def option(
 ) -> Any:
     """A schema field: its default, a line of documentation, an accepted old name, for
     ``!pyobject`` fields the slot it fills (checked when resolved), and for a ``Literal``
-    field whether its values are read in any case (``info`` for ``INFO``, :func:`in_case_of`)."""
+    field whether its values are read in any case (``info`` for ``INFO``, :func:`~unison.config.checks_base.in_case_of`)."""
     metadata = {"doc": doc, "alias": alias, "slot": slot, "any_case": any_case}
     if isinstance(default, (dict, list)):
         value = default
@@ -385,25 +385,6 @@ def section_in(tp: Any) -> type | None:
     if typing.get_origin(tp) in (Union, types.UnionType):
         return next((a for a in typing.get_args(tp) if _is_section(a)), None)
     return None
-
-
-def literal_strings(tp: Any) -> list[str]:
-    """The string values of the ``Literal`` in ``tp`` (itself, or one in a union)."""
-    if typing.get_origin(tp) is Literal:
-        return [v for v in typing.get_args(tp) if isinstance(v, str)]
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return [v for a in typing.get_args(tp) for v in literal_strings(a)]
-    return []
-
-
-def in_case_of(value: Any, tp: Any) -> Any:
-    """``value`` written as the ``Literal`` value of ``tp`` it equals in any case (``"info"`` -> ``"INFO"``);
-    anything else as is."""
-    if isinstance(value, str):
-        for allowed in literal_strings(tp):
-            if allowed.casefold() == value.casefold():
-                return allowed
-    return value
 
 
 def _type_name(tp: Any) -> str:

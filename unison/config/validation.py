@@ -13,12 +13,12 @@ import difflib
 import math
 from typing import Any
 
-from unison.config.checks_base import matches, metric_direction, takes_float
+from unison.config.checks_base import in_case_of, matches, metric_direction, takes_float
 from unison.config.compat import apply_compat
 from unison.config.data_config import check_data
 from unison.config.loader import KeyPath, RawConfig
 from unison.config.model_config import check_model
-from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, in_case_of, section_in
+from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
 from unison.config.tuning import check_tuning
 from unison.config.unknown_keys import check_unknown_keys
 from unison.config.watched import watched_of
