@@ -165,6 +165,29 @@ def test_a_loader_or_stream_in_to_save_is_refused_naming_it(tmp_path):
             Checkpoint(tmp_path / name, {"model": nn.Linear(1, 1), name: obj}, Engine(lambda e, b: None))
 
 
+@pytest.mark.parametrize("name", ["data", "loader"])
+def test_a_loader_in_to_save_gets_one_message_whatever_its_name(name, tmp_path):
+    """torchdata documents ``to_save={"data": loader}``: the answer says the state is saved already."""
+    with pytest.raises(ValueError) as err:
+        Checkpoint(
+            tmp_path,
+            {"model": nn.Linear(1, 1), name: make_loader("stateful-shard")},
+            Engine(lambda e, b: None),
+        )
+    message = str(err.value)
+    assert f"to_save={{{name!r}: ...}}" in message and "StatefulDataLoader" in message
+    assert "every rank" in message and "leave it out of to_save" in message
+    assert "reserved" not in message, "the loader's own answer, not the name's"
+
+
+def test_the_data_name_says_what_the_entry_holds(tmp_path):
+    with pytest.raises(ValueError) as err:
+        Checkpoint(tmp_path, {"model": nn.Linear(1, 1), "data": nn.Linear(1, 1)}, Engine(lambda e, b: None))
+    message = str(err.value)
+    assert "to_save={'data': ...}" in message and "each rank's data state" in message
+    assert "another name" in message and "Linear" in message
+
+
 def test_what_each_source_says_about_its_position():
     from torch.utils.data import DataLoader
 

@@ -26,19 +26,31 @@ _log = get_logger(__name__)
 
 
 def refuse_data_objects(to_save: Mapping[str, Any]) -> None:
-    """Refuses a loader or a dataset in ``to_save``: it would be saved from rank 0 for every rank.
+    """Refuses a loader or a dataset in ``to_save``, under any name, and any object named ``data``.
+
+    A loader in ``to_save`` (torchdata documents ``to_save={"data": loader}``) would be saved
+    from rank 0 for every rank; the checkpoint saves the trainer's data state itself, each
+    rank's own, in its ``data`` entry, which is why that name is taken.
 
     Raises:
-        ValueError: naming the entry and its type.
+        ValueError: naming the entry and its type, and what to do.
     """
     for name, obj in to_save.items():
-        if isinstance(obj, nn.Module):
-            continue
-        if isinstance(obj, (DataLoader, Dataset)) or data_position(obj).kind == "stateful":
+        if not isinstance(obj, nn.Module) and (
+            isinstance(obj, (DataLoader, Dataset)) or data_position(obj).kind == "stateful"
+        ):
             raise ValueError(
-                f"Checkpoint(to_save={{{name!r}: ...}}): a {type(obj).__name__} is training data; objects in "
-                "to_save are saved from rank 0 for every rank, so each rank would resume at rank 0's data. "
-                "The checkpoint saves the trainer's data state itself, each rank's own: remove it from to_save."
+                f"Checkpoint(to_save={{{name!r}: ...}}): a {type(obj).__name__} is training data, and the checkpoint "
+                "already saves the trainer's data state itself for every rank, each rank's own (the position of "
+                "its sampler, or the state of a StatefulDataLoader or a stream with state_dict()), and puts it "
+                "back on resume. An object in to_save is saved from rank 0 for every rank, so each rank would "
+                "resume at rank 0's data: leave it out of to_save."
+            )
+        if name == "data":
+            raise ValueError(
+                f"Checkpoint(to_save={{'data': ...}}): 'data' names the checkpoint's entry for each rank's data "
+                "state (the trainer's data position, saved for every rank without being listed); give this "
+                f"{type(obj).__name__} another name."
             )
 
 

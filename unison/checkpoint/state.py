@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from unison.checkpoint.data_entry import check_data_entry
+from unison.checkpoint.data_entry import check_data_entry, refuse_data_objects
 from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.retention import check_options as check_retention
 from unison.distributed.model import unwrap_model
@@ -164,14 +164,16 @@ def check_options(
 
 
 def check_to_save(to_save: Mapping[str, Any]) -> None:
-    """Checks the objects given to a Checkpoint: a name each, none reserved, each with a state.
+    """Checks the objects given to a Checkpoint: a name each, none reserved, each with a state,
+    no training data (:func:`~unison.checkpoint.data_entry.refuse_data_objects`).
 
     Raises:
-        ValueError: for an empty mapping or a reserved name.
+        ValueError: for an empty mapping, a reserved name, or a loader or dataset.
         TypeError: for an object that is neither a model nor has ``state_dict()``.
     """
     if not isinstance(to_save, Mapping) or not to_save:
         raise ValueError("Checkpoint(to_save=...) needs a non-empty mapping of name -> object to save.")
+    refuse_data_objects(to_save)  # the data state is saved per rank, under the reserved "data"
     for name, obj in to_save.items():
         if name in RESERVED:
             raise ValueError(

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from ignite.engine import Engine, Events
 
 from unison.checkpoint.attached import attached_states
-from unison.checkpoint.data_entry import DataEntry, mid_epoch_cause, refuse_data_objects
+from unison.checkpoint.data_entry import DataEntry, mid_epoch_cause
 from unison.checkpoint.io import load_checkpoint
 from unison.checkpoint.loading import load_states
 from unison.checkpoint.lock import hold_folder
@@ -130,8 +130,7 @@ class Checkpoint:
         require_empty: bool = False,
     ) -> None:
         check_options(every_epochs, every_iters, keep_last, keep_best, metric, mode)
-        check_to_save(to_save)
-        refuse_data_objects(to_save)  # the trainer's data state is saved per rank, below
+        check_to_save(to_save)  # a loader is refused: the trainer's data state is saved per rank, below
         self._agreed = require_sync_point(trainer, "Checkpoint(trainer=...)")
         self.folder = Path(dirname)
         self.to_save = dict(to_save)
@@ -328,7 +327,9 @@ class Checkpoint:
             entry = entry_for(state["meta"], self.manifest.prefix, sharded=bool(names))
         if shards is not None:  # every rank writes its shards; rank 0 the rest, then records
             name = entry_for(trainer_position(engine)._asdict(), self.manifest.prefix, sharded=True).file
-            path = save_sharded(self.writer, name, state, shards, entry, async_group=background_group(self.writer))
+            path = save_sharded(
+                self.writer, name, state, shards, entry, async_group=background_group(self.writer)
+            )
         elif state is None or entry is None:
             return None
         else:
