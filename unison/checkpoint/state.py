@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from unison.checkpoint.data_checks import check_data_positions
 from unison.checkpoint.data_entry import check_data_entry, refuse_data_objects
 from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.retention import check_options as check_retention
@@ -301,7 +302,8 @@ def check_checkpoint(
         None, or a warning when it was saved with another world size.
 
     Raises:
-        CheckpointError: for another format, a missing object, or another world size
+        CheckpointError: for another format, a data position out of its range
+            (:func:`~unison.checkpoint.data_checks.check_data_positions`), a missing object, or another world size
             mid-epoch without the position of a TrainSampler over the saved world size or of an
             elastic stream (the epoch's remaining samples cannot be resharded then), or with each rank's own
             data position (:func:`~unison.checkpoint.data_entry.check_data_entry`).
@@ -311,6 +313,7 @@ def check_checkpoint(
         raise CheckpointError(
             f"Checkpoint {source} has format {meta.get('format')!r}; this unison reads {FORMAT}."
         )
+    check_data_positions(state, source=source)  # before any position is put back
     sharded = meta.get("sharded", [])
     missing = [name for name in names if name not in state["objects"] and name not in sharded]
     if missing:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -77,6 +77,24 @@ class ShardedStream(IterableDataset):
                 f"ShardedStream.load_state_dict(state=...) needs a dict with 'epoch' and 'consumed', got {state!r}; "
                 "pass what ShardedStream.state_dict() returned."
             )
+        size = len(self.source) if isinstance(self.source, Sized) else None
+        for key, upper in (("epoch", None), ("consumed", size)):
+            value = state[key]
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < 0
+                or (upper is not None and value > upper)
+            ):
+                bound = (
+                    f"between 0 and {upper} (the source's length)"
+                    if upper is not None
+                    else "a non-negative int"
+                )
+                raise ValueError(
+                    f"ShardedStream.load_state_dict(state=...): {key!r} is {value!r}, expected {bound}: a position "
+                    "out of range would replay or skip the epoch. Pass what ShardedStream.state_dict() returned."
+                )
         self.set_epoch(int(state["epoch"]))
         self._resume_from = int(state["consumed"])
         self._consumed = self._resume_from
