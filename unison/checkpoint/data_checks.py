@@ -12,7 +12,7 @@ wherever they sit. Plain values only, the same file on every rank: every rank ag
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from unison.checkpoint.errors import CheckpointError
 
@@ -38,7 +38,7 @@ class _Checker:
     def __init__(self, source: str) -> None:
         self.source = source
 
-    def fail(self, path: str, value: Any, expected: str) -> None:
+    def fail(self, path: str, value: Any, expected: str) -> NoReturn:
         raise CheckpointError(
             f"Checkpoint {self.source}: {path} is {value!r}; expected {expected}. The file is damaged or was not "
             "written by unison's Checkpoint: resume from another checkpoint (resume='auto' takes the newest "
@@ -87,7 +87,7 @@ def check_data_positions(state: Mapping[str, Any], *, source: str) -> None:
     checker = _Checker(source)
     meta = state.get("meta") or {}
     world = meta.get("world_size")
-    if not _is_int(world) or world < 1:
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         checker.fail("meta.world_size", world, "a positive int")
     trainer = state.get("trainer")
     extra = trainer.get("unison") if isinstance(trainer, Mapping) else None
@@ -97,7 +97,7 @@ def check_data_positions(state: Mapping[str, Any], *, source: str) -> None:
             checker.fail("trainer.unison.position", position, "[completed epochs, iterations into the next]")
         length = trainer.get("epoch_length") if isinstance(trainer, Mapping) else None
         checker.count("trainer.unison.position[0]", position[0])
-        upper = length if _is_int(length) and length > 0 else None
+        upper = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
         checker.count("trainer.unison.position[1]", position[1], upper, " (the epoch length)")
     _check_sampler(checker, state.get("sampler"), world)
     _check_data(checker, state.get("data"), world)

@@ -327,9 +327,7 @@ class Checkpoint:
             entry = entry_for(state["meta"], self.manifest.prefix, sharded=bool(names))
         if shards is not None:  # every rank writes its shards; rank 0 the rest, then records
             name = entry_for(trainer_position(engine)._asdict(), self.manifest.prefix, sharded=True).file
-            path = save_sharded(
-                self.writer, name, state, shards, entry, async_group=background_group(self.writer)
-            )
+            path = save_sharded(self.writer, name, state, shards, entry, async_group=background_group(self.writer))
         elif state is None or entry is None:
             return None
         else:
