@@ -44,6 +44,8 @@ class StreamShard(IterableDataset):
     Its state is how many ids this copy (a worker's, or the main process's) gave out.
     """
 
+    shards_itself = True  # by rank (given) and by worker
+
     def __init__(self, size: int, rank: int, world_size: int) -> None:
         self.ids = [i for i in range(size) if i % world_size == rank]
         self.given = 0
@@ -66,6 +68,8 @@ class StreamShard(IterableDataset):
 
 class PlainStream(IterableDataset):
     """The same ids, without a state: nothing can tell where it stands."""
+
+    shards_itself = True  # by rank (given); read without loader workers
 
     def __init__(self, size: int, rank: int, world_size: int) -> None:
         self.ids = [i for i in range(size) if i % world_size == rank]

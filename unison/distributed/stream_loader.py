@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from unison.distributed.iterable import ShardedStream
 from unison.distributed.primitives import get_world_size
-from unison.distributed.stream_sources import splits_by_worker, stream_sharding
+from unison.distributed.stream_sources import stream_problem
 from unison.distributed.worker_start import worker_context
 
 
@@ -49,20 +49,9 @@ def stream_loader(
             "is read in its own order, no sampler applies. Leave train_sampler unset; shard the stream with "
             "unison.distributed.shard_stream or the library's own split by rank."
         )
-    world = get_world_size()
-    sharding = stream_sharding(dataset, world)
-    if not sharding.by_rank:
-        raise ValueError(
-            f"prepare_loaders(train=...) got a stream, {type(dataset).__module__}.{name}, that does not split "
-            f"by rank while {world} ranks run: {sharding.fix}."
-        )
-    if num_workers > 0 and not splits_by_worker(dataset):
-        raise ValueError(
-            f"prepare_loaders(num_workers={num_workers}) with a stream, {type(dataset).__module__}.{name}, that "
-            "nothing says splits by worker: each worker would yield the whole stream. Wrap it: "
-            "unison.distributed.shard_stream(dataset) (it splits by rank and by worker), or set "
-            "dataset.shards_itself = True if it yields only its process's share (by rank and by get_worker_info())."
-        )
+    problem = stream_problem(dataset, get_world_size(), num_workers)
+    if problem is not None:
+        raise ValueError(f"prepare_loaders(train=..., num_workers={num_workers}) got {problem}.")
     # shard_stream's own set_epoch only passes the epoch on: what orders by epoch is its source.
     ordered = dataset.source if isinstance(dataset, ShardedStream) else dataset
     if (

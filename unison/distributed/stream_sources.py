@@ -2,7 +2,8 @@
 
 :func:`stream_sharding` answers whether an ``IterableDataset`` already gives each rank its
 own share (so :func:`~unison.distributed.prepare_loaders` may use it as is), or why not and
-what to do. The position of each source's loader is registered with the data-position
+what to do; :func:`stream_problem` is the rule built on it that both ``prepare_loaders`` and
+the Engine apply to a training stream. The position of each source's loader is registered with the data-position
 contract (:func:`~unison.distributed.data_state.register_source`). The optional libraries
 (Hugging Face ``datasets``, ``webdataset``) are never
 imported here: a dataset can only be one of theirs if its library is already loaded.
@@ -73,7 +74,8 @@ def stream_sharding(dataset: Any, world_size: int) -> Sharding:
     return Sharding(
         world_size == 1,
         f"nothing says it splits by rank, so every rank would train on the same samples: {WRAP_FIX}, "
-        "or use the library's own split by rank",
+        "or use the library's own split by rank (Hugging Face: datasets.distributed.split_dataset_by_node; "
+        "WebDataset: nodesplitter=webdataset.split_by_node)",
     )
 
 
@@ -86,6 +88,34 @@ def splits_by_worker(dataset: Any) -> bool:
     lists = _module("webdataset.shardlists")
     stages = _webdataset_stages(dataset)
     return bool(stages) and any(stage is getattr(lists, "split_by_worker", None) for stage in stages or [])
+
+
+SHARDS_ITSELF = (
+    "set dataset.shards_itself = True if it yields only its own process's share (split by "
+    "unison.distributed.get_rank() and by torch.utils.data.get_worker_info())"
+)
+
+
+def stream_problem(dataset: Any, world_size: int, num_workers: int) -> str | None:
+    """Why ``dataset`` (an ``IterableDataset``) would be read more than once an epoch by
+    ``world_size`` ranks, each with ``num_workers`` loader workers, with the fix; None when every
+    process reads its own share. The one rule :func:`~unison.distributed.prepare_loaders` and the
+    Engine apply; it reads the dataset's type and attributes only, the same on every rank.
+    """
+    name = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
+    sharding = stream_sharding(dataset, world_size)
+    if not sharding.by_rank:
+        return (
+            f"a stream, {name}, that does not split by rank while {world_size} ranks run: {sharding.fix}; "
+            f"or {SHARDS_ITSELF}"
+        )
+    if num_workers > 1 and not splits_by_worker(dataset):
+        return (
+            f"num_workers={num_workers} over a stream, {name}, that nothing says splits by worker: each worker "
+            f"would yield the whole stream, so every sample would train {num_workers} times an epoch. Fix: "
+            f"{WRAP_FIX} (it splits by rank and by worker), or {SHARDS_ITSELF}, or num_workers=0"
+        )
+    return None
 
 
 @register_source

@@ -7,9 +7,10 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ignite.engine import Events, State
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from unison.distributed.primitives import get_world_size
+from unison.distributed.stream_sources import stream_problem
 from unison.engine.protocol import EngineParts
 from unison.utils.errors import add_note, has_note
 
@@ -45,14 +46,31 @@ def is_empty(data: Iterable) -> bool:
         return False
 
 
-def check_sharded(data: Iterable) -> None:
-    """Refuses, with more than one rank, a DataLoader that shuffles the whole dataset on each rank."""
-    if not isinstance(data, DataLoader) or get_world_size() == 1:
+def check_sharded(data: Iterable, *, trains: bool = True) -> None:
+    """Refuses data every rank (or every loader worker) would read whole: with more than one rank,
+    a DataLoader that shuffles the whole dataset on each rank; for a trainer, a DataLoader over a
+    stream that splits by neither rank nor worker
+    (:func:`~unison.distributed.stream_sources.stream_problem`, the rule of ``prepare_loaders``).
+
+    The answer depends on the loader's type and settings and the world size only: every rank
+    raises at once, before the run's first event, with no collective to wait in.
+    """
+    if not isinstance(data, DataLoader):
+        return
+    world = get_world_size()
+    if trains and isinstance(data.dataset, IterableDataset):
+        problem = stream_problem(data.dataset, world, data.num_workers)
+        if problem is not None:
+            raise ValueError(
+                f"The DataLoader given to Engine.run reads {problem}. Build the loader with "
+                "unison.distributed.prepare_loaders(train=stream, ...), which checks this, after the fix."
+            )
+    if world == 1:
         return
     samplers = (data.sampler, getattr(data.batch_sampler, "sampler", None))
     if any(isinstance(sampler, RandomSampler) for sampler in samplers):
         raise ValueError(
-            f"The DataLoader given to Engine.run uses a RandomSampler while {get_world_size()} ranks run: "
+            f"The DataLoader given to Engine.run uses a RandomSampler while {world} ranks run: "
             "each rank would shuffle the whole dataset on its own, so ranks would train on overlapping "
             "samples. Build the loader with unison.distributed.prepare_loaders(...), or pass "
             "sampler=unison.distributed.TrainSampler(dataset) instead of shuffle=True."

@@ -367,8 +367,7 @@ class Engine(AgreedStops):
         """Runs ``process_function`` over ``data``; see ``ignite.engine.Engine.run``.
 
         Raises:
-            ValueError: with more than one rank, when ``data`` is a DataLoader drawing from
-                a ``RandomSampler``.
+            ValueError: for data every rank or loader worker would read whole (``check_sharded``).
         """
         self.epoch_length_given = epoch_length is not None
         # A loaded state that is complete returns at once (ignite would start again from
@@ -384,7 +383,7 @@ class Engine(AgreedStops):
             )
             return self.state
         if data is not None:
-            check_sharded(data)
+            check_sharded(data, trains=not getattr(self._process_function, "evaluates", False))
             if epoch_length is None and is_empty(data) and max_iters is None and is_distributed():
                 return run_empty(self, data, max_epochs)  # a rank with an empty shard still joins the syncs
         return super().run(data, max_epochs=max_epochs, max_iters=max_iters, epoch_length=epoch_length)

@@ -38,6 +38,9 @@ class EvalStep:
     batch on the device for the metrics that read it.
     """
 
+    evaluates = True
+    """Not refused a stream every rank reads whole (``check_sharded``): its means come out the same."""
+
     def __init__(
         self,
         model: nn.Module,
