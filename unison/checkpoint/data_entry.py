@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from unison.checkpoint.errors import CheckpointError
 from unison.distributed.data_state import DataPosition, data_position
+from unison.distributed.primitives import get_world_size
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -150,13 +151,19 @@ class DataEntry:
                 f"Checkpoint {source} holds the data state of a {entry['source']}; this run's training data is "
                 f"a {position.source}. Resume with the same kind of training data."
             )
-        by_rank = entry["by_rank"]
+        by_rank, world = entry["by_rank"], get_world_size()
+        if world != len(by_rank) and not (position.scope == "global" and position.elastic):
+            # The checkpoint's global position (check_data_entry let it through) meets data that
+            # keeps one per rank: decided from the loader's settings, the same on every rank.
+            raise CheckpointError(
+                f"Checkpoint {source} holds a global position in a {entry['source']} saved at world size "
+                f"{len(by_rank)}; this run has world size {world}, and its training data keeps a position per "
+                f"rank ({position.not_elastic or position.source}). Resume with {len(by_rank)} ranks, or read "
+                "the stream as the saving run did."
+            )
         if position.load is None or not by_rank:
             return
-        if rank < len(by_rank):
-            position.load(by_rank[rank])
-        elif entry.get("scope") == "global" and entry.get("elastic"):  # more ranks than saved it
-            position.load(by_rank[0])
+        position.load(by_rank[rank] if rank < len(by_rank) else by_rank[0])  # more ranks: the global position
 
 
 def check_data_entry(entry: Mapping[str, Any] | None, *, source: str, world_size: int) -> None:

@@ -12,7 +12,10 @@ data stood. Every training loader answers, through :func:`data_position`:
 - ``scope``: ``"global"`` when one position serves the whole job (it counts samples of the
   global order), ``"rank"`` when each rank keeps its own.
 - ``elastic``: whether a run saved at N ranks may continue at M (``not_elastic`` says why not,
-  where a setting decides it).
+  where a setting decides it). A stream of your own declares its ``state_dict()`` a global
+  position (the same on every rank, any world size continues from it: each rank reads every
+  W-th record and counts the records read by all) with ``global_position = True``; read
+  without loader workers, it is then ``scope="global"`` and elastic, as a ``shard_stream`` is.
 - ``fix``: what to use instead, for the error a refused save raises.
 
 Sources register a recognizer (:func:`register_source`); the first that answers wins, and
@@ -183,8 +186,19 @@ def _stateful_dataset(loader: Any) -> DataPosition | None:
     )
 
 
-def _sharded_stream(loader: Any) -> DataPosition | None:
-    """A :func:`~unison.distributed.shard_stream` stream, iterated directly or by a loader (plain or
+def declares_global_position(dataset: Any) -> bool:
+    """Whether ``dataset``'s ``state_dict()`` is a position in the stream's global order, the same
+    on every rank, from which any world size can continue: a :func:`~unison.distributed.shard_stream`
+    with ``equal_length``, or a stream of your own with ``global_position = True``.
+    """
+    if isinstance(dataset, ShardedStream):
+        return dataset.equal_length
+    return getattr(dataset, "global_position", False) is True
+
+
+def _global_stream(loader: Any) -> DataPosition | None:
+    """A stream whose position is global (:func:`declares_global_position`, or a
+    :func:`~unison.distributed.shard_stream`), iterated directly or by a loader (plain or
     torchdata's) that saves its state.
 
     With no loader workers every rank reads the same rounds of ``world_size`` items, one each,
@@ -194,17 +208,18 @@ def _sharded_stream(loader: Any) -> DataPosition | None:
     read are no prefix of the stream: each rank's position is its own.
     """
     dataset = loader.dataset if isinstance(loader, DataLoader) else loader
-    if not isinstance(dataset, ShardedStream):
+    if not isinstance(dataset, ShardedStream) and getattr(dataset, "global_position", False) is not True:
         return None
     answer = _stateful_loader(loader) or _stateful_dataset(loader)
     if answer is None or answer.kind != "stateful":
         return answer
     workers = loader.num_workers if isinstance(loader, DataLoader) else 0
-    if workers == 0 and dataset.equal_length:
+    if workers == 0 and declares_global_position(dataset):
         return replace(answer, scope="global", elastic=True)
     why = (
-        f"its loader has num_workers={workers}, which deals the stream's rounds to the workers in turn, so "
-        "each rank's position is its own; with num_workers=0 the stream's position is global and elastic"
+        f"its loader has num_workers={workers}, which gives each worker its own copy of the stream and of "
+        "its position, so each rank's position is its own; with num_workers=0 the stream's position is "
+        "global and elastic"
         if workers
         else "shard_stream(equal_length=False) lets the ranks' positions differ at the stream's end; "
         "equal_length=True (the default) with num_workers=0 makes the stream's position global and elastic"
@@ -212,4 +227,4 @@ def _sharded_stream(loader: Any) -> DataPosition | None:
     return replace(answer, not_elastic=why)
 
 
-_builtin: list[Recognizer] = [_sharded_stream, _stateful_loader, _resumable_sampler, _stateful_dataset]
+_builtin: list[Recognizer] = [_global_stream, _stateful_loader, _resumable_sampler, _stateful_dataset]
