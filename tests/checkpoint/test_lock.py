@@ -54,7 +54,10 @@ def _try_elsewhere(folder: Path) -> str:
 def holder(tmp_path: Path):
     """Another process that holds ``tmp_path/run`` until it is killed."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(tmp_path / "run")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD, str(tmp_path / "run")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
@@ -143,3 +146,42 @@ def test_a_checkpoint_frees_its_folder_when_each_run_ends(tmp_path: Path) -> Non
         trainer.run(data, max_epochs=epochs)
         assert _try_elsewhere(tmp_path / "ckpt") == "taken", f"run to epoch {epochs}"
     assert len(seen) == 2 and all(f"PID {os.getpid()}" in told for told in seen), seen
+
+
+def test_a_lock_file_linking_elsewhere_is_refused_and_its_target_not_truncated(tmp_path: Path) -> None:
+    folder, victim = tmp_path / "run", tmp_path / "bashrc"
+    folder.mkdir()
+    victim.write_text("export PATH=/usr/bin\n")
+    (folder / LOCK_FILE).symlink_to(victim)
+    with pytest.raises(OSError, match="is a symbolic link"):
+        FolderLock(folder)
+    assert victim.read_text() == "export PATH=/usr/bin\n"
+    (folder / LOCK_FILE).unlink()
+    (folder / LOCK_FILE).symlink_to(tmp_path / "planted")  # dangling: nothing is made where it points
+    with pytest.raises(OSError, match="is a symbolic link"):
+        FolderLock(folder)
+    assert not (tmp_path / "planted").exists()
+
+
+@pytest.mark.parametrize("kind", ["other data", "hard link"])
+def test_a_lock_file_unison_did_not_write_is_not_truncated(tmp_path: Path, kind: str) -> None:
+    folder, victim = tmp_path / "run", tmp_path / "notes.txt"
+    folder.mkdir()
+    if kind == "hard link":
+        victim.write_text(json.dumps({"pid": 1}))
+        os.link(victim, folder / LOCK_FILE)
+    else:
+        victim = folder / LOCK_FILE
+        victim.write_text("my notes, not a lock\n")
+    before = victim.read_text()
+    with pytest.raises(OSError, match="not a lock file unison wrote"):
+        FolderLock(folder)
+    assert victim.read_text() == before
+
+
+def test_a_lock_file_unison_wrote_is_taken_again(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    FolderLock(folder).release()  # leaves an empty lock file
+    (folder / LOCK_FILE).write_text(json.dumps({"host": "h", "pid": 12, "started": 0.0}))  # a killed holder's
+    with FolderLock(folder) as lock:
+        assert lock.held and json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()

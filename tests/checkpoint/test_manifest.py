@@ -173,3 +173,18 @@ def test_rotation_deletes_only_inside_the_folder(tmp_path):
     with pytest.raises(CheckpointError):
         file_in(tmp_path, "../outside.pt")
     assert file_in(tmp_path, "ckpt-e0001-i000000001.pt") == tmp_path / "ckpt-e0001-i000000001.pt"
+
+
+def test_a_rebuild_removes_planted_links_never_what_they_point_to(tmp_path):
+    folder, elsewhere = tmp_path / "checkpoints", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine\n")
+    (folder / ".ckpt-e0001-i000000010.dcp.tmp").symlink_to(elsewhere)  # a stale sharded save, as it looks
+    (folder / f".{MANIFEST}.abc.tmp").symlink_to(elsewhere / "keep.txt")
+    (folder / MANIFEST).symlink_to(elsewhere / "keep.txt")
+    manifest = Manifest(folder).rebuild()  # the linked manifest is not read: nothing recorded
+    assert manifest.entries == []
+    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST]  # the stale links are gone
+    manifest.write()  # replaces the link itself
+    assert not (folder / MANIFEST).is_symlink() and (elsewhere / "keep.txt").read_text() == "mine\n"

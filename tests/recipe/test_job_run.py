@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -108,3 +110,42 @@ def test_unreadable_records_claim_nothing(tmp_path):
 
 def _identity(run_id: str) -> JobIdentity:
     return JobIdentity("torchrun", run_id)
+
+
+def _returns_within(call: Any, fifo: Path, seconds: float = 10.0) -> list[Any]:
+    """``call()``'s result, which must come within ``seconds``; a reader left waiting on ``fifo`` is
+    let go (a writer opens it) so the test ends either way."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    hung = thread.is_alive()
+    if hung:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # the blocked reader opens, reads nothing, goes on
+        os.close(fd)
+        thread.join(seconds)
+    assert not hung, f"waited on the FIFO {fifo} for {seconds} s"
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_named_job_json_claims_nothing_and_does_not_block(tmp_path, worker):
+    root = tmp_path / "tiny"
+    (root / "planted").mkdir(parents=True)
+    fifo = root / "planted" / JOB_RECORD
+    os.mkfifo(fifo)
+    assert _returns_within(lambda: find_job_run(root, _identity("job-a")), fifo) == [None]
+    worker("job-a")
+    [(run_dir, resume)] = _returns_within(lambda: _run_dir(_plan(tmp_path), None), fifo)
+    assert resume is None and run_dir.name.endswith("-job-job-a")
+
+
+def test_linked_or_large_job_records_claim_nothing(tmp_path):
+    root = tmp_path / "tiny"
+    elsewhere = tmp_path / "record.json"
+    elsewhere.write_text('{"job_id": "job-a"}')
+    (root / "linked").mkdir(parents=True)
+    (root / "linked" / JOB_RECORD).symlink_to(elsewhere)
+    (root / "large").mkdir()
+    (root / "large" / JOB_RECORD).write_text('{"job_id": "job-a", "pad": "' + "x" * 8192 + '"}')
+    assert find_job_run(root, _identity("job-a")) is None

@@ -32,6 +32,7 @@ from typing import Any
 
 from unison.distributed.primitives import broadcast_object, get_rank
 from unison.utils.logging import get_logger
+from unison.utils.run_files import RunFileError, open_fd, read_bytes
 
 _log = get_logger(__name__)
 
@@ -60,8 +61,7 @@ _guard = threading.Lock()
 def holder_of(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """What the lock file of ``folder`` says of its holder (empty when it says nothing readable)."""
     try:
-        with open(Path(folder) / LOCK_FILE, encoding="utf-8") as fh:
-            found = json.loads(fh.read(4096) or "{}")
+        found = json.loads(read_bytes(Path(folder) / LOCK_FILE, limit=4096) or b"{}")
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
@@ -87,10 +87,19 @@ def _refusal(folder: Path) -> str:
 def _take(folder: Path) -> int | None:
     """Opens and locks ``folder``'s lock file; its descriptor, None where the file system has no locks.
 
+    The file is opened without following a link, and emptied only when it is a regular file
+    that unison wrote (empty, or a holder's record), with no other name (one hard link).
+
     Raises:
         FolderInUseError: another process holds it.
+        RunFileError: the lock file is a link, a special file, or a file unison did not write.
     """
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_fd(folder / LOCK_FILE, "r+")
+    try:
+        _check_ours(folder, fd)
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
@@ -110,6 +119,29 @@ def _take(folder: Path) -> int | None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     return fd
+
+
+def _check_ours(folder: Path, fd: int) -> None:
+    """Raises RunFileError unless the open lock file is one unison wrote: a single name, and empty
+    or a holder's record, so that truncating it destroys nothing else."""
+    path = folder / LOCK_FILE
+    size = os.fstat(fd).st_size
+    text = os.pread(fd, 4097, 0) if size <= 4096 else b""
+    try:
+        record = json.loads(text) if text else {}
+    except ValueError:
+        record = None
+    ours = (
+        os.fstat(fd).st_nlink == 1
+        and size <= 4096
+        and (not text or (isinstance(record, dict) and "pid" in record))
+    )
+    if not ours:
+        raise RunFileError(
+            f"{path} is not a lock file unison wrote (it holds other data, or has another name: a hard link), "
+            "and unison empties its lock file when it takes it. Move it away if it is yours, or remove it, "
+            "then run again."
+        )
 
 
 def _give_back(key: str) -> None:
@@ -163,12 +195,12 @@ class FolderLock(Claim):
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True)  # the folder named; the file in it is never a link
         key = os.path.realpath(self.folder)
         with _guard:
             held = _held.get(key)
             if held is None:
-                fd = _take(self.folder)
+                fd = _take(Path(key))
                 held = _Held(fd) if fd is not None else None
                 if held is not None:
                     _held[key] = held

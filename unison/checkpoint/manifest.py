@@ -16,6 +16,7 @@ from unison.checkpoint.retention import oldest_first
 from unison.checkpoint.sharded_check import checkpoint_verdict
 from unison.checkpoint.sharded_files import folder_size, remove
 from unison.utils.logging import get_logger
+from unison.utils.run_files import read_text
 
 __all__ = ["MANIFEST", "Entry", "Manifest", "checkpoint_name", "entry_for", "read_entries"]
 
@@ -44,7 +45,7 @@ def read_entries(path: Path) -> list[Entry]:
         ValueError: naming the file, the entry, the field, the value and what was expected
             (JSON that does not parse, a list where a dict belongs, ``"score": "0.5"``...).
     """
-    raw = json.loads(path.read_text())
+    raw = json.loads(read_text(path, limit=64 * 2**20))  # a regular file, never through a link
     listed = raw.get("checkpoints", []) if isinstance(raw, dict) else raw
     if not isinstance(listed, list):
         raise ValueError(f"{path}: 'checkpoints' is {listed!r}, expected a list of checkpoint records")

@@ -31,8 +31,8 @@ def folder_size(folder: Path) -> int:
 
 
 def remove(path: Path) -> None:
-    """Deletes a checkpoint: a file, or a sharded checkpoint's folder."""
-    if path.is_dir():
+    """Deletes a checkpoint: a file, or a sharded checkpoint's folder (a link: the link alone)."""
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.utils import get_logger
+from unison.utils.run_files import read_bytes, replace_file
 from unison.utils.secrets import redact_url
 
 _log = get_logger("unison.handlers.mlflow")
@@ -196,7 +197,7 @@ def recorded_run(client: Any, run_file: Path) -> str | None:
     not deleted; else None. The record names the store with its credentials masked, and so is
     compared with the client's URI masked alike."""
     try:
-        record = json.loads(run_file.read_text())
+        record = json.loads(read_bytes(run_file, limit=2**16))  # never through a link, nor a FIFO
         if redact_url(str(record.get("tracking_uri"))) != redact_url(client.tracking_uri):
             return None
         run = client.get_run(str(record["run_id"]))
@@ -216,10 +217,8 @@ def logged_steps(client: Any, run_id: str) -> dict[str, int]:
 def record_run(run_file: Path, run_id: str, tracking_uri: str) -> None:
     """Writes ``run_file`` (atomically): the run's id and its store, the store's URL with its
     credentials masked (:func:`~unison.utils.secrets.redact_url`)."""
-    run_file.parent.mkdir(parents=True, exist_ok=True)
-    temp = run_file.with_name(run_file.name + ".tmp")
-    temp.write_text(json.dumps({"run_id": run_id, "tracking_uri": redact_url(tracking_uri)}) + "\n")
-    os.replace(temp, run_file)
+    text = json.dumps({"run_id": run_id, "tracking_uri": redact_url(tracking_uri)}) + "\n"
+    replace_file(run_file, text.encode(), sync=False)  # a new temporary file, never a link
 
 
 def key(name: str) -> str:

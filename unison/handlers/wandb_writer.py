@@ -8,7 +8,6 @@ resumed run reads to continue the same W&B run.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import threading
 from collections.abc import Mapping
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.utils import get_logger
+from unison.utils.run_files import read_bytes, replace_file
 
 _log = get_logger("unison.handlers.wandb")
 
@@ -27,7 +27,7 @@ def read_record(run_file: Path) -> dict[str, Any]:
     """The record :func:`write_record` left in ``run_file``; empty when there is none or it
     cannot be read."""
     try:
-        record = json.loads(run_file.read_text())
+        record = json.loads(read_bytes(run_file, limit=2**16))  # never through a link, nor a FIFO
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) and isinstance(record.get("id"), str) else {}
@@ -36,10 +36,7 @@ def read_record(run_file: Path) -> dict[str, Any]:
 def write_record(run_file: Path, record: Mapping[str, Any]) -> None:
     """Writes ``record`` (the run's id, project, entity and last step logged) to ``run_file``
     atomically."""
-    run_file.parent.mkdir(parents=True, exist_ok=True)
-    temp = run_file.with_name(run_file.name + ".tmp")
-    temp.write_text(json.dumps(dict(record), sort_keys=True) + "\n")
-    os.replace(temp, run_file)
+    replace_file(run_file, (json.dumps(dict(record), sort_keys=True) + "\n").encode(), sync=False)
 
 
 class RunWriter:

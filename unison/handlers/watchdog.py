@@ -13,6 +13,7 @@ from typing import TextIO
 from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank, get_world_size
+from unison.utils.run_files import real_folder, write_text
 
 EXIT_HANG = 70
 """Exit code of a process the watchdog ends (``abort=True``)."""
@@ -119,8 +120,8 @@ class Watchdog:
         out.write(text + "\n")
         out.flush()
         if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / f"hang-rank{get_rank()}.txt").write_text(text + "\n")
+            real_folder(self.run_dir)  # never through a link (unison.utils.run_files)
+            write_text(self.run_dir / f"hang-rank{get_rank()}.txt", text + "\n")
         self.reports += 1
         return text
 

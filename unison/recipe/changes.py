@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.config import Config, load_config, to_plain
+from unison.utils.run_files import write_text
 from unison.utils.secrets import redact
 
 NOT_RESUMABLE = (
@@ -98,5 +99,4 @@ def check_resume(config: Config, run_dir: Path) -> list[Change]:
 def record(run_dir: Path, changes: list[Change]) -> None:
     """Appends one line to ``run_dir/changes-on-resume.jsonl``: when, and what changed."""
     line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changes": [vars(c) for c in changes]}
-    with open(run_dir / CHANGES_FILE, "a") as fh:
-        fh.write(json.dumps(line, default=str) + "\n")
+    write_text(run_dir / CHANGES_FILE, json.dumps(line, default=str) + "\n", "a")  # never through a link

@@ -30,6 +30,7 @@ from unison.recipe.planning import RunPlan
 from unison.recipe.resolve import make_metrics
 from unison.recipe.tracking import log_test_metrics
 from unison.utils import get_logger
+from unison.utils.run_files import open_file, write_text
 from unison.utils.secrets import redact_url
 
 _log = get_logger("unison.recipe.run")  # the run's logger
@@ -98,7 +99,7 @@ def skip_test_phase(run_dir: Path, results: dict[str, Any], why: str) -> None:
 def _write_metrics(run_dir: Path, results: dict[str, Any]) -> None:
     """Rank 0 writes ``run_dir/metrics.json``."""
     if get_rank() == 0:
-        (run_dir / "metrics.json").write_text(redact_url(json.dumps(results, indent=2, default=str)) + "\n")
+        write_text(run_dir / "metrics.json", redact_url(json.dumps(results, indent=2, default=str)) + "\n")
 
 
 def evaluate_test_set(plan: RunPlan, parts: RunParts) -> dict[str, float]:
@@ -144,5 +145,6 @@ def write_predictions(plan: RunPlan, parts: RunParts, run_dir: Path) -> Path | N
     if get_rank() != 0 or out is None:
         return None
     path = run_dir / "predictions.pt"
-    torch.save(out, path)
+    with open_file(path, "w", binary=True) as fh:  # never through a link (unison.utils.run_files)
+        torch.save(out, fh)
     return path

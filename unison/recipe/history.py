@@ -25,6 +25,7 @@ from ignite.engine import Engine, Events
 
 from unison.distributed import broadcast_object, rank_zero_only
 from unison.utils import get_logger
+from unison.utils.run_files import open_file, read_text, replace_file
 
 _log = get_logger(__name__)
 
@@ -41,7 +42,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows: list[dict[str, Any]] = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path, limit=2**30).splitlines():  # never through a link, nor from a FIFO
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -105,7 +106,7 @@ class RunHistory:
 
     @rank_zero_only
     def _write(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
+        with open_file(self.path, "a") as f:
             f.write(_line(row))
             f.flush()
             os.fsync(f.fileno())
@@ -117,18 +118,13 @@ class RunHistory:
         found = read_rows(self.path)
         kept = rows_up_to(found, epoch)
         text = "".join(_line(row) for row in kept)
-        if self.path.is_file() and self.path.read_text() != text:
+        if self.path.is_file() and read_text(self.path, limit=2**30) != text:
             dropped = sorted({at for at in map(_epoch, found) if at is not None and at > epoch})
             if dropped:
                 _log.info(
                     "history: the rows of epochs %s, past the resumed epoch %d, are dropped", dropped, epoch
                 )
-            temp = self.path.with_name(self.path.name + ".tmp")
-            with open(temp, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, self.path)
+            replace_file(self.path, text.encode())  # a new temporary file, renamed over the old one
         return kept
 
 

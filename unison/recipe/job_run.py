@@ -5,6 +5,10 @@ folder is ``<root>/<name>/<stamp>-job-<id>`` and holds ``job.json`` (the exact i
 launcher). A restarted worker group (the same id) finds that folder and resumes its newest
 complete checkpoint, with no ``--resume``; a job with another id never sees it and starts
 fresh. Nothing here is a collective: rank 0 reads and writes, and broadcasts its choice.
+
+``job.json`` is read only as a regular file of at most 4 KiB, without following a link and
+without waiting on a FIFO (:mod:`unison.utils.run_files`); any other entry of that name claims
+nothing, so a FIFO dropped in the run root cannot hang a job.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from unison.distributed.job import NO_JOB_ID, JobIdentity, job_identity
-from unison.recipe.run_folder import new_run_folder
+from unison.recipe.run_folder import JOB_RECORD, new_run_folder
 from unison.utils import get_logger
+from unison.utils.run_files import read_bytes, write_text
 
 _log = get_logger("unison.recipe.run")
 
-JOB_RECORD = "job.json"
-"""The file in a run folder that names the job owning it."""
+__all__ = ["JOB_RECORD", "JobRunError", "find_job_run", "job_previous_run", "new_job_run", "run_job"]
+
+_MAX_RECORD = 4096
+"""The most bytes of a ``job.json`` read: what unison writes there is a few dozen."""
 
 
 class JobRunError(RuntimeError):
@@ -81,13 +88,14 @@ def job_previous_run(run_root: Path, job: JobIdentity) -> tuple[Path, str] | Non
 def new_job_run(run_root: Path, stamp: str, job: JobIdentity) -> Path:
     """Makes ``run_root/<stamp>-job-<id>`` and records ``job`` in it; returns the folder."""
     folder = new_run_folder(run_root, f"{stamp}-{job.folder_name}")
-    (folder / JOB_RECORD).write_text(json.dumps(job.record(), indent=2) + "\n")
+    write_text(folder / JOB_RECORD, json.dumps(job.record(), indent=2) + "\n")
     return folder
 
 
 def _claimed_id(record: Path) -> str | None:
+    """The id ``record`` claims; None unless it is a small regular file holding a JSON object with one."""
     try:
-        claimed = json.loads(record.read_text()).get("job_id")
-    except (OSError, ValueError, AttributeError):
+        claimed = json.loads(read_bytes(record, limit=_MAX_RECORD)).get("job_id")
+    except (OSError, ValueError, AttributeError):  # a link, a FIFO, a large or unreadable file: no claim
         return None
     return claimed if isinstance(claimed, str) else None

@@ -1,12 +1,46 @@
 """Run folders: a new one made atomically (two runs started in the same second never share one),
-and an early refusal of a folder another job holds."""
+an early refusal of a folder another job holds, and of one whose entries are links.
+
+A run folder is data: one from elsewhere (a tarball, a colleague's copy, a group-writable run
+root that ``--resume auto`` searches) may hold symbolic links or special files where unison
+writes. :func:`refuse_unsafe` checks every entry unison writes (:data:`RUN_FILES`,
+:data:`RUN_FOLDERS`, anything inside :data:`DEEP_FOLDERS`) before any rank starts; the writers
+themselves never follow a link either (:mod:`unison.utils.run_files`).
+"""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 
-from unison.checkpoint.lock import FolderInUseError, FolderLock
+from unison.checkpoint.lock import LOCK_FILE, FolderInUseError, FolderLock
+from unison.utils.run_files import unsafe_entries
+
+RUN_MARKER = ".unison-run"
+"""The file that marks a folder as a unison run folder (written when the run is created)."""
+
+JOB_RECORD = "job.json"
+"""The file in a run folder that names the job owning it."""
+
+RUN_FILES = (
+    LOCK_FILE,
+    RUN_MARKER,
+    JOB_RECORD,
+    "config.yaml",
+    "metrics.json",
+    "history.jsonl",
+    "changes-on-resume.jsonl",
+    "predictions.pt",
+    "mlflow-run.json",
+    "wandb-run.json",
+)
+"""The files unison writes at the top of a run folder: each must be a regular file, when present."""
+
+RUN_FOLDERS = ("checkpoints", "logs", "tb", "wandb")
+"""The folders unison writes into: each must be a real directory, when present."""
+
+DEEP_FOLDERS = ("checkpoints", "logs", "tb")
+"""The folders whose every entry unison writes (``wandb/`` holds W&B's own links)."""
 
 
 def new_run_folder(root: Path, stamp: str) -> Path:
@@ -46,3 +80,18 @@ def refuse_if_held(found: tuple[Path, str] | None, error: type[Exception]) -> No
         FolderLock(found[0]).release()
     except FolderInUseError as err:
         raise error(str(err)) from None
+
+
+def refuse_unsafe(run_dir: Path, error: type[Exception]) -> None:
+    """Raises ``error``, naming every entry, when the run folder ``run_dir`` is a link or holds a
+    link or a special file where unison writes (see the module's notes); called before any rank starts.
+    """
+    found = unsafe_entries(run_dir, RUN_FILES, RUN_FOLDERS, DEEP_FOLDERS)
+    if found:
+        raise error(
+            f"the run folder {run_dir} cannot be resumed: " + "; ".join(found) + ". unison writes these "
+            "entries in place and never through a link, so that a run folder from elsewhere (a tarball, a "
+            "colleague's copy, a shared run root) cannot make it overwrite or append to the files they point "
+            "to. Remove them (or put real files and folders in their place), or start a new run (leave out "
+            "--resume)."
+        )

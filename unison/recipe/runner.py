@@ -51,11 +51,12 @@ from unison.recipe.parts import RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan, plan
 from unison.recipe.preflight import check_port, preflight
 from unison.recipe.resume_values import apply_on_resume
-from unison.recipe.run_folder import new_run_folder, refuse_if_held
+from unison.recipe.run_folder import RUN_MARKER, new_run_folder, refuse_if_held, refuse_unsafe
 from unison.recipe.steps import build_run
 from unison.utils import get_logger
-from unison.utils.logging import console_level
-from unison.utils.secrets import RedactingFilter, redact_url
+from unison.utils.logging import RunLogHandler, console_level
+from unison.utils.run_files import real_folder, write_text
+from unison.utils.secrets import redact_url
 
 _log = get_logger("unison.recipe.run")  # the run's logger, shared by the modules of a run
 
@@ -66,10 +67,6 @@ Attach = Callable[[RunParts], Callable[[], str | None] | None]
 
 class ResumeError(ValueError):
     """A ``--resume`` that names no run to continue; raised before any rank is spawned."""
-
-
-RUN_MARKER = ".unison-run"
-"""The file that marks a folder as a unison run folder (written when the run is created)."""
 
 
 def is_run_dir(folder: Path) -> bool:
@@ -118,13 +115,17 @@ def previous_run(run_root: Path, resume: str | None) -> tuple[Path, str] | None:
 
 def _run_dir(plan: RunPlan, resume: str | None) -> tuple[Path, str | None]:
     """Rank 0 picks the run directory (and the checkpoint to resume); every rank gets it."""
-    choice: tuple[str, str | None] | None = None
+    choice: tuple[str, str | None] | str | None = None
     if get_rank() == 0:
         root = plan.run_root
         job = run_job(resume)  # under torchrun with an id: the job's own run, restarts resume it
         found = previous_run(root, resume) if job is None else job_previous_run(root, job)
         if found is not None:
-            choice = (str(found[0]), found[1])
+            try:
+                refuse_unsafe(found[0], ResumeError)  # checked before spawning too; again where it is used
+                choice = (str(found[0]), found[1])
+            except ResumeError as err:
+                choice = str(err)  # every rank raises it
         else:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             run_dir = new_run_folder(root, stamp) if job is None else new_job_run(root, stamp, job)
@@ -134,6 +135,8 @@ def _run_dir(plan: RunPlan, resume: str | None) -> tuple[Path, str | None]:
                     "resume=auto: no earlier run of %r under %s; starting fresh.", plan.config.name, root
                 )
     choice = broadcast_object(choice)
+    if isinstance(choice, str):
+        raise ResumeError(choice)
     assert choice is not None
     return Path(choice[0]), choice[1]
 
@@ -148,13 +151,10 @@ def _run_order(manifest: Path) -> tuple[str, int]:
 
 def _file_logging(run_dir: Path) -> logging.Handler:
     """Copies the ``unison`` logger's records to ``run_dir/logs/rank<N>.log``; returns the handler."""
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(logs / f"rank{get_rank()}.log")
+    handler = RunLogHandler(real_folder(run_dir / "logs") / f"rank{get_rank()}.log")  # never through a link
     handler.setFormatter(
         logging.Formatter(f"[rank {get_rank()}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     )
-    handler.addFilter(RedactingFilter())
     logging.getLogger("unison").addHandler(handler)
     return handler
 
@@ -193,10 +193,10 @@ def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) ->
     run_dir, resume_from = _run_dir(planned, resume)
     with hold_folder(run_dir):  # one job per run folder (unison.checkpoint.lock): refused on every rank
         if get_rank() == 0:
-            (run_dir / RUN_MARKER).touch()
+            write_text(run_dir / RUN_MARKER, "", "a")  # no file here follows a link (unison.utils.run_files)
             if resume_from is not None:
                 _record_changes(config, run_dir)
-            (run_dir / "config.yaml").write_text(redact_url(dump_config(config)))  # URL credentials masked
+            write_text(run_dir / "config.yaml", redact_url(dump_config(config)))  # URL credentials masked
         barrier()  # the folder exists before any rank writes into it
         log_file = _file_logging(run_dir)
         try:
@@ -317,6 +317,7 @@ def run(
     job = run_job(resume, explain=False)  # torchrun with an id: every rank checks the job's run
     found = previous_run(planned.run_root, resume) if job is None else job_previous_run(planned.run_root, job)
     if found is not None:
+        refuse_unsafe(found[0], ResumeError)  # a run folder with links where unison writes: before any rank
         check_resume(config, found[0])  # a change no checkpoint can follow fails here, not in a rank
     launcher = detect_launcher()
     if launcher.kind != "none":

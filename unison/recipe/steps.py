@@ -52,6 +52,7 @@ from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
 from unison.recipe.tracking_wandb import attach_wandb
 from unison.utils import get_logger, manual_seed
+from unison.utils.run_files import real_folder
 
 _log = get_logger("unison.recipe.run")  # the run's logger: its lines keep the name they had before the split
 
@@ -326,7 +327,7 @@ def attach_checkpoint(
         return None
     check_mid_epoch_saves(plan, parts.train_loader)  # refused by config key, before the trainer starts
     checkpoint = Checkpoint(
-        run_dir / "checkpoints",
+        real_folder(run_dir / "checkpoints"),  # a real folder, never a link (unison.utils.run_files)
         to_save,
         parts.trainer,
         every_epochs=ck.every_epochs,
@@ -357,7 +358,7 @@ def attach_logging(plan: RunPlan, parts: RunParts, run_dir: Path) -> None:
             _log.warning("TensorBoard logging is off: %s", err)
         else:
             TensorBoardLogger(
-                run_dir / "tb",
+                real_folder(run_dir / "tb"),
                 trainer=parts.trainer,
                 evaluators={"val": parts.evaluator},
                 log_every=lg.tb_every,

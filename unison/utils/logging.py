@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
+from unison.utils.run_files import open_file
 from unison.utils.secrets import RedactingFilter
 
 _ROOT = "unison"
@@ -92,6 +94,19 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) 
     logger.propagate = False
     return logger
 
+
+class RunLogHandler(logging.FileHandler):
+    """A log file in a run folder (``logs/rank<N>.log``), appended to in place: opened without
+    following a link, only when it is a regular file (:func:`unison.utils.run_files.open_fd`),
+    URL credentials masked. The file is opened when the handler is made, so a refusal is raised there.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path, mode="a", encoding="utf-8")
+        self.addFilter(RedactingFilter())
+
+    def _open(self) -> Any:
+        return open_file(self.baseFilename, "a")
 
 
 @contextlib.contextmanager
