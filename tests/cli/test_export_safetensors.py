@@ -9,6 +9,7 @@ model in test_export.py): a plain model loaded from the safetensors file with
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -135,3 +136,31 @@ def test_an_export_of_a_path_ending_in_pt_is_still_safetensors_when_asked(tmp_pa
     assert export(run, "--format", "safetensors", "--out", out) == 0
     assert sorted(load_file(out)) == sorted(make_model(0).state_dict())
     assert Path(out).read_bytes()[8:9] == b"{"  # a safetensors header, not a zip archive
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.json"])
+def test_a_linked_run_file_is_refused_and_nothing_it_points_to_is_embedded(tmp_path, capsys, name):
+    run = make_run(tmp_path, SAVES)
+    (run / "config.yaml").write_text(CONFIG)
+    (run / "metrics.json").write_text(json.dumps(METRICS))
+    secret = tmp_path / "environ"
+    secret.write_text('{"REGISTRY_TOKEN": "tok-9f8e7d"}\n')
+    (run / name).unlink()
+    (run / name).symlink_to(secret)
+    assert export(run, "--format", "safetensors") == 2
+    err = capsys.readouterr().err
+    assert f"{run / name} is a symbolic link" in err and "rm " in err
+    assert not (run / "model.safetensors").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_or_oversized_run_file_is_refused_without_waiting(tmp_path, capsys):
+    run = make_run(tmp_path, SAVES)
+    os.mkfifo(run / "metrics.json")
+    assert export(run, "--format", "safetensors") == 2
+    assert f"{run / 'metrics.json'} is a FIFO" in capsys.readouterr().err
+    (run / "metrics.json").unlink()
+    (run / "config.yaml").write_text("name: tiny\n# " + "x" * (5 * 2**20) + "\n")
+    assert export(run, "--format", "safetensors") == 2
+    assert f"{run / 'config.yaml'} holds more than" in capsys.readouterr().err
+    assert not (run / "model.safetensors").exists()

@@ -11,6 +11,12 @@ plain model's keys and these metadata strings:
   the history), as JSON, when the run has finished and written it;
 - ``unison.tied``: JSON ``{dropped name: kept name}`` for tied weights, when there are any.
 
+``config.yaml`` and ``metrics.json`` are read as a run folder's files are
+(:mod:`unison.utils.run_files`): regular files only, without following a link, at most
+:data:`MAX_CONFIG` and :data:`MAX_METRICS` bytes. A run folder from elsewhere whose
+``config.yaml`` links to ``/proc/self/environ`` or a token file is refused, naming the entry,
+instead of embedding what it points to in the model file.
+
 safetensors refuses two names over one storage. Tied weights (an embedding shared with an
 output layer: two keys, one tensor) are stored once, under the first name in sorted order,
 the same choice ``safetensors.torch.save_model`` makes, so ``safetensors.torch.load_model``
@@ -23,6 +29,7 @@ each written whole, as copies.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,7 @@ from typing import Any
 import torch
 
 from unison.checkpoint.io import _atomic_write
+from unison.utils.run_files import RunFileError, read_text
 from unison.utils.secrets import redact, redact_url
 
 FORMATS = ("pt", "safetensors")
@@ -37,11 +45,18 @@ FORMATS = ("pt", "safetensors")
 
 SUFFIXES = {"pt": ".pt", "safetensors": ".safetensors"}
 
+MAX_CONFIG = 4 * 2**20
+"""The most bytes of ``config.yaml`` an export reads (a config is a few KiB)."""
+
+MAX_METRICS = 16 * 2**20
+"""The most bytes of ``metrics.json`` an export reads (the history of a long run fits)."""
+
 INSTALL = "pip install 'unison[export]' (or pip install safetensors)"
 
 
 class FormatError(ValueError):
-    """Weights that the asked format cannot hold, or a format whose package is missing."""
+    """Weights that the asked format cannot hold, a format whose package is missing, or a run file
+    that is not embedded (a link, a special file, too large)."""
 
 
 def untied(weights: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -93,21 +108,36 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run_metadata(run: Path, meta: Mapping[str, Any]) -> dict[str, str]:
-    """The metadata strings of an export of ``run`` (see the module's notes); ``meta`` is the checkpoint's."""
+    """The metadata strings of an export of ``run`` (see the module's notes); ``meta`` is the checkpoint's.
+
+    Raises:
+        FormatError: ``config.yaml`` or ``metrics.json`` is a link, not a regular file, or too
+            large (naming it and the fix).
+    """
     checkpoint = {key: meta.get(key) for key in ("epoch", "iteration", "score", "metric") if key in meta}
     out = {"format": "pt", "unison.checkpoint": json.dumps(checkpoint, sort_keys=True)}
-    config = run / "config.yaml"
-    if config.is_file():
-        out["unison.config"] = redact_url(config.read_text(encoding="utf-8"))
-    metrics = run / "metrics.json"
-    if metrics.is_file():
+    config = _run_file(run / "config.yaml", MAX_CONFIG)
+    if config is not None:
+        out["unison.config"] = redact_url(config)
+    metrics = _run_file(run / "metrics.json", MAX_METRICS)
+    if metrics is not None:
         try:
-            out["unison.metrics"] = json.dumps(
-                redact(json.loads(metrics.read_text(encoding="utf-8"))), sort_keys=True
-            )
-        except (OSError, ValueError):
+            out["unison.metrics"] = json.dumps(redact(json.loads(metrics)), sort_keys=True)
+        except ValueError:
             pass  # a run writing it right now: the weights still export
     return out
+
+
+def _run_file(path: Path, limit: int) -> str | None:
+    """The text of a run folder's file, read in place (never through a link); None when absent."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_text(path, limit)
+    except RunFileError as err:
+        raise FormatError(f"{err} (unison export embeds this file in the model file's metadata)") from None
+    except (OSError, UnicodeDecodeError):
+        return None  # unreadable (a run writing it right now): the weights still export
 
 
 def save_safetensors(
