@@ -149,3 +149,19 @@ def test_linked_or_large_job_records_claim_nothing(tmp_path):
     (root / "large").mkdir()
     (root / "large" / JOB_RECORD).write_text('{"job_id": "job-a", "pad": "' + "x" * 8192 + '"}')
     assert find_job_run(root, _identity("job-a")) is None
+
+
+def test_a_new_job_reusing_a_finished_jobs_id_is_warned_how_to_start_fresh(tmp_path, worker, caplog):
+    worker("job-a")
+    first, _ = _run_dir(_plan(tmp_path), None)
+    _checkpointed(first)
+    with caplog.at_level(logging.INFO, logger="unison"):
+        assert _run_dir(_plan(tmp_path), None) == (first, "auto")  # a restart of a running job: no warning
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    (first / "metrics.json").write_text("{}\n")  # the job ran to its end
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="unison"):
+        assert _run_dir(_plan(tmp_path), None) == (first, "auto")
+    [told] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    text = told.getMessage()
+    assert "'job-a'" in text and str(first) in text and "--rdzv-id" in text and "fresh" in text

@@ -4,7 +4,8 @@ Under torchrun with a rendezvous id (:func:`unison.distributed.job.job_identity`
 folder is ``<root>/<name>/<stamp>-job-<id>`` and holds ``job.json`` (the exact id and the
 launcher). A restarted worker group (the same id) finds that folder and resumes its newest
 complete checkpoint, with no ``--resume``; a job with another id never sees it and starts
-fresh. Nothing here is a collective: rank 0 reads and writes, and broadcasts its choice.
+fresh. A new job given a finished job's id resumes that run too, which is said at WARNING with
+how to start fresh. Nothing here is a collective: rank 0 reads and writes, and broadcasts its choice.
 
 ``job.json`` is read only as a regular file of at most 4 KiB, without following a link and
 without waiting on a FIFO (:mod:`unison.utils.run_files`); any other entry of that name claims
@@ -29,6 +30,9 @@ __all__ = ["JOB_RECORD", "JobRunError", "find_job_run", "job_previous_run", "new
 
 _MAX_RECORD = 4096
 """The most bytes of a ``job.json`` read: what unison writes there is a few dozen."""
+
+FINISHED = "metrics.json"
+"""The file a run writes once it ends: a job run holding it is a finished job's."""
 
 
 class JobRunError(RuntimeError):
@@ -78,10 +82,28 @@ def find_job_run(run_root: Path, job: JobIdentity) -> Path | None:
     return owned[0] if owned else None
 
 
-def job_previous_run(run_root: Path, job: JobIdentity) -> tuple[Path, str] | None:
+def job_previous_run(run_root: Path, job: JobIdentity, *, explain: bool = False) -> tuple[Path, str] | None:
     """What :func:`~unison.recipe.runner.previous_run` gives for a job: its run folder and
-    ``"auto"`` (its newest complete checkpoint), or None when the job has no run yet."""
+    ``"auto"`` (its newest complete checkpoint), or None when the job has no run yet.
+
+    ``explain``: when that run has finished (it holds ``metrics.json``), say at WARNING that this
+    job resumes it, and how to start fresh (rank 0 does, once): a restarted worker group never
+    finds its own run finished, a new job that reuses an old id does.
+    """
     owned = find_job_run(run_root, job)
+    if owned is not None and explain and os.path.lexists(owned / FINISHED):
+        _log.warning(
+            "%s job %r already ran to its end in %s (it holds %s): this job resumes that run from its "
+            "newest checkpoint. If this is a new job, give it an id of its own (torchrun "
+            '--rdzv-id="$SLURM_JOB_ID", or --rdzv-id="exp-$(date +%%s)") to start a fresh run, or move %s '
+            "out of %s.",
+            job.launcher,
+            job.job_id,
+            owned,
+            FINISHED,
+            owned,
+            run_root,
+        )
     return None if owned is None else (owned, "auto")
 
 

@@ -119,7 +119,7 @@ def _run_dir(plan: RunPlan, resume: str | None) -> tuple[Path, str | None]:
     if get_rank() == 0:
         root = plan.run_root
         job = run_job(resume)  # under torchrun with an id: the job's own run, restarts resume it
-        found = previous_run(root, resume) if job is None else job_previous_run(root, job)
+        found = previous_run(root, resume) if job is None else job_previous_run(root, job, explain=True)
         if found is not None:
             try:
                 refuse_unsafe(found[0], ResumeError)  # checked before spawning too; again where it is used
