@@ -154,3 +154,49 @@ def test_stream_files_are_checked_before_any_process_starts(tmp_path: Path) -> N
     assert message.startswith(f"{config}:{_line(folder, 'shuffle: true')}: training.shuffle:")
     assert "Remove training.shuffle" in message
     assert torch.is_tensor(_load(folder).reader(folder / "shards" / "val.txt").__next__()[0])
+
+
+RUN = """\
+name: empty
+training:
+  seed: 3
+  max_epochs: 2
+  batch_size: 2
+  loss: !pyobject torch.nn.functional.cross_entropy
+  optimizer_type: !pyobject torch.optim.SGD
+  optimizer_kwargs: {lr: 0.1}
+model:
+  type: !pyobject torch.nn.Linear
+  kwargs: {in_features: 1, out_features: 2}
+validation:
+  metrics:
+    loss: !pyobject unison.metrics.Loss
+logging:
+  progress: false
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_stream_that_yields_nothing_fails_naming_its_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from unison.cli import main
+
+    folder = _folder(tmp_path)
+    config = folder / "config.yaml"
+    config.write_text(RUN + STREAM)
+    line = _line(folder, "files:")
+    for shard in (folder / "shards").glob("train-*.txt"):
+        shard.write_text("")
+    root = ["--set", f"logging.root={tmp_path / 'runs'}"]
+    assert main(["run", str(config), *root]) == 2  # every file is empty: refused before any rank starts
+    err = capsys.readouterr().err
+    assert f"{config}:{line}: data.stream.files:" in err and "every file it names is empty" in err
+    assert "train-0.txt" in err and not (tmp_path / "runs").exists()
+    for shard in (folder / "shards").glob("train-*.txt"):
+        shard.write_text("\n\n")  # not empty, and the reader yields nothing from it
+    assert main(["run", str(config), *root]) != 0
+    captured = capsys.readouterr()
+    assert f"{config}:{line}: data.stream.files:" in captured.err, captured.err
+    assert "no batch" in captured.err and "samples.read" in captured.err and "train-0.txt" in captured.err
+    assert "train loss nan" not in captured.err + captured.out

@@ -23,8 +23,7 @@ these members of ignite 0.5's ``Engine`` (pinned ``>=0.5.5,<0.6`` in pyproject.t
 - overrides the public ``terminate``, ``terminate_epoch`` and ``interrupt`` (agreed, in
   ``engine/control.py``), which calls ignite's own versions to apply a decision.
 
-ignite's own tests of the Engine and its handlers run against this class
-(``tests/ignite_suite``), so an upstream change breaks a test rather than a run.
+ignite's own tests of the Engine run against this class (``tests/ignite_suite``).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from unison.distributed.samplers import set_sampler_epoch
 from unison.distributed.sync import SyncPoint
 from unison.engine.checks import check_sharded, check_sync_every, is_empty, note_failure, run_after, run_empty
 from unison.engine.control import StopControl
+from unison.engine.empty_epochs import EmptyEpochs
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
 from unison.engine.filters import filtered_handler
 from unison.engine.lockstep import agree_on_layout, check_lockstep
@@ -120,10 +120,7 @@ class Engine(AgreedStops):
         self.debug = os.environ.get("UNISON_DEBUG", "0") not in ("", "0") if debug is None else bool(debug)
         self.sync_point = SyncPoint()
         self._control = StopControl(name)
-        self._waiting_boundary = False
-        self._in_sync = False
-        self._iteration_syncs = False
-        self._sync_due = False
+        self._waiting_boundary = self._in_sync = self._iteration_syncs = self._sync_due = False
         self._control_contributors = True
         self.epoch_length_given = False
         """Whether the last ``run`` was given ``epoch_length`` (else the data's length decides)."""
@@ -135,6 +132,7 @@ class Engine(AgreedStops):
         self._after_epoch: list[Callable[[Engine], None]] = []
         self._failure_callbacks: list[Callable[[], None]] = []
         self.sync_point.register(self._control, scope="every")
+        self.sync_point.register(EmptyEpochs(self))  # an epoch no rank got a batch of fails on all
         self._loaded = False
         self.register_events(*UpdateEvents, event_to_attr={UpdateEvents.UPDATE_COMPLETED: UPDATE_ATTR})
 

@@ -39,6 +39,7 @@ from unison.distributed import (
     get_world_size,
     launch,
 )
+from unison.engine.empty_epochs import EmptyDataError
 from unison.recipe.accepted import report_accepted
 from unison.recipe.changes import check_resume, record
 from unison.recipe.finish import RunContext as RunContext
@@ -53,6 +54,7 @@ from unison.recipe.preflight import check_port, preflight
 from unison.recipe.resume_values import apply_on_resume
 from unison.recipe.run_folder import RUN_MARKER, new_run_folder, refuse_if_held, refuse_unsafe
 from unison.recipe.steps import build_run
+from unison.recipe.stream_data import empty_training_data
 from unison.utils import get_logger
 from unison.utils.logging import RunLogHandler, console_level
 from unison.utils.run_files import real_folder, write_text
@@ -238,7 +240,12 @@ def _train(
             parts.trainer.state.epoch
         )  # the run's rows, as metrics.json has
         return {**collect_results(parts, run_dir, world), "complete": True}
-    parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
+    try:
+        parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
+    except EmptyDataError as err:  # an evaluator's own is not the training data's
+        if err.engine_name != parts.trainer.name:
+            raise
+        raise empty_training_data(plan, err) from None
     results = collect_results(parts, run_dir, world)
     why = ended_early() if ended_early is not None else None
     if why is not None:  # a pruned trial: its test set is not the sweep's to measure

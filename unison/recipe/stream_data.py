@@ -10,7 +10,9 @@ the same in terms of the config, naming the key, its file and line, and the fix:
   source decides);
 - :func:`check_stream_sharding`: a stream that does not split by rank (``data.build``);
 - :func:`check_mid_epoch_saves`: ``checkpoint.every_iters``, ``checkpoint.every_seconds`` or
-  ``checkpoint.preemption`` with a stream that cannot tell its position.
+  ``checkpoint.preemption`` with a stream that cannot tell its position;
+- :func:`empty_training_data`: the trainer's data yielded no batch on any rank, at the key
+  that names the data.
 
 Each runs in the rank, once the data is built, before the trainer starts.
 """
@@ -21,8 +23,10 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
+from unison.config import ConfigError
 from unison.distributed.data_state import data_position, type_name
 from unison.distributed.stream_sources import stream_sharding
+from unison.engine.empty_epochs import EmptyDataError
 from unison.recipe.planning import RunPlan
 
 
@@ -110,3 +114,20 @@ def check_mid_epoch_saves(plan: RunPlan, train_loader: Any) -> None:
         "train the rest. Fix: save at epoch ends only (checkpoint.preemption: false, checkpoint.every_iters "
         f"and checkpoint.every_seconds unset, checkpoint.every_epochs for the period), or a source that saves its position ({position.fix}).",
     )
+
+
+def empty_training_data(plan: RunPlan, err: EmptyDataError) -> ConfigError:
+    """The error of a trainer whose data yielded no batch in an epoch on any rank, at the key
+    that names the data (``data.stream.files`` with its reader, ``data.build``, ``data.files``)."""
+    data = plan.config.data
+    stream = data.stream
+    if stream is not None and stream.files is not None:
+        key: tuple[str, ...] = ("data", "stream", "files")
+        fix = f"name files that hold training samples, which data.stream.reader ({stream.reader}) yields"
+    elif stream is not None:
+        key, fix = ("data", "stream", "hf_dataset"), "give a split that has rows"
+    elif data.build is not None:
+        key, fix = ("data", "build"), "return training data that yields samples"
+    else:
+        key, fix = ("data", "files"), "name files that hold training samples"
+    return plan.config.origin.error(key, f"{err} Here: {fix}.")

@@ -87,8 +87,16 @@ def stream_data_slots(config: Config, refs: _References) -> StreamData:
     if stream.hf_dataset is not None:
         return _hf(stream, refs, workers)
     reader, kwargs = _reader(stream, refs)
+    files = _matches(stream.files or [], "data.stream.files", refs)
+    if all(path.stat().st_size == 0 for path in files):
+        named = ", ".join(str(path) for path in files[:5]) + (", ..." if len(files) > 5 else "")
+        raise refs.error(
+            "data.stream.files",
+            f"every file it names is empty ({named}): the stream would train on nothing. Name the files "
+            "that hold the training samples",
+        )
     return StreamData(
-        files=_matches(stream.files or [], "data.stream.files", refs),
+        files=files,
         val_files=_matches(stream.val_files or [], "data.stream.val_files", refs),
         reader=reader,
         kwargs=kwargs,
