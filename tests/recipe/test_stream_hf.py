@@ -127,3 +127,47 @@ def test_a_saved_dataset_is_checked_before_any_process_starts(
     message = error(BODY)
     assert message.startswith(f"{config}:{line}: data.stream.hf_dataset:")
     assert "datasets package is not installed: pip install 'unison[stream]'" in message
+
+
+@pytest.mark.timeout(120)
+def test_a_saved_dataset_that_reads_outside_itself_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+    import json
+    import os
+
+    from unison.cli import main
+
+    image = pytest.importorskip("PIL.Image")
+    png = io.BytesIO()
+    image.new("RGB", (2, 2)).save(png, format="PNG")
+    rows = {
+        "x": [[float(i), 1.0] for i in range(4)],
+        "y": [i % 2 for i in range(4)],
+        "image": [{"bytes": png.getvalue(), "path": None}] * 4,
+    }
+    features = datasets.Features(
+        {
+            "x": datasets.List(datasets.Value("float32")),
+            "y": datasets.Value("int64"),
+            "image": datasets.Image(),
+        }
+    )
+    table = datasets.Dataset.from_dict(rows, features=features)
+    datasets.DatasetDict({"train": table, "validation": table}).save_to_disk(str(tmp_path / "hf"))
+    config = _config(tmp_path, BODY.replace("    columns: [x, y]\n", ""))
+    line = next(i for i, text in enumerate(config.read_text().splitlines(), 1) if "hf_dataset" in text)
+    with pytest.raises(ConfigError) as err:
+        resolve(load_config(config))
+    assert str(err.value).startswith(f"{config}:{line}: data.stream.hf_dataset:")
+    assert "'image' (Image)" in str(err.value) and "data.stream.columns" in str(err.value)
+    assert isinstance(resolve(load_config(_config(tmp_path))).data_build, StreamData)  # columns [x, y]: fine
+    state = tmp_path / "hf" / "train" / "state.json"
+    (arrow,) = json.loads(state.read_text())["_data_files"]
+    (tmp_path / "hf" / "train" / arrow["filename"]).unlink()
+    os.mkfifo(tmp_path / "hf" / "train" / arrow["filename"])  # unchecked, unison run waited on it for good
+    assert main(["run", str(config), "--set", f"logging.root={tmp_path / 'runs'}"]) == 2
+    message = capsys.readouterr().err
+    assert f"{config}:{line}: data.stream.hf_dataset:" in message and "a FIFO" in message
+    assert not (tmp_path / "runs").exists()

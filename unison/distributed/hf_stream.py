@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from unison.distributed.hf_folder import check_features, check_folder
 from unison.distributed.primitives import get_rank, get_world_size
 
 
@@ -16,12 +17,19 @@ def load_split(folder: Path | str, split: str | None, columns: list[str] | None 
     """The ``datasets.Dataset`` saved in ``folder`` (``save_to_disk``): the ``split`` of a
     ``DatasetDict``, or the dataset itself; ``columns`` kept, as torch tensors.
 
+    The folder is data from elsewhere: only its own regular files are read, and a kept column
+    decoded from a path or URL a row names (``Image``, ``Audio`` ...) is refused
+    (:mod:`unison.distributed.hf_folder`).
+
     Raises:
         KeyError: ``split`` is not a split of the saved ``DatasetDict`` (the message lists them).
         ValueError: ``columns`` names a column the dataset lacks.
+        DatasetFolderError: a file the folder names is outside it or not a regular file, or a
+            kept column is decoded from a path or URL.
     """
     import datasets
 
+    check_folder(folder)
     saved = datasets.load_from_disk(str(folder))
     if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
@@ -32,6 +40,7 @@ def load_split(folder: Path | str, split: str | None, columns: list[str] | None 
         if missing:
             raise ValueError(f"columns {missing} are not in {folder}; its columns: {saved.column_names}")
         saved = saved.select_columns(columns)
+    check_features(saved.features, folder)
     return saved.with_format("torch")
 
 

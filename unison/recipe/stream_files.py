@@ -30,6 +30,7 @@ from unison.config.stream_config import StreamConfig
 from unison.config.usercode import describe
 from unison.distributed import shard_stream
 from unison.distributed.file_stream import FileStream, read_files
+from unison.distributed.hf_folder import DatasetFolderError
 from unison.distributed.hf_stream import hf_stream, load_split
 from unison.recipe.file_data import _path
 from unison.recipe.references import _References
@@ -187,6 +188,8 @@ def _hf(stream: StreamConfig, refs: _References, workers: int) -> StreamData:
     for key, split in (("split", stream.split), ("val_split", stream.val_split)):
         try:
             load_split(folder, split, stream.columns)
+        except DatasetFolderError as err:  # a file outside the folder, a column decoded from a path
+            raise refs.error("data.stream.hf_dataset", f"{stream.hf_dataset!r}: {err}") from None
         except KeyError as err:
             raise refs.error(f"data.stream.{key}", f"{split!r}: {err.args[0]}") from None
         except ValueError as err:
