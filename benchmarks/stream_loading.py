@@ -101,7 +101,9 @@ def _write_shards(x: Any, y: list[int], folder: Path) -> list[str]:
 def _webdataset_stream(urls: list[str]) -> Any:
     import webdataset as wds
 
-    return wds.WebDataset(urls, shardshuffle=False).decode().to_tuple("npy", "cls")
+    # Only the keys it reads: WebDataset's default decoders unpickle .pyd/.pickle members and
+    # torch.load .pth ones with weights_only=False, whatever a shard holds.
+    return wds.WebDataset(urls, shardshuffle=False).decode(only=["npy", "cls"]).to_tuple("npy", "cls")
 
 
 def sources(name: str, samples: int, folder: Path) -> Callable[[str], Any]:

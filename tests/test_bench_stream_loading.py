@@ -53,3 +53,35 @@ def test_stream_loading_refuses_too_few_samples_before_reading_anything():
     )
     assert result.returncode != 0
     assert "--samples must be >= 512" in result.stderr and "got 100" in result.stderr
+
+
+class _Unpickled:
+    """A pickle that prints when it is loaded: what a shard from elsewhere may hold."""
+
+    def __reduce__(self) -> tuple:
+        return (print, ("UNPICKLED",))
+
+
+def test_the_webdataset_source_decodes_only_what_it_reads(tmp_path, capsys):
+    import importlib.util
+    import pickle
+
+    import numpy as np
+
+    wds = pytest.importorskip("webdataset")
+    spec = importlib.util.spec_from_file_location("stream_loading", ROOT / "benchmarks" / "stream_loading.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shard = str(tmp_path / "shard.tar")
+    with wds.TarWriter(shard) as sink:
+        sample = {
+            "__key__": "0",
+            "npy": np.ones(3, dtype=np.float32),
+            "cls": 1,
+            "pyd": pickle.dumps(_Unpickled()),
+        }
+        sink.write(sample)
+    ((x, y),) = list(bench._webdataset_stream([shard]))
+    assert x.tolist() == [1.0, 1.0, 1.0] and y == 1
+    assert "UNPICKLED" not in capsys.readouterr().out  # the .pyd member was never unpickled
