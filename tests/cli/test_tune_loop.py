@@ -159,8 +159,9 @@ def test_a_killed_sweeps_running_trial_is_failed_and_its_values_asked_again(
 )
 def test_a_study_file_outside_the_output_root_is_refused(tmp_path: Path, storage: str) -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(write_config(tmp_path), [f"tuning.storage={storage}"])
+        plan_sweep(write_config(tmp_path), [f"tuning.storage={storage}"])
     assert info.value.key_path == "tuning.storage" and "output root" in str(info.value), str(info.value)
+    assert not (tmp_path / "runs" / "tiny").exists()  # refused before the sweep made anything
 
 
 def test_a_file_path_is_a_journal_file_inside_the_output_root(tmp_path: Path, launch) -> None:
@@ -256,3 +257,16 @@ def test_a_search_space_key_that_is_no_identifier_is_refused(tmp_path: Path) -> 
             write_config(tmp_path),
             ['tuning.search_space={"training.optimizer_kwargs.a=b": {type: float, low: 0.1, high: 1}}'],
         )
+
+
+def test_a_study_file_in_the_output_root_serves_every_trial(tmp_path: Path, launch) -> None:
+    """A SQLite file inside the output root but outside the sweep folder: the sweep accepts it, and
+    its trials (each planned in a folder of its own) run with it instead of refusing it again."""
+    shared = tmp_path / "runs" / "shared.db"
+    fake = launch([0.4, 0.3])
+    code = main(
+        ["tune", str(write_config(tmp_path)), "--trials", "2", "--set", f"tuning.storage=sqlite:///{shared}"]
+    )
+    assert code == 0 and fake.calls == 2
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{shared}")
+    assert counts_of(study.get_trials(deepcopy=False)) == {"COMPLETE": 2}

@@ -310,9 +310,35 @@ def storage_file(storage: str, root: Path) -> Path | None:
     return confined_path(text, root)
 
 
+def check_storage_confined(config: Config, root: Path) -> Path | None:
+    """The confinement of ``tuning.storage``: a journal or SQLite file stays inside ``root``, the
+    sweep's output root (the text read as SQLAlchemy reads it: percent-decoded). The sweep checks
+    it once, when it plans (:func:`~unison.recipe.tune_space.plan_sweep`); its trials, each planned
+    in a folder of its own, take the checked value and do not check it again.
+
+    Returns:
+        The file, resolved; None for a server or without ``tuning.storage``.
+
+    Raises:
+        ConfigError: at ``tuning.storage``, naming the file, the root and the fix.
+    """
+    storage = (config.tuning.storage or "").strip()
+    if not storage:
+        return None
+    try:
+        return storage_file(storage, root)
+    except ConfinementError as err:
+        raise config.origin.error(
+            ("tuning", "storage"),
+            f"{err}. A study's file stays inside the output root {root} (training.path or logging.root), "
+            "as every file a config names: write sqlite:///<a file in it> or a journal file path like "
+            "study.log; for a study shared by sweeps elsewhere use a database or Redis server",
+        ) from None
+
+
 def _check_storage(config: Config, raw: RawConfig) -> None:
-    """``tuning.storage``: a journal file or a SQLite file inside the output root (the text is read
-    as SQLAlchemy reads it: percent-decoded), a database server, or a Redis server."""
+    """``tuning.storage``'s form: a journal file, a SQLite file, a database server, or a Redis
+    server (whether a file stays inside the output root: :func:`check_storage_confined`)."""
     t = config.tuning
     here: KeyPath = ("tuning", "storage")
     root = Path(config.training.path or config.logging.root).resolve()
@@ -338,15 +364,6 @@ def _check_storage(config: Config, raw: RawConfig) -> None:
                 f"{t.storage!r} is a path, which names an Optuna journal file; for a SQLite database write a "
                 f"URL, sqlite:///{url} (in the output root), or a name like study.log for a journal file",
             )
-        try:
-            storage_file(url, root)
-        except ConfinementError as err:
-            raise raw.origin.error(
-                here,
-                f"{err}. A study's file stays inside the output root {root} (training.path or logging.root), "
-                "as every file a config names: write sqlite:///<a file in it> or a journal file path like "
-                "study.log; for a study shared by sweeps elsewhere use a database or Redis server",
-            ) from None
     name = t.study_name
     if name is not None and (
         not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name.startswith("~")

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from unison.config import Config, ConfigError, load_config
+from unison.config.tuning import check_storage_confined
 from unison.recipe.dead_keys import changes_nothing
 from unison.recipe.planning import plan as plan_run
 from unison.recipe.preflight import preflight
@@ -176,6 +177,7 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str]) -> SweepPlan:
     preflight(run)
     study_name = t.study_name or config.name
     root, folder = run.root.resolve(), run.run_root / f"tune-{study_name}"
+    check_storage_confined(config, root)  # once, here: the trials take the checked value
     storage = (t.storage or "").strip() or f"sqlite:///{folder.resolve() / 'study.db'}"
     plan = SweepPlan(
         str(path), list(overrides), config, folder, storage, study_name, t.metric, str(t.direction),
