@@ -135,7 +135,40 @@ def criterion_loss(loss: Callable[..., torch.Tensor], refs: _References) -> Call
     with_trainer = varargs or (
         third is not None and (third.default is third.empty or third.name == "trainer")
     )
-    return BatchLoss(loss, with_trainer=with_trainer)
+    return NamedCriterion(loss, refs, with_trainer=with_trainer)
+
+
+class NamedCriterion(BatchLoss):
+    """A top-level ``criterion`` of the user's, called ``criterion(outputs, batch[, trainer])``: the
+    failure of its first call names the key (file and line), the convention the slot calls it by,
+    and how to write the other one.
+
+    A loss written ``loss(y_pred, y)`` fits the signature check and fails only once called, with
+    the whole batch where it expects the target (torch's ``argument 'target' must be Tensor, not
+    list``). Later calls go straight to the function.
+    """
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], refs: _References, with_trainer: bool) -> None:
+        super().__init__(loss_fn, with_trainer=with_trainer)
+        self.refs, self.called = refs, False
+
+    def __call__(self, y_pred: Any, batch: Any, *trainer: Any) -> torch.Tensor:
+        if self.called:
+            return self.loss_fn(y_pred, batch, *trainer)
+        try:
+            out = self.loss_fn(y_pred, batch, *trainer)
+        except Exception as err:
+            raise self.refs.error(
+                "criterion",
+                f"{describe(self.loss_fn)} raised {type(err).__name__} on its first call: {err}. The criterion "
+                "key calls a function as QuantumGrav does, criterion(outputs, batch) (criterion(outputs, batch, "
+                "trainer) in training when it takes a third parameter): the second argument is the whole batch "
+                "on the device, not its target. A loss of (y_pred, y) is named by training.loss instead "
+                "(training.loss: !pyobject <module>.<function>), or reads the target from the batch: "
+                "def criterion(outputs, batch): return loss(outputs, batch[1]) (batch.y for a graph)",
+            ) from err
+        self.called = True
+        return out
 
 
 def _requires(fn: Callable[..., Any]) -> int:
