@@ -58,3 +58,22 @@ def test_readme_commands_name_files_that_exist():
     assert paths, "the README names no recipe"
     missing = sorted(p for p in paths if not (ROOT / p).is_file())
     assert not missing, f"README.md names files that do not exist: {missing}"
+
+
+def test_torchrun_refuses_nproc_anywhere_as_the_readme_and_launching_guide_say(capsys):
+    """torchrun parses its whole command line, the script's arguments included: `--nproc` after
+    `unison run` never reaches unison. The README and docs/launching.md quote what it says."""
+    import pytest
+    from torch.distributed.run import get_args_parser
+
+    with pytest.raises(SystemExit):
+        get_args_parser().parse_args(
+            ["--nproc-per-node=2", "--no-python", "unison", "run", "c.yaml", "--nproc", "2"]
+        )
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    quoted = "ambiguous option: --nproc could match --nproc-per-node, --nproc_per_node"
+    assert quoted in said, said
+    for doc in (README, ROOT / "docs" / "launching.md"):
+        assert quoted in " ".join(doc.read_text().split()), doc
+    args = get_args_parser().parse_args(["--nproc-per-node=2", "--no-python", "unison", "run", "c.yaml"])
+    assert args.training_script_args == ["run", "c.yaml"]  # what the docs say to write instead

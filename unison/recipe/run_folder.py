@@ -1,5 +1,6 @@
 """Run folders: a new one made atomically (two runs started in the same second never share one),
-an early refusal of a folder another job holds, and of one whose entries are links.
+an early refusal of a folder another job holds, and of one whose entries are links, and the
+command that continues a run.
 
 A run folder is data: one from elsewhere (a tarball, a colleague's copy, a group-writable run
 root that ``--resume auto`` searches) may hold symbolic links or special files where unison
@@ -11,9 +12,12 @@ themselves never follow a link either (:mod:`unison.utils.run_files`).
 from __future__ import annotations
 
 import itertools
+import os
+import shlex
 from pathlib import Path
 
 from unison.checkpoint.lock import LOCK_FILE, FolderInUseError, FolderLock
+from unison.config.origin import Origin
 from unison.utils.run_files import unsafe_entries
 
 RUN_MARKER = ".unison-run"
@@ -95,3 +99,25 @@ def refuse_unsafe(run_dir: Path, error: type[Exception]) -> None:
             "to. Remove them (or put real files and folders in their place), or start a new run (leave out "
             "--resume)."
         )
+
+
+def resume_command(origin: Origin, run_dir: Path, main: Path | None = None) -> str:
+    """The command that continues the run in ``run_dir``: ``unison run CONFIG [--set ...] [--main
+    SCRIPT] --resume RUN_DIR``, its config file made absolute and every item shell-quoted; the
+    ``--set`` items are the ones the run was given (a resume compares its config with the saved one).
+    For a config built in Python (no file), the call of :func:`~unison.recipe.run` instead.
+
+    Example:
+        >>> resume_command(Origin(file="my runs/c.yaml", overrides={("a",): "a=1"}), Path("/r/x"))[:11]
+        'unison run '
+        >>> resume_command(Origin(), Path("/r/x"))
+        "unison.recipe.run(<the same config>, resume='/r/x')"
+    """
+    if origin.file is None:
+        return f"unison.recipe.run(<the same config>, resume={str(run_dir)!r})"
+    argv = ["unison", "run", os.path.abspath(origin.file)]
+    for text in origin.overrides.values():
+        argv += ["--set", text]
+    if main is not None:
+        argv += ["--main", os.path.abspath(main)]
+    return shlex.join([*argv, "--resume", os.path.abspath(run_dir)])

@@ -40,6 +40,7 @@ from unison.distributed import (
     launch,
 )
 from unison.engine.empty_epochs import EmptyDataError
+from unison.handlers import EXIT_PREEMPTED
 from unison.recipe.accepted import report_accepted
 from unison.recipe.changes import check_resume, record
 from unison.recipe.finish import RunContext as RunContext
@@ -52,7 +53,7 @@ from unison.recipe.parts import RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan, plan
 from unison.recipe.preflight import check_port, preflight
 from unison.recipe.resume_values import apply_on_resume
-from unison.recipe.run_folder import RUN_MARKER, new_run_folder, refuse_if_held, refuse_unsafe
+from unison.recipe.run_folder import RUN_MARKER, new_run_folder, refuse_if_held, refuse_unsafe, resume_command
 from unison.recipe.steps import build_run
 from unison.recipe.stream_data import empty_training_data
 from unison.utils import get_logger
@@ -203,6 +204,12 @@ def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) ->
         log_file = _file_logging(run_dir)
         try:
             return _train(planned, run_dir, resume_from, attach)
+        except SystemExit as stop:
+            if stop.code == EXIT_PREEMPTED and get_rank() == 0:  # saved at an agreed iteration
+                _log.warning(
+                    "preempted; to continue this run: %s", resume_command(config.origin, run_dir, script())
+                )
+            raise
         finally:
             logging.getLogger("unison").removeHandler(log_file)
             log_file.close()
