@@ -209,7 +209,7 @@ def run_trial(
             *wandb_trial_overrides(plan.config, plan.study_name, trial.number),  # logging.wandb: grouped
         ]
         config = load_config(plan.path, [*plan.overrides, *sets, *layout])
-        preflight(plan_run(config))
+        preflight(plan_run(config), trains_here=nproc is None)  # nproc None: the trial trains in this process
         _log.debug("trial %d: %s", trial.number, "  ".join(sets))  # its one line comes when it ends
         with DecisionServer(trial, plan.metric) as server:
             if detect_launcher().kind == "none" and nproc is not None:
@@ -309,7 +309,7 @@ def tune(
             f"unison tune runs as one process and spawns each trial's ranks itself, but this process is one rank "
             f"started by {launcher.describe()}. Run unison tune directly, with --nproc."
         )
-    plan = plan_sweep(config, list(overrides or []))
+    plan = plan_sweep(config, list(overrides or []), nproc=nproc)
     nproc = nproc if nproc is not None else plan.config.parallel.nproc_per_node
     plan.folder.mkdir(parents=True, exist_ok=True)
     study = open_study(plan)

@@ -31,14 +31,22 @@ from unison.utils import get_logger
 _log = get_logger("unison.recipe.preflight")
 
 
-def preflight(plan: RunPlan) -> None:
+def preflight(plan: RunPlan, *, trains_here: bool = False) -> None:
     """Checks, in the launching process, what would otherwise fail only once ranks run.
 
     Checks ``training.device`` against this machine and that the output folder
     (``training.path`` or ``logging.root``) can be written; builds the model on the
     ``meta`` device (no memory, no data), the optimizer on its parameters and the
-    scheduler on that optimizer, and the validation metrics. The data builder is not
+    scheduler on that optimizer, and the validation metrics. The data builder is never
     called (it may be expensive): :func:`~unison.recipe.resolve.resolve` checked its signature.
+
+    The checks leave nothing behind in a process that trains. With ``trains_here`` (this
+    process is a rank next: under torchrun or srun, or a run of one process that spawns
+    none) the model is not built on the meta device: its constructor is the user's code,
+    and a tensor it makes there (a corpus it reads and keeps in an ``lru_cache`` or a
+    module global, for its vocabulary size) would stay a meta tensor and reach training.
+    The checks on that model (its optimizer and scheduler, ``parallel.fsdp.shard``, the
+    blocks of ``parallel.activation_checkpointing``) are then left to the rank's own build.
 
     Raises:
         ConfigError: naming the file, line and key of the first problem.
@@ -50,7 +58,7 @@ def preflight(plan: RunPlan) -> None:
     _check_find_unused(config, refs)
     check_mlflow(config)  # logging.mlflow: installed, names given, every at sync points (the store: planned)
     check_wandb(config)  # logging.wandb: installed, names given, every at sync points
-    model = _meta_model(resolved, refs)
+    model = None if trains_here else _meta_model(resolved, refs)
     if model is not None:
         _meta_optimizer(plan, model, refs)
         _check_shard_rule(config, model, refs)

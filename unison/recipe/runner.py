@@ -49,6 +49,7 @@ from unison.recipe.finish import finish_run, skip_test_phase
 from unison.recipe.finish import write_predictions as write_predictions
 from unison.recipe.history import RunHistory
 from unison.recipe.job_run import job_previous_run, new_job_run, run_job
+from unison.recipe.meta_guard import meta_tensors_named
 from unison.recipe.parts import RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan, plan
 from unison.recipe.preflight import check_port, preflight
@@ -248,7 +249,8 @@ def _train(
         )  # the run's rows, as metrics.json has
         return {**collect_results(parts, run_dir, world), "complete": True}
     try:
-        parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
+        with meta_tensors_named(parts.trainer):  # a meta tensor the user's code kept, named with its cause
+            parts.trainer.run(parts.train_loader, max_epochs=t.max_epochs, epoch_length=t.epoch_length)
     except EmptyDataError as err:  # an evaluator's own is not the training data's
         if err.engine_name != parts.trainer.name:
             raise
@@ -327,22 +329,24 @@ def run(
     elif overrides:
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
     planned = plan(config)  # every slot resolved, every derived value computed once
-    preflight(planned)  # fail before spawning: kwargs, the model on meta, the device, the output folder
+    launcher = detect_launcher()
+    if launcher.kind != "none" and nproc is not None:
+        raise ValueError(
+            f"--nproc {nproc} was given, but this process is already one rank started by {launcher.describe()}; "
+            "leave --nproc out under torchrun or srun."
+        )
+    nproc_per_node = (
+        None if launcher.kind != "none" else nproc if nproc is not None else config.parallel.nproc_per_node
+    )
+    # Fail before spawning: kwargs, the device, the output folder, and the model on meta unless this
+    # process trains next (a tensor the user's code keeps from that build would reach training).
+    preflight(planned, trains_here=nproc_per_node is None)
     job = run_job(resume, explain=False)  # torchrun with an id: every rank checks the job's run
     found = previous_run(planned.run_root, resume) if job is None else job_previous_run(planned.run_root, job)
     if found is not None:
         refuse_unsafe(found[0], ResumeError)  # a run folder with links where unison writes: before any rank
         check_resume(config, found[0])  # a change no checkpoint can follow fails here, not in a rank
-    launcher = detect_launcher()
-    if launcher.kind != "none":
-        if nproc is not None:
-            raise ValueError(
-                f"--nproc {nproc} was given, but this process is already one rank started by {launcher.describe()}; "
-                "leave --nproc out under torchrun or srun."
-            )
-        nproc_per_node = None
-    else:
-        nproc_per_node = nproc if nproc is not None else config.parallel.nproc_per_node
+    if launcher.kind == "none":
         check_port(config)  # a busy port fails here, not after the ranks started
         refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
     return launch_config(config, resume, nproc_per_node)[0]

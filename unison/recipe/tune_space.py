@@ -130,11 +130,12 @@ class SweepPlan:
     """The output root (``training.path`` or ``logging.root``), absolute: a study's file is inside it."""
 
 
-def check_space(plan: SweepPlan) -> None:
+def check_space(plan: SweepPlan, trains_here: bool = False) -> None:
     """Each value the search space can draw (bounds, each choice) makes a config ``unison run``
-    accepts: validated, planned, and checked by its preflight (the model built on ``meta``); and
-    each key changes the run (:func:`~unison.recipe.dead_keys.changes_nothing`), the rule by which a run
-    refuses arguments of an object it does not build."""
+    accepts: validated, planned, and checked by its preflight (the model built on ``meta``, unless
+    the trials train in this process: ``trains_here``); and each key changes the run
+    (:func:`~unison.recipe.dead_keys.changes_nothing`), the rule by which a run refuses arguments of
+    an object it does not build."""
     for key, spec in plan.space.items():
         why = changes_nothing(plan.config, key)
         if why is not None:
@@ -146,7 +147,7 @@ def check_space(plan: SweepPlan) -> None:
         for value in _examples(spec):
             try:
                 drawn = load_config(plan.path, [*plan.overrides, *as_overrides({key: value})])
-                preflight(plan_run(drawn))
+                preflight(plan_run(drawn), trains_here=trains_here)
             except ConfigError as err:
                 raise plan.config.origin.error(
                     ("tuning", "search_space", key),
@@ -155,8 +156,12 @@ def check_space(plan: SweepPlan) -> None:
                 ) from None
 
 
-def plan_sweep(path: str | os.PathLike[str], overrides: list[str]) -> SweepPlan:
+def plan_sweep(path: str | os.PathLike[str], overrides: list[str], nproc: int | None = None) -> SweepPlan:
     """Reads and checks everything a sweep needs, before any process is spawned.
+
+    ``nproc``: the ranks of each trial (``--nproc``, else ``parallel.nproc_per_node``); with
+    neither, the trials train in this process, which the checks then leave as they found it
+    (:func:`~unison.recipe.preflight.preflight`'s ``trains_here``).
 
     Raises:
         ConfigError: naming the file, the line and the key of the first problem.
@@ -174,7 +179,8 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str]) -> SweepPlan:
     optuna_object(config, "sampler")
     optuna_object(config, "pruner")
     run = plan_run(config)
-    preflight(run)
+    trains_here = (nproc if nproc is not None else config.parallel.nproc_per_node) is None
+    preflight(run, trains_here=trains_here)
     study_name = t.study_name or config.name
     root, folder = run.root.resolve(), run.run_root / f"tune-{study_name}"
     check_storage_confined(config, root)  # once, here: the trials take the checked value
@@ -183,5 +189,5 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str]) -> SweepPlan:
         str(path), list(overrides), config, folder, storage, study_name, t.metric, str(t.direction),
         {str(k): v for k, v in t.search_space.items()}, root,
     )  # fmt: skip
-    check_space(plan)
+    check_space(plan, trains_here)
     return plan
