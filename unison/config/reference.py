@@ -171,7 +171,7 @@ _EDITORS = (
 """The two commands that show a config as unison reads it, and the JSON Schema for editors."""
 
 _RESUMING = (
-    "## Resuming: the learning rate and other optimizer values",
+    "## Resuming: the learning rate, other optimizer values and the scheduler's",
     "",
     "A checkpoint holds the optimizer's groups, and loading them puts the saved values back.",
     "The rule of a resumed run (`--resume`): each value the config determines is compared as the",
@@ -191,6 +191,17 @@ _RESUMING = (
     "  checkpoint's 0.2 at 2 ranks)` says what happened.",
     "- any other key of `training.optimizer_kwargs` (`weight_decay`, `momentum`, `betas`...)",
     "  whose value changed is set in every group (`optimizer momentum on resume: ...`).",
+    "- a key of `training.scheduler_kwargs`, which the scheduler's saved state would otherwise",
+    "  load over: set on the loaded scheduler where each step reads it afresh (`StepLR`'s",
+    "  `step_size` and `gamma`, `MultiStepLR`'s `milestones` and `gamma`, `ExponentialLR`'s",
+    "  `gamma`, `CosineAnnealingLR`'s `eta_min`, `ReduceLROnPlateau`'s `factor`, `patience`,",
+    "  `threshold`, `cooldown`, `eps`, `min_lr`); `OneCycleLR`'s `max_lr` moves every rate of",
+    "  the schedule by new/old (the schedule of the new `max_lr`, at the step reached). Any other",
+    "  (`OneCycleLR`'s `total_steps`, `CosineAnnealingLR`'s `T_max`, `CyclicLR`, `LinearLR`, a",
+    "  scheduler of another library) would change the schedule's shape where it stands, and is",
+    "  refused before any rank starts, naming the key. The log line and `changes-on-resume.jsonl`",
+    "  say how each change was applied: `changed on resume: training.scheduler_kwargs.gamma",
+    '  0.5 -> 0.1 (applied: set on the loaded StepLR: ...)`, `"applied": "..."` in the record.',
     "",
     "`OneCycleLR` and `CyclicLR` set the learning rate from arguments of their own, so",
     "`training.lr_scaling` scales those (`max_lr`; `base_lr` and `max_lr`) instead of the",

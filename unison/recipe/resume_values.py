@@ -12,7 +12,10 @@ they differ, this run's value is applied after loading and logged:
   schedule continues from the new base where it had reached (a world-size change under
   ``lr_scaling``, a ``--set training.lr=``);
 - any other optimizer keyword (``weight_decay``, ``momentum``, ``betas`` ...) that changed
-  in ``training.optimizer_kwargs`` is set in every group.
+  in ``training.optimizer_kwargs`` is set in every group;
+- a changed ``training.scheduler_kwargs`` key is set on the loaded scheduler, or (``OneCycleLR``'s
+  ``max_lr``) moves every rate with the learning rate; any other was refused before the ranks
+  started (:mod:`unison.recipe.scheduler_resume`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from unison.recipe.lr_scaling import default_lr, plan_of, sets_lr_itself
 from unison.recipe.parts import RunParts
 from unison.recipe.planning import RunPlan
 from unison.recipe.resolve import Resolved
+from unison.recipe.scheduler_resume import RESCALED, apply_scheduler_changes, torch_scheduler
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.run")
@@ -73,8 +77,8 @@ def apply_on_resume(plan: RunPlan, parts: RunParts, resumed: Path | None) -> Pat
         _base_lr(old, resolved, saved_world),
         _base_lr(new, resolved, world),
     )
-    if sets_lr_itself(resolved.scheduler_type):  # its own lr arguments, scaled: only the scale can move
-        old_lr, new_lr = old_scale, new_scale
+    if sets_lr_itself(resolved.scheduler_type):  # its own lr arguments, scaled
+        old_lr, new_lr = _own_lr(old, resolved, old_scale), _own_lr(new, resolved, new_scale)
     optimizer = parts.optimizer
     if old_lr and new_lr is not None and not math.isclose(old_lr, new_lr, rel_tol=1e-12):
         before = optimizer.param_groups[0]["lr"]
@@ -93,4 +97,17 @@ def apply_on_resume(plan: RunPlan, parts: RunParts, resumed: Path | None) -> Pat
                 tuple(value) if isinstance(group.get(key), tuple) and isinstance(value, list) else value
             )
         _log.info("optimizer %s on resume: %r (changed from %r)", key, value, old_kw.get(key))
+    if parts.scheduler is not None:  # training.scheduler_kwargs: set over the loaded state, where it can be
+        old_sk, new_sk = old.get("scheduler_kwargs") or {}, new.get("scheduler_kwargs") or {}
+        apply_scheduler_changes(parts.scheduler, old_sk, new_sk, resolved.scheduler_type)
     return resumed
+
+
+def _own_lr(training: Mapping[str, Any], resolved: Resolved, scale: float) -> float:
+    """The rate of a scheduler that sets it itself, as a training section gives it: ``OneCycleLR``'s
+    ``max_lr`` times the scale (every rate of its schedule moves with it); the scale alone for
+    another (``CyclicLR``: a change of its rates is refused before the ranks start)."""
+    own = RESCALED.get(torch_scheduler(resolved.scheduler_type) or "")
+    value = (training.get("scheduler_kwargs") or {}).get(own) if own else None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return float(value) * scale if number else scale

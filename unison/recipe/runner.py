@@ -199,7 +199,7 @@ def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) ->
         if get_rank() == 0:
             write_text(run_dir / RUN_MARKER, "", "a")  # no file here follows a link (unison.utils.run_files)
             if resume_from is not None:
-                _record_changes(config, run_dir)
+                _record_changes(config, run_dir, planned.resolved.scheduler_type)
             write_text(run_dir / "config.yaml", redact_url(dump_config(config)))  # URL credentials masked
         barrier()  # the folder exists before any rank writes into it
         log_file = _file_logging(run_dir)
@@ -216,9 +216,9 @@ def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) ->
             log_file.close()
 
 
-def _record_changes(config: Config, run_dir: Path) -> None:
+def _record_changes(config: Config, run_dir: Path, scheduler_type: Any) -> None:
     """Rank 0: logs and records what changed since the saved run (refusals happened before spawn)."""
-    changes = check_resume(config, run_dir)
+    changes = check_resume(config, run_dir, scheduler_type)
     for change in changes:
         _log.warning("changed on resume: %s", change)
     if changes:
@@ -345,7 +345,9 @@ def run(
     found = previous_run(planned.run_root, resume) if job is None else job_previous_run(planned.run_root, job)
     if found is not None:
         refuse_unsafe(found[0], ResumeError)  # a run folder with links where unison writes: before any rank
-        check_resume(config, found[0])  # a change no checkpoint can follow fails here, not in a rank
+        check_resume(
+            config, found[0], planned.resolved.scheduler_type
+        )  # a change no checkpoint can follow fails here
     if launcher.kind == "none":
         check_port(config)  # a busy port fails here, not after the ranks started
         refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
