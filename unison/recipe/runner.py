@@ -53,6 +53,7 @@ from unison.recipe.meta_guard import meta_tensors_named
 from unison.recipe.parts import RunParts, scalar_metrics
 from unison.recipe.planning import RunPlan, plan
 from unison.recipe.preflight import check_port, preflight
+from unison.recipe.resume_shape import check_resume_shape
 from unison.recipe.resume_values import apply_on_resume
 from unison.recipe.run_folder import RUN_MARKER, new_run_folder, refuse_if_held, refuse_unsafe, resume_command
 from unison.recipe.steps import build_run
@@ -345,9 +346,11 @@ def run(
     found = previous_run(planned.run_root, resume) if job is None else job_previous_run(planned.run_root, job)
     if found is not None:
         refuse_unsafe(found[0], ResumeError)  # a run folder with links where unison writes: before any rank
-        check_resume(
-            config, found[0], planned.resolved.scheduler_type
-        )  # a change no checkpoint can follow fails here
+        # A change no checkpoint can follow fails here, not in a rank; so does a schedule or a
+        # stream of another shape than the checkpoint's.
+        check_resume(config, found[0], planned.resolved.scheduler_type)
+        world = launcher.world_size if launcher.kind != "none" else nproc_per_node or 1
+        check_resume_shape(planned, found[0], found[1], world)
     if launcher.kind == "none":
         check_port(config)  # a busy port fails here, not after the ranks started
         refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
