@@ -109,5 +109,6 @@ def _own_lr(training: Mapping[str, Any], resolved: Resolved, scale: float) -> fl
     another (``CyclicLR``: a change of its rates is refused before the ranks start)."""
     own = RESCALED.get(torch_scheduler(resolved.scheduler_type) or "")
     value = (training.get("scheduler_kwargs") or {}).get(own) if own else None
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-    return float(value) * scale if number else scale
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value) * scale
+    return scale

@@ -86,7 +86,7 @@ def how_applied(name: str, old: Any, new: Any, scheduler_type: Any) -> str | Non
 
 def refusal(name: str, old: Any, new: Any, scheduler_type: Any) -> str:
     """Why a change of ``training.scheduler_kwargs.<name>`` cannot follow a checkpoint, and what to do."""
-    kind = torch_scheduler(scheduler_type) or getattr(scheduler_type, "__name__", str(scheduler_type))
+    kind = str(torch_scheduler(scheduler_type) or getattr(scheduler_type, "__name__", scheduler_type))
     settable = sorted(SET_AFTER_LOADING.get(kind, {})) + ([RESCALED[kind]] if kind in RESCALED else [])
     can = f"; of its keys, {', '.join(settable)} can change on resume" if settable else ""
     return (
