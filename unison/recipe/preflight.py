@@ -45,8 +45,9 @@ def preflight(plan: RunPlan, *, trains_here: bool = False) -> None:
     none) the model is not built on the meta device: its constructor is the user's code,
     and a tensor it makes there (a corpus it reads and keeps in an ``lru_cache`` or a
     module global, for its vocabulary size) would stay a meta tensor and reach training.
-    The checks on that model (its optimizer and scheduler, ``parallel.fsdp.shard``, the
-    blocks of ``parallel.activation_checkpointing``) are then left to the rank's own build.
+    The optimizer and scheduler are then built on a stand-in parameter of the CPU, and the
+    checks on the model itself (``parallel.fsdp.shard``, the blocks of
+    ``parallel.activation_checkpointing``) are left to the rank's own build.
 
     Raises:
         ConfigError: naming the file, line and key of the first problem.
@@ -59,8 +60,8 @@ def preflight(plan: RunPlan, *, trains_here: bool = False) -> None:
     check_mlflow(config)  # logging.mlflow: installed, names given, every at sync points (the store: planned)
     check_wandb(config)  # logging.wandb: installed, names given, every at sync points
     model = None if trains_here else _meta_model(resolved, refs)
+    _meta_optimizer(plan, model, refs)  # without the meta model: on a stand-in parameter of the CPU
     if model is not None:
-        _meta_optimizer(plan, model, refs)
         _check_shard_rule(config, model, refs)
     check_activation_checkpointing(config, model, refs)
     for name, (cls, kwargs) in resolved.metrics.items():
@@ -179,10 +180,14 @@ def _meta_model(resolved: Resolved, refs: _References) -> nn.Module | None:
         ) from err
 
 
-def _meta_optimizer(plan: RunPlan, model: nn.Module, refs: _References) -> None:
-    """The optimizer on the meta model's parameters, and the scheduler on that optimizer."""
+def _meta_optimizer(plan: RunPlan, model: nn.Module | None, refs: _References) -> None:
+    """The optimizer on the meta model's parameters (without one: on a stand-in parameter, a real
+    tensor of one element), and the scheduler on that optimizer."""
     resolved = plan.resolved
-    params = [p for p in model.parameters() if p.requires_grad]
+    if model is None:
+        params = [nn.Parameter(torch.zeros(1))]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise refs.error(
             "model.type", f"{describe(resolved.model_type)} built a model with no trainable parameters"
