@@ -39,3 +39,15 @@ def test_any_kwargs_round_trip(tmp_path_factory, values):
     again = folder / "again.yaml"
     again.write_text(dump_config(config))
     assert load_config(again) == config
+
+
+def test_a_long_string_stays_on_one_line_so_a_password_in_it_is_masked_whole(tmp_path: Path):
+    from unison.utils.secrets import redact_url
+
+    password = "pass word " * 8  # spaces: YAML would fold the string across lines at 80 columns
+    uri = f"postgresql://someone:{password}@db.example.org/runs"
+    path = tmp_path / "config.yaml"
+    path.write_text(BASE + f"logging:\n  mlflow: {{tracking_uri: '{uri}'}}\n")
+    text = dump_config(load_config(path))
+    assert uri in text  # one line
+    assert "pass word" not in redact_url(text) and "db.example.org/runs" in redact_url(text)

@@ -50,10 +50,10 @@ def show_config(
         from unison.recipe.preflight import preflight
 
         preflight(plan(config))
-    text = dump_config(canonical(config))
+    text = redact_url(dump_config(canonical(config)))  # URL credentials masked
     if show_origin:
-        text = with_origins(text, config.origin)
-    return redact_url(text)  # URL credentials masked, in comments too
+        text = with_origins(text, config.origin)  # each comment masked on its own
+    return text
 
 
 def with_origins(text: str, origin: Origin) -> str:
@@ -69,7 +69,7 @@ def with_origins(text: str, origin: Origin) -> str:
         where = origin.file_of(source)
         line = origin.line_of(source)
         note = where if line is None else f"{_short(where)}:{line}"  # a --set has no line
-        lines[index] += f"  # {note}"
+        lines[index] += f"  # {redact_url(note)}"  # apart from the line: a "@" in it would end a password
     return "\n".join(lines)
 
 

@@ -103,4 +103,5 @@ def dump_config(config: Config) -> str:
             return [plain(v) for v in value]
         return value
 
-    return yaml.dump(plain(config), Dumper=_Dumper, sort_keys=False)
+    # never folded: a line-wise reader (the masking of URL passwords) sees each value whole
+    return yaml.dump(plain(config), Dumper=_Dumper, sort_keys=False, width=2**31 - 1)

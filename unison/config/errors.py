@@ -29,4 +29,6 @@ class ConfigError(ValueError):
             where += f":{line}"
         if self.key_path:
             where += f": {self.key_path}"
-        super().__init__(redact_url(f"{where}: {message}"))  # "where" may be a --set with its value
+        # each part on its own ("where" may be a --set with its value): a URL's password runs to
+        # the last "@" of its line, which may be in the other part
+        super().__init__(f"{redact_url(where)}: {self.problem}")

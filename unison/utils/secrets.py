@@ -7,11 +7,17 @@ tag, a record file, a log line, a summary, an error message) goes through :func:
 first. What is masked, with :data:`MASK`:
 
 - the password of a URL's user information: ``scheme://user:PASSWORD@host``, and
-  ``scheme://:PASSWORD@host``; the user, the host, the port and the path stay, for diagnosis;
+  ``scheme://:PASSWORD@host``; it may hold any character (quotes, spaces, "@", "/", ":") and
+  runs to the last "@" of its line; the user, the host, the port and the path stay, for
+  diagnosis;
 - for web URLs (``http``, ``https``, ``ws``, ``wss``, ``ftp``, ``git+https``...), a user
   information without a password too: ``https://TOKEN@host`` is how those carry a token;
-- the value of a query parameter whose name says it holds a secret (``?password=``,
-  ``token=``, ``access_token=``, ``api_key=``, ``secret=``, ``sig=``...), in any text.
+- the value of a query or fragment parameter whose name says it holds a secret
+  (``?password=``, ``token=``, ``#access_token=``, ``api_key=``, ``secret=``, ``sig=``...),
+  in any text;
+- ``NAME=VALUE`` after a space or at the start, for a name ending in ``password``, ``pwd``,
+  ``passphrase``, ``secret`` or ``token``: libpq's keyword strings
+  (``host=db password='a b' dbname=runs``), a quoted value whole.
 
 Nothing is looked up in the environment and nothing is interpolated: a password kept out of
 the config (``MLFLOW_TRACKING_PASSWORD``, ``PGPASSWORD``) never reaches these strings at all.
@@ -32,19 +38,31 @@ MASK = "***"
 
 _T = TypeVar("_T")
 
-# scheme://user[:password]@ ; the password runs to the token's last "@" (a password may hold
-# "/" or ":"), the user stops at the first ":" "/" "?" "#" or "@".
+# scheme://user[:password]@ . The user stops at the first ":" "/" "?" "#" "@" or space. The
+# password runs to the LAST "@" of the line: RFC 3986 lets a password hold "'" and the
+# sub-delimiters as written, people write "@", "/", ":", quotes and spaces in it anyway, and a
+# text cannot tell such a password from a later "@" on its line; masking errs toward hiding.
 _USERINFO = re.compile(
     r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
-    r"(?P<user>[^\s:/?#@'\"<>]*)"
-    r"(?::(?P<password>[^\s'\"<>]*))?"
+    r"(?P<user>[^\s:/?#@\"<>]*)"
+    r"(?::(?P<password>[^\r\n]*))?"
     r"@"
 )
+_SECRET_NAME = (
+    r"[\w.\-]*(?:password|passwd|pwd|passphrase|secret|token|api[_-]?key|apikey|access[_-]?key"
+    r"|credential|signature)[\w.\-]*"
+)
+# ?name=value, &name=value, ;name=value, #name=value: the value runs to the next "&" ";" "#",
+# or to a character a URL cannot hold as written (a space, '"', "<", ">").
 _SECRET_PARAM = re.compile(
-    r"(?P<name>(?:^|(?<=[?&;]))(?:sig=|[\w.\-]*"
-    r"(?:password|passwd|pwd|passphrase|secret|token|api[_-]?key|apikey|access[_-]?key|credential|signature)"
-    r"[\w.\-]*=))"
-    r"(?P<value>[^&;#\s'\"<>]+)",
+    rf"(?P<name>(?<=[?&;#])(?:sig|{_SECRET_NAME})=)(?P<value>[^&;#\s\"<>]+)",
+    re.IGNORECASE,
+)
+# libpq's keyword strings (``host=db password='a b' dbname=runs``) and ``name=value`` in any
+# text: spaces around "=", a value in single quotes (with \' and \\ inside) or up to a space.
+_KEYWORD = re.compile(
+    r"(?P<name>(?:^|(?<=[\s\"',(\[{]))[\w.\-]*(?:password|passwd|pwd|passphrase|secret|token)[ \t]*=[ \t]*)"
+    r"(?P<value>'(?:[^'\\\r\n]|\\.)*'?|[^\s'][^\s]*)",
     re.IGNORECASE,
 )
 _WEB = ("http", "https", "ws", "wss", "ftp", "ftps")
@@ -73,12 +91,15 @@ def redact_url(text: str) -> str:
         'https://***@git.example.org/x.git'
         >>> redact_url("mysql://u@h/db?ssl=true&password=pw")
         'mysql://u@h/db?ssl=true&password=***'
+        >>> redact_url("host=db password='my secret' dbname=runs")
+        'host=db password=*** dbname=runs'
         >>> redact_url("sqlite:////runs/mlflow.db")
         'sqlite:////runs/mlflow.db'
     """
     if "@" in text:
         text = _USERINFO.sub(_userinfo, text)
     if "=" in text:
+        text = _KEYWORD.sub(lambda m: m["name"] + MASK, text)
         text = _SECRET_PARAM.sub(lambda m: m["name"] + MASK, text)
     return text
 
