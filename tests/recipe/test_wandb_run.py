@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 
-def build(seed, n=80):
+def build(seed, n=80, source=None):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=gen)
     y = (x[:, 0] > 0).long()
@@ -186,3 +186,35 @@ def test_a_run_at_two_ranks_resumed_at_one_is_one_wandb_run_holding_what_metrics
         ("val/accuracy", "val_accuracy"),
     ):
         assert [rows[step][name] for step in steps] == pytest.approx([row[column] for row in epochs]), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_a_password_given_with_set_reaches_no_tracker_and_no_file_of_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W&B records the command line in its run's metadata; MLflow and TensorBoard get the config:
+    the password is in none of their files, nor anywhere else under the run root."""
+    for name, value in offline_env(tmp_path / "wandb-home").items():
+        monkeypatch.setenv(name, value)
+    path = write_config(tmp_path)
+    secret = 'it\'s <a> "s3cret"'
+    run = run_in_session(
+        [sys.executable, "-m", "unison", "run", str(path), "--nproc", "1",
+         "--set", f"data.kwargs.source=postgresql://me:{secret}@db.example.org/corpus",
+         "--set", "logging.tensorboard=true", "--set", "logging.mlflow={}",
+         "--set", "training.max_epochs=1"],
+        RUN_TIMEOUT_S, ROOT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    (file,) = run_files(run_dir)
+    environments = [r["environment"] for r in records(file) if "args" in r.get("environment", {})]
+    assert environments and all(  # W&B's metadata holds the command line, masked
+        "data.kwargs.source=postgresql://me:***@db.example.org/corpus" in e["args"] for e in environments
+    ), environments
+    files = [f for f in (tmp_path / "runs").rglob("*") if f.is_file()]
+    assert any(f.suffix == ".db" for f in files) and any("tfevents" in f.name for f in files)
+    for found in files:
+        data = found.read_bytes()
+        assert b"s3cret" not in data and b"it's <a>" not in data, found

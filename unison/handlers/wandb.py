@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import secrets
 import string
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +16,7 @@ from ignite.engine import Engine
 from unison.handlers.run_points import Points, RunPoints
 from unison.handlers.wandb_writer import Checkpoint, RunWriter, read_record, write_record
 from unison.utils import get_logger
+from unison.utils.secrets import redact, redact_url
 
 _log = get_logger(__name__)
 
@@ -26,6 +29,20 @@ HAND_OVER_S = 2.0
 seconds apart: each hand-over costs the training thread the writer's Python work (``wandb.log``
 holds the interpreter's lock for about a millisecond a row), and W&B sends its rows in batches of
 its own anyway. An epoch's end hands over all its points."""
+
+
+@contextmanager
+def masked_argv() -> Iterator[None]:
+    """``sys.argv`` with its credentials masked (:func:`~unison.utils.secrets.redact_url`) for as
+    long as the block runs: W&B records the command line in its run's metadata (the
+    ``environment`` record, ``wandb-metadata.json``), read from ``sys.argv`` when the run opens,
+    and a ``--set`` may carry a password."""
+    given = sys.argv
+    sys.argv = [redact_url(arg) for arg in given]
+    try:
+        yield
+    finally:
+        sys.argv = given
 
 
 def new_id() -> str:
@@ -133,19 +150,22 @@ class WandbLogger(RunPoints):
             write_record(self.run_file, record)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-        run = wandb.init(
-            project=self.project,
-            entity=self.entity,
-            name=self.name,
-            group=self.group,
-            tags=self.tags or None,
-            mode=self.mode,
-            dir=None if self.directory is None else str(self.directory),
-            id=run_id,
-            resume="allow",
-            config=self.config,
-            settings=wandb.Settings(console="off"),  # unison's own log holds the console
-        )
+        with masked_argv():  # W&B records the command line, maybe a --set with a password
+            run = wandb.init(
+                project=self.project,
+                entity=self.entity,
+                name=redact(self.name),
+                group=redact(self.group),
+                tags=redact(self.tags) or None,
+                mode=self.mode,
+                dir=None if self.directory is None else str(self.directory),
+                id=run_id,
+                resume="allow",
+                config=redact(self.config),
+                # unison's own log holds the console; no Launch job (it would record sys.argv as
+                # it is when the run ends)
+                settings=wandb.Settings(console="off", disable_job_creation=True),
+            )
         if same and last_step >= 0:
             _log.info("W&B: continuing run %s (recorded in %s)", run_id, self.run_file)
         last_step = max(last_step, int(getattr(run, "starting_step", 0) or 0) - 1)  # online: the server's
