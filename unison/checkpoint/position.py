@@ -18,6 +18,7 @@ import torch
 from ignite.engine import Events
 
 from unison.checkpoint.state import Position, check_layout, data_length, refit_epoch_length
+from unison.checkpoint.tracking_step import renumber
 from unison.distributed.primitives import get_world_size
 from unison.distributed.samplers import TrainSampler, samplers_with_set_epoch
 from unison.utils.logging import get_logger
@@ -262,7 +263,8 @@ def fit_to_data(
     if not meta["mid_epoch"]:
         fit = refit_epoch_length(at, data_length(data), warn=True)
         if fit is not None:
-            engine.state.epoch_length, engine.state.iteration = fit.epoch_length, fit.iteration
+            engine.state.epoch_length = fit.epoch_length
+            renumber(engine, fit.iteration)  # trackers' steps go on from the saved one
         return saved
     fit = fit_resumed_epoch(at, data, saved)
     if fit is None:
@@ -277,11 +279,8 @@ def place_engine(engine: Any, at: Position) -> None:
     The epoch, iteration and epoch length are ignite's public state; the position inside the
     epoch is set through the engine's ``reposition(into)``.
     """
-    engine.state.epoch, engine.state.iteration, engine.state.epoch_length = (
-        at.epoch,
-        at.iteration,
-        at.epoch_length,
-    )
+    engine.state.epoch, engine.state.epoch_length = at.epoch, at.epoch_length
+    renumber(engine, at.iteration)  # trackers' steps go on from the saved one
     engine.reposition(at.into_epoch or 0)
 
 

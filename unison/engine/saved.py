@@ -8,7 +8,9 @@ adds, when there is any:
   iteration (a decision already taken is applied before anything saves);
 - ``update``: the optimizer updates done (``state.update``, a trainer's);
 - ``position``: ``[epochs completed, iterations into the next]``, which differs from ignite's
-  ``divmod`` after an epoch cut short by ``terminate_epoch()``.
+  ``divmod`` after an epoch cut short by ``terminate_epoch()``;
+- ``step_offset``: what a resume at another world size took off the iteration, so that
+  trackers' steps go on (:mod:`unison.checkpoint.tracking_step`); left out when 0.
 
 The entry is left out when it says nothing ignite's keys do not: a plain Engine's state dict is
 then ignite's, key for key. A checkpoint of unison's Checkpoint handler always holds it (with
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from unison.checkpoint.tracking_step import STEP_OFFSET_ATTR, step_offset
 from unison.distributed.primitives import get_rank
 from unison.engine.control import StopControl
 from unison.engine.events import UPDATE_ATTR
@@ -32,16 +35,19 @@ STATE_KEY = "unison"
 def extra_state(engine: EngineParts) -> dict[str, Any]:
     """The engine's own entry, whether or not ignite's keys imply it."""
     stop = StopControl(engine.name) if requests_settle_here(engine) else engine._control
-    return {
+    extra = {
         "stop": stop.state_dict(),
         UPDATE_ATTR: int(getattr(engine.state, UPDATE_ATTR, 0)),
         "position": list(engine.epoch_position),
     }
+    if step_offset(engine):
+        extra[STEP_OFFSET_ATTR] = step_offset(engine)
+    return extra
 
 
 def says_more(extra: Mapping[str, Any], ignite_state: Mapping[str, Any]) -> bool:
     """Whether ``extra`` holds anything a resume from ignite's keys alone would lose."""
-    if any(extra["stop"].values()) or extra[UPDATE_ATTR]:
+    if any(extra["stop"].values()) or extra[UPDATE_ATTR] or extra.get(STEP_OFFSET_ATTR):
         return True
     length, iteration = ignite_state.get("epoch_length"), ignite_state.get("iteration", 0)
     if not length:
@@ -74,6 +80,7 @@ def load_extra_state(
     """
     if saved is not None and iteration and engine.state.epoch_length is None:
         engine.state.iteration = int(iteration)
+    setattr(engine.state, STEP_OFFSET_ATTR, int((saved or {}).get(STEP_OFFSET_ATTR, 0)))
     if saved is None:
         engine._control.clear()
         state = engine.state  # ignite's keys alone: its position, as its loop will take it up

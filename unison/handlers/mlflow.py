@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
+from unison.checkpoint.tracking_step import tracking_step
 from unison.distributed.primitives import get_rank
 from unison.distributed.sync import require_sync_point
 from unison.handlers.lr_record import LRRecord
@@ -47,7 +48,8 @@ class MLflowLogger:
 
     At the trainer's ``STARTED`` rank 0 opens the run (in ``experiment``, created when
     missing, nested under ``parent_run_id`` when given) and logs ``params`` and ``tags``.
-    Metrics, all with the trainer's iteration as the step, as :class:`TensorBoardLogger
+    Metrics, all with the trainer's iteration as the step (continued across a resume at another
+    world size: :func:`~unison.checkpoint.tracking_step.tracking_step`), as :class:`TensorBoardLogger
     <unison.handlers.tensorboard.TensorBoardLogger>` names them:
 
     - ``train/loss``: the epoch's mean loss over all ranks (``trainer.state.metrics["loss"]``)
@@ -167,7 +169,7 @@ class MLflowLogger:
         done = count - self._window[1]
         if done > 0:
             values = {"train/recent_loss": (total - self._window[0]) / done, **self._learning_rates()}
-            self._log_metrics(values, engine.state.iteration)
+            self._log_metrics(values, tracking_step(engine))
             self._flush()
         self._window = (total, count)
 
@@ -196,7 +198,7 @@ class MLflowLogger:
         loss = engine.state.metrics.get("loss")
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             values["train/loss"] = float(loss)
-        self._log_metrics(values, engine.state.iteration)
+        self._log_metrics(values, tracking_step(engine))
 
     def _evaluation_completed(self, evaluator: Engine, name: str) -> None:
         values = {
@@ -204,7 +206,7 @@ class MLflowLogger:
             for metric, value in evaluator.state.metrics.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)
         }
-        self._log_metrics(values, self.trainer.state.iteration)
+        self._log_metrics(values, tracking_step(self.trainer))
 
     def _epoch_done(self, engine: Engine) -> None:
         self._flush()

@@ -17,12 +17,13 @@ from collections.abc import Callable, Mapping
 import torch
 from ignite.engine import Engine, Events
 
+from unison.checkpoint.tracking_step import tracking_step
 from unison.distributed.primitives import get_rank
 from unison.distributed.sync import require_sync_point
 from unison.handlers.lr_record import LRRecord, used_rates
 
 Points = dict[int, dict[str, float]]
-"""Trainer iteration -> metric name -> value."""
+"""Trainer step (:func:`~unison.checkpoint.tracking_step.tracking_step`) -> metric name -> value."""
 
 
 def _number(value: object) -> bool:
@@ -109,7 +110,8 @@ class RunPoints(ABC):
       its one all-reduce): no collective is added and nothing is read from the device between
       sync points.
 
-    Every point's step is the trainer's iteration. An epoch's points are handed to
+    Every point's step is the trainer's iteration, continued across a resume at another world size
+    (:func:`~unison.checkpoint.tracking_step.tracking_step`). An epoch's points are handed to
     :meth:`_send` in one batch after the epoch's last handler (its evaluation included).
 
     Args:
@@ -179,7 +181,7 @@ class RunPoints(ABC):
 
     def _point(self, values: Mapping[str, float]) -> None:
         if values and self._open_here:
-            self._pending.setdefault(self.trainer.state.iteration, {}).update(values)
+            self._pending.setdefault(tracking_step(self.trainer), {}).update(values)
 
     def _flush(self) -> None:
         if self._pending and self._open_here:

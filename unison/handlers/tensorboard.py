@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from ignite.engine import Engine, Events
 
+from unison.checkpoint.tracking_step import tracking_step
 from unison.distributed.primitives import get_rank, get_world_size
 from unison.handlers.lr_record import LRRecord, used_rates
 
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 class TensorBoardLogger:
     """Writes the trainer's and evaluators' scalars to TensorBoard event files on rank 0.
 
-    Scalars, all with the trainer's iteration as the global step, so training and
+    Scalars, all with the trainer's iteration as the global step (continued across a resume at
+    another world size: :func:`~unison.checkpoint.tracking_step.tracking_step`), so training and
     validation curves share an x axis:
 
     - ``train/loss``: the epoch's mean loss over all ranks,
@@ -133,7 +135,7 @@ class TensorBoardLogger:
         self._writer: SummaryWriter | None = None
         self._epoch_start: float | None = None
         self._epoch_start_iteration = 0
-        self._resumed_at = 0  # the trainer's iteration when its run started (a resume: past 0)
+        self._resumed_at = 0  # the trainer's step when its run started (a resume: past 0)
 
     # -- what to log --------------------------------------------------------------------
 
@@ -181,10 +183,10 @@ class TensorBoardLogger:
         length = engine.state.epoch_length
         if length and engine.state.iteration % length == 0:
             return  # the epoch's end writes it
-        self._write(self._learning_rates(device_ok=False), engine.state.iteration)
+        self._write(self._learning_rates(device_ok=False), tracking_step(engine))
 
     def _epoch_completed(self, engine: Engine) -> None:
-        self._write(self._epoch_scalars(), engine.state.iteration)
+        self._write(self._epoch_scalars(), tracking_step(engine))
         self._epoch_start = None
         self.flush()
 
@@ -194,14 +196,14 @@ class TensorBoardLogger:
             for key, value in evaluator.state.metrics.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)
         }
-        self._write(scalars, self.trainer.state.iteration)
+        self._write(scalars, tracking_step(self.trainer))
         self.flush()
 
     def _closed(self, _: Engine) -> None:
         self.close()
 
     def _started(self, engine: Engine) -> None:
-        self._resumed_at = engine.state.iteration
+        self._resumed_at = tracking_step(engine)  # the same before and after a resume renumbers
 
     # -- the writer (rank 0 only) -------------------------------------------------------
 
