@@ -7,6 +7,7 @@ W&B runs offline into tmp_path (no network, no login): each run's ``.wandb`` fil
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _sync_probe import count_host_syncs
-from _wandb_workers import ITERS, history, offline_env, records, run_files, train
+from _wandb_workers import history, offline_env, records, run_files, train
 from torch.nn import functional as F
 
 from unison.engine import create_trainer
@@ -75,7 +76,7 @@ def test_a_run_holds_its_config_each_epochs_loss_validation_and_recent_loss(tmp_
     )
     assert all(row["train/lr"] == 0.05 for row in rows.values())
     record = json.loads((tmp_path / "wandb-run.json").read_text())
-    assert (record["id"], record["last_step"]) == (seen["run_id"], 2 * ITERS)
+    assert record == {"id": seen["run_id"], "project": "unison-tests", "entity": None}
 
 
 def test_nothing_is_read_from_the_device_between_sync_points(tmp_path: Path) -> None:
@@ -165,6 +166,53 @@ def test_a_resumed_run_continues_the_recorded_run_logging_no_step_twice(tmp_path
     assert list(history(first)) == [3, 6, 9] and list(history(second)) == [12]
 
 
+def _epochs(folder: Path, record: Path, resume_epoch: int, max_epochs: int) -> str | None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss)
+    data = [(torch.ones(4, 2) * i, torch.zeros(4, 1)) for i in range(3)]
+    if resume_epoch:
+        trainer.load_state_dict({"iteration": resume_epoch * 3, "epoch_length": 3, "max_epochs": max_epochs})
+    logger = WandbLogger("unison-tests", trainer=trainer, directory=folder, run_file=record)
+    logger.attach()
+    trainer.run(data, max_epochs=max_epochs)
+    return logger.run_id
+
+
+def _latest(folder: Path, run_id: str | None) -> Path:
+    return [f for f in run_files(folder) if f.stem == f"run-{run_id}"][-1]
+
+
+def test_a_crafted_record_or_step_in_the_run_folder_cannot_silence_a_resumed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import unison.handlers.wandb as wandb_logger
+
+    record = tmp_path / "wandb-run.json"
+    run_id = _epochs(tmp_path, record, 0, 1)
+    crafted = {"id": run_id, "project": "unison-tests", "entity": None, "last_step": 10**15}
+    record.write_text(json.dumps(crafted))  # a step the record no longer says anything about
+    assert _epochs(tmp_path, record, 1, 2) == run_id  # the same W&B run, continued
+    assert list(history(_latest(tmp_path, run_id))) == [6]
+
+    record.write_text(json.dumps({**crafted, "id": "../../elsewhere"}))  # no W&B run's id
+    with caplog.at_level("WARNING", logger="unison.handlers.wandb"):
+        other = _epochs(tmp_path, record, 2, 3)
+    assert other != run_id and f"{record} does not hold a W&B run's id" in caplog.text
+    assert list(history(_latest(tmp_path, other))) == [9]  # a new W&B run
+
+    caplog.clear()  # W&B's files claiming a step no run of 4 epochs of 3 reaches: ignored, said
+    fake = tmp_path / "wandb" / "offline-run-x" / "run-x.wandb"
+    monkeypatch.setattr(wandb_logger, "last_written_step", lambda folder, rid: (10**15, fake))
+    with caplog.at_level("WARNING", logger="unison.handlers.wandb"):
+        assert _epochs(tmp_path, record, 3, 4) == other
+    assert (
+        f"{fake} holds step {10**15}" in caplog.text
+        and "past the last step this run can reach (12)" in caplog.text
+    )
+    assert list(history(_latest(tmp_path, other))) == [12]
+
+
 def test_bad_arguments_are_refused_with_the_fix() -> None:
     model = torch.nn.Linear(1, 1)
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, sync_every=None)
@@ -197,3 +245,40 @@ def test_at_two_ranks_one_run_from_rank_0_with_values_agreed_by_all_ranks(tmp_pa
     assert [rows[p]["train/recent_loss"] for p in points] == pytest.approx(
         windows(per_iteration, points, ranks[0]["epoch_end"])
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rows_lost_with_a_killed_job_are_logged_again_by_the_resumed_run(tmp_path: Path) -> None:
+    """The job killed with W&B's service after epoch 3's row was handed over, before W&B wrote it;
+    resumed from epoch 2's checkpoint: W&B's files hold every epoch once."""
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("_wandb_kill.py")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    killed = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path), "killed"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    per_epoch = 3  # iterations an epoch in _wandb_kill.py
+    assert killed.stdout.split() == ["written", str(2 * per_epoch)]  # epoch 3's row handed, not written
+    resumed = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path), "resumed"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = []
+    for file in run_files(tmp_path):
+        steps += [step for step, row in history(file).items() if "train/loss" in row]
+    assert sorted(steps) == [per_epoch * epoch for epoch in (1, 2, 3, 4)], steps  # epoch 3 once, not lost

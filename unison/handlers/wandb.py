@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from ignite.engine import Engine
 
+from unison.checkpoint.tracking_step import tracking_step
 from unison.handlers.run_points import Points, RunPoints
+from unison.handlers.wandb_files import last_written_step
 from unison.handlers.wandb_writer import Checkpoint, RunWriter, read_record, write_record
 from unison.utils import get_logger
 from unison.utils.secrets import redact, redact_url
@@ -45,6 +47,19 @@ def masked_argv() -> Iterator[None]:
         sys.argv = given
 
 
+def last_possible_step(trainer: Engine) -> int | None:
+    """The step the trainer reaches at its run's end (``max_iters``, or ``max_epochs`` epochs of
+    a known length), continued as :func:`~unison.checkpoint.tracking_step.tracking_step`
+    continues it; None when the epoch's length is not known yet (a stream's first epoch)."""
+    state = trainer.state
+    offset = tracking_step(trainer) - int(state.iteration)
+    if getattr(state, "max_iters", None):
+        return offset + int(state.max_iters)
+    if state.max_epochs and state.epoch_length:
+        return offset + int(state.max_epochs) * int(state.epoch_length)
+    return None
+
+
 def new_id() -> str:
     """A new W&B run id: 8 lowercase letters and digits, as W&B makes its own."""
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
@@ -67,7 +82,9 @@ class WandbLogger(RunPoints):
 
     With ``run_file``, rank 0 records the run's id there before opening it, and a later run given
     the same file (a resumed one) continues that W&B run (``resume="allow"``) when its project and
-    entity are the same; steps up to the last one the run logged are not logged again.
+    entity are the same; steps up to the last one the run holds (online, the server's count;
+    offline, the last one W&B wrote in its files) are not logged again, and the steps after it
+    are, from the checkpoint on: rows handed to W&B but never written are not lost.
 
     Args:
         project: the W&B project.
@@ -144,8 +161,7 @@ class WandbLogger(RunPoints):
         record = {} if self.run_file is None else read_record(self.run_file)
         same = record.get("project") == self.project and record.get("entity") == self.entity
         run_id = str(record["id"]) if same else new_id()
-        last_step = int(record.get("last_step", -1)) if same else -1
-        record = {"id": run_id, "project": self.project, "entity": self.entity, "last_step": last_step}
+        record = {"id": run_id, "project": self.project, "entity": self.entity}
         if self.run_file is not None:  # before the run opens: a run killed while opening is continued
             write_record(self.run_file, record)
         if self.directory is not None:
@@ -166,12 +182,37 @@ class WandbLogger(RunPoints):
                 # it is when the run ends)
                 settings=wandb.Settings(console="off", disable_job_creation=True),
             )
+        last_step = self._last_step(run)
         if same and last_step >= 0:
-            _log.info("W&B: continuing run %s (recorded in %s)", run_id, self.run_file)
-        last_step = max(last_step, int(getattr(run, "starting_step", 0) or 0) - 1)  # online: the server's
+            _log.info(
+                "W&B: continuing run %s (recorded in %s) after step %d", run_id, self.run_file, last_step
+            )
         self.run_id = run.id
-        self._writer = RunWriter(run, last_step, self.run_file, record)
+        self._writer = RunWriter(run, last_step)
         _log.info("W&B: run %s in project %r (%s)", run.id, self.project, self.mode or "WANDB_MODE")
+
+    def _last_step(self, run: Any) -> int:
+        """The last step the W&B run holds: online, the server's count; offline, the last step
+        W&B wrote in the run's files (:func:`~unison.handlers.wandb_files.last_written_step`): a
+        row handed over but never written (a job killed with W&B's service) is logged again.
+        A step past the last one this run can reach is a file from elsewhere: a warning, and the
+        steps after the trainer's (the checkpoint's) are all logged."""
+        if not getattr(run, "offline", False):
+            written, where = int(getattr(run, "starting_step", 0) or 0) - 1, "the W&B server"
+        else:
+            last, path = last_written_step(Path(run.settings.wandb_dir), str(run.id))
+            written, where = last, str(path)
+        bound = last_possible_step(self.trainer)
+        if bound is not None and written > bound:
+            now = tracking_step(self.trainer)
+            _log.warning(
+                "W&B: %s holds step %d of run %s, past the last step this run can reach (%d); it cannot "
+                "be this run's: ignored, and every step after %d is logged. Remove the run folder's wandb/ "
+                "and wandb-run.json to start a W&B run afresh.",
+                where, written, run.id, bound, now,
+            )  # fmt: skip
+            written = now
+        return written
 
     def _send(self, points: Points) -> None:
         if self._writer is not None:

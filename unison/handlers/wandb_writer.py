@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from unison.handlers.wandb_files import RUN_ID
 from unison.utils import get_logger
 from unison.utils.run_files import read_bytes, replace_file
 
@@ -24,18 +25,32 @@ Checkpoint = tuple[Path, Mapping[str, Any]]
 
 
 def read_record(run_file: Path) -> dict[str, Any]:
-    """The record :func:`write_record` left in ``run_file``; empty when there is none or it
-    cannot be read."""
+    """The record :func:`write_record` left in ``run_file``: the W&B run's ``id``, ``project`` and
+    ``entity``; empty when there is none. A record that is not one (not JSON, an id W&B would not
+    make, a project or entity that is not a name: a file from elsewhere) is ignored with a warning
+    naming it: a new W&B run is started. Nothing else in it is read."""
     try:
         record = json.loads(read_bytes(run_file, limit=2**16))  # never through a link, nor a FIFO
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
-    return record if isinstance(record, dict) and isinstance(record.get("id"), str) else {}
+    except (OSError, ValueError) as err:
+        _log.warning("W&B: %s is not a W&B run's record (%s); a new W&B run is started", run_file, err)
+        return {}
+    names = isinstance(record, dict) and all(
+        record.get(key) is None or isinstance(record.get(key), str) for key in ("project", "entity")
+    )
+    if not names or not isinstance(record.get("id"), str) or not RUN_ID.fullmatch(record["id"]):
+        _log.warning(
+            "W&B: %s does not hold a W&B run's id, project and entity (an id of letters, digits, '-' and "
+            "'_'); a new W&B run is started",
+            run_file,
+        )
+        return {}
+    return {key: record.get(key) for key in ("id", "project", "entity")}
 
 
 def write_record(run_file: Path, record: Mapping[str, Any]) -> None:
-    """Writes ``record`` (the run's id, project, entity and last step logged) to ``run_file``
-    atomically."""
+    """Writes ``record`` (the run's id, project and entity) to ``run_file`` atomically."""
     replace_file(run_file, (json.dumps(dict(record), sort_keys=True) + "\n").encode(), sync=False)
 
 
@@ -47,23 +62,16 @@ class RunWriter:
     W&B's own service process and can block when that process is busy: here it blocks this
     thread, never training. A step at or below the last one the run holds (a resumed run
     replaying what the run before it logged past its checkpoint) is skipped: W&B keeps one row
-    per step, in increasing order. After each batch the last step is recorded in ``record``'s
-    file, for the next resume.
+    per step, in increasing order.
 
     Args:
         run: the open ``wandb`` run; only this writer's thread uses it from now on.
         last_step: the last step the run holds (-1 for a new run).
-        run_file: where the run's record is kept (None: nowhere).
-        record: the record, updated with ``last_step`` after each batch.
     """
 
-    def __init__(
-        self, run: Any, last_step: int, run_file: Path | None = None, record: Mapping[str, Any] | None = None
-    ) -> None:
+    def __init__(self, run: Any, last_step: int) -> None:
         self.run = run
         self.last_step = last_step
-        self.run_file = run_file
-        self.record = dict(record or {})
         self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._warned = False
         self._thread = threading.Thread(target=self._work, name="unison-wandb", daemon=True)
@@ -104,13 +112,10 @@ class RunWriter:
                 self._warned = True
 
     def _write(self, points: Mapping[int, Mapping[str, float]]) -> None:
-        logged = False
         for step in sorted(points):
             if step > self.last_step:
                 self.run.log(dict(points[step]), step=step)
-                self.last_step, logged = step, True
-        if logged and self.run_file is not None:
-            write_record(self.run_file, {**self.record, "last_step": self.last_step})
+                self.last_step = step
 
     def _end(self, status: str, checkpoint: Checkpoint | None) -> None:
         if checkpoint is not None:

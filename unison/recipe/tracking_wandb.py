@@ -25,7 +25,7 @@ from unison.recipe.references import _References
 
 EXTRA = "pip install 'unison[wandb]'"
 RUN_FILE = "wandb-run.json"
-"""In a run folder: the W&B run it writes to (id, project, entity, last step), continued on resume."""
+"""In a run folder: the W&B run it writes to (id, project, entity), continued on resume."""
 
 
 def _error(config: Config, key: str, message: str) -> ConfigError:
