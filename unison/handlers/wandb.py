@@ -53,8 +53,9 @@ def last_possible_step(trainer: Engine) -> int | None:
     continues it; None when the epoch's length is not known yet (a stream's first epoch)."""
     state = trainer.state
     offset = tracking_step(trainer) - int(state.iteration)
-    if getattr(state, "max_iters", None):
-        return offset + int(state.max_iters)
+    max_iters = getattr(state, "max_iters", None)
+    if max_iters:
+        return offset + int(max_iters)
     if state.max_epochs and state.epoch_length:
         return offset + int(state.max_epochs) * int(state.epoch_length)
     return None

@@ -115,7 +115,7 @@ def last_written_step(wandb_dir: Path, run_id: str) -> tuple[int, Path | None]:
     for path in run_files(wandb_dir, run_id):
         data = _read_regular(path)
         for raw in _records(data or b""):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
             try:
                 record.ParseFromString(raw)
             except Exception:  # a record W&B did not write whole: the file ends there
