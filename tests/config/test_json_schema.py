@@ -79,6 +79,7 @@ def test_the_schema_rejects_unknown_keys_and_wrong_values(validator):
         "an unknown section": {"trainer": {}},
         "a wrong enum value": {"training": {"amp": "fp8"}},
         "a bool for an int": {"training": {"batch_size": True}},
+        "a string for a global batch size": {"validation": {"global_batch_size": "64"}},
         "a string for a number": {"training": {"lr": "fast"}},
         "an unknown key in a mapping form": {"training": {"ema": {"decay": 0.9, "decays": 1}}},
         "null for a required key": {"model": {"type": None}},
@@ -91,6 +92,8 @@ def test_the_schema_rejects_unknown_keys_and_wrong_values(validator):
     for valid in (
         {"training": {"amp": "bf16", "lr": 1, "ema": None}},
         {"training": {"ema": {}, "num_epochs": 2}},
+        {"training": {"global_batch_size": 64, "batch_size": None}, "validation": {"global_batch_size": 32}},
+        {"testing": {"global_batch_size": 16}},
     ):
         data = copy.deepcopy(base)
         for section, keys in valid.items():

@@ -46,10 +46,10 @@ def show_config(
     """
     config = load_config(path, overrides)
     if check:
-        from unison.recipe.planning import plan
+        from unison.recipe.planning import launch_world_size, plan
         from unison.recipe.preflight import preflight
 
-        preflight(plan(config))
+        preflight(plan(config, world_size=launch_world_size(config)))  # parallel.nproc_per_node ranks
     text = redact_url(dump_config(canonical(config)))  # URL credentials masked
     if show_origin:
         text = with_origins(text, config.origin)  # each comment masked on its own

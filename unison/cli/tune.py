@@ -54,6 +54,7 @@ from unison.cli.tune_server import AttachPruning, DecisionServer
 from unison.cli.tune_storage import fail_stale_trials, make_storage, optuna_quiet
 from unison.config import load_config
 from unison.distributed import detect_launcher
+from unison.recipe.planning import launch_world_size
 from unison.recipe.planning import plan as plan_run
 from unison.recipe.preflight import check_port, preflight
 from unison.recipe.runner import launch_config
@@ -209,7 +210,9 @@ def run_trial(
             *wandb_trial_overrides(plan.config, plan.study_name, trial.number),  # logging.wandb: grouped
         ]
         config = load_config(plan.path, [*plan.overrides, *sets, *layout])
-        preflight(plan_run(config), trains_here=nproc is None)  # nproc None: the trial trains in this process
+        preflight(  # at the trial's ranks; nproc None: the trial trains in this process
+            plan_run(config, world_size=launch_world_size(config, nproc)), trains_here=nproc is None
+        )
         _log.debug("trial %d: %s", trial.number, "  ".join(sets))  # its one line comes when it ends
         with DecisionServer(trial, plan.metric) as server:
             if detect_launcher().kind == "none" and nproc is not None:

@@ -42,7 +42,7 @@ def reference_markdown() -> str:
     for key, type_name, default, doc in schema_reference():
         cell = type_name.replace("|", "\\|")
         lines.append(f"| `{key}` | {cell} | `{default}` | {doc} |")
-    lines += ["", *_EDITORS, "", *_RESUMING]
+    lines += ["", *_BATCHES, "", *_EDITORS, "", *_RESUMING]
     lines += [
         "",
         "## What a config can and cannot do",
@@ -137,6 +137,32 @@ _PHASES = (
     "the preflight.",
 )
 """The three phases a config goes through, and the Python entry points to each."""
+
+_BATCHES = (
+    "## Batch sizes: per rank, or global",
+    "",
+    "`training.batch_size` is per rank and step, as in QuantumGrav's configs and plain DDP: at",
+    "N ranks an optimizer update sees `batch_size x N x accumulation_steps` samples, so moving",
+    "from 1 rank to 4 changes the update unless the batch size is edited by hand.",
+    "`training.global_batch_size` names the update instead: the samples of one optimizer update",
+    "across all ranks, `per-rank batch x ranks x accumulation_steps` (DeepSpeed's",
+    "`train_batch_size`, Megatron's `global_batch_size`, the total batch size Accelerate and the",
+    "Hugging Face Trainer log). Each rank takes `global_batch_size / (ranks x accumulation_steps)`",
+    "per step, so `global_batch_size: 64` trains the same updates at 1, 2, 4 or 8 ranks (and, with",
+    "`accumulation_steps: 2`, 32, 16, 8 or 4 samples per rank and step). A size that does not divide",
+    "is refused before any rank starts (the world size is `--nproc`, `parallel.nproc_per_node`, or",
+    "torchrun's and srun's), naming the key, its line, the world size, the nearest sizes that",
+    "divide and the world sizes it divides over. `validation.global_batch_size` and",
+    "`testing.global_batch_size` are the samples of one evaluation step across all ranks (per rank:",
+    "`/ ranks`); evaluation results do not depend on them. A section gives `batch_size` or",
+    "`global_batch_size`, not both; when the file gives one and `--set` the other, the command line",
+    "wins. Without either, training takes 32 per rank, and evaluation the training batch per rank.",
+    "With a global batch size the learning rate is the one written at every world size: the string",
+    "form of `training.lr_scaling` (by the world size) is refused, and its mapping form scales by",
+    "`global_batch_size / reference_batch_size` when a reference is given. A `data.build` function",
+    "with a parameter named `world_size` is called with the run's world size on every rank.",
+)
+"""What a batch size means at N ranks, and the global one."""
 
 _EDITORS = (
     "## Editors and the resolved config",

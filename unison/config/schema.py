@@ -143,7 +143,13 @@ class CompileConfig:
 class TrainingConfig:
     seed: int = option(0, "seed for weights, splits and shuffling (the same on every rank)")
     max_epochs: int = option(10, "epochs to train", alias="num_epochs")
-    batch_size: int = option(32, "samples per rank per step (total = batch_size x world size)")
+    batch_size: int | None = option(
+        None, "samples per rank per step, at any world size (an update: x ranks x accumulation_steps); null: 32"
+    )
+    global_batch_size: int | None = option(
+        None, "samples per optimizer update across all ranks (per-rank batch x ranks x accumulation_steps), "
+        "divided among the ranks; instead of batch_size",
+    )
     epoch_length: int | None = option(None, "iterations per epoch; default, one pass over the shard")
     optimizer_type: PyObjectRef = option(
         PyObjectRef("torch.optim.AdamW"), "optimizer class", slot="optimizer"
@@ -216,7 +222,8 @@ class TrainingConfig:
 @dataclass
 class ValidationConfig:
     every: int = option(1, "evaluate every this many epochs")
-    batch_size: int | None = option(None, "per-rank batch size; default training.batch_size")
+    batch_size: int | None = option(None, "per-rank batch size; default training's per-rank batch")
+    global_batch_size: int | None = option(None, "samples per step across all ranks; instead of batch_size")
     num_workers: int = option(0, "DataLoader worker processes")
     pin_memory: bool | None = option(None, "pin host memory; default training.pin_memory")
     drop_last: bool = option(
@@ -239,7 +246,8 @@ class ValidationConfig:
 @dataclass
 class TestingConfig:
     enabled: bool = option(True, "evaluate the test set after training, when data.build returns one")
-    batch_size: int | None = option(None, "per-rank batch size; default validation.batch_size")
+    batch_size: int | None = option(None, "per-rank batch size; default validation's per-rank batch")
+    global_batch_size: int | None = option(None, "samples per step across all ranks; instead of batch_size")
     use_best: bool = option(True, "load the best checkpoint by checkpoint.metric before testing")
     num_workers: int | None = option(None, "DataLoader worker processes; default validation.num_workers")
     pin_memory: bool | None = option(None, "pin host memory; default validation.pin_memory")
@@ -262,7 +270,7 @@ class PredictConfig:
     enabled: bool = option(
         False, "after training, predict the test (else validation) set into the run directory"
     )
-    batch_size: int | None = option(None, "per-rank batch size; default validation.batch_size")
+    batch_size: int | None = option(None, "per-rank batch size; default validation's per-rank batch")
 
 
 @dataclass

@@ -13,6 +13,7 @@ import difflib
 import math
 from typing import Any
 
+from unison.config.batch_sizes import check_batch_keys
 from unison.config.checks_base import in_case_of, matches, metric_direction, takes_float
 from unison.config.compat import apply_compat
 from unison.config.data_config import check_data
@@ -104,6 +105,7 @@ def validate(raw: RawConfig) -> Config:
     check_model(config.model, raw)  # model: from_config's own keys, call
     apply_compat(config, raw)  # criterion, early_stopping's type/args/kwargs, evaluator specs
     _check_values(config, raw)
+    check_batch_keys(config, raw.origin)  # batch_size or global_batch_size, per section
     _check_training_extras(config, raw)
     _check_name(config, raw)
     _check_modes(config, raw)

@@ -2,7 +2,7 @@
 
 Each section that has data (``training``, ``validation``, ``testing``) gets one frozen
 :class:`LoaderPlan` with every DataLoader key it takes, its defaults already applied: a key the
-``validation`` section leaves out comes from ``training`` (``batch_size``, ``pin_memory``,
+``validation`` section leaves out comes from ``training`` (the batch per rank, ``pin_memory``,
 ``prefetch_factor``; workers default to 0 for validation), and one ``testing`` leaves out comes
 from ``validation``. A section's ``shuffle`` and ``drop_last`` are its own; every section's
 seed is ``training.seed``. The build steps (:func:`~unison.recipe.steps.build_loaders`,
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from unison.config import Config
+from unison.config.batch_sizes import BatchSizes, batch_sizes
 
 Section = Literal["training", "validation", "testing"]
 
@@ -70,36 +71,40 @@ class LoaderPlans:
 
 
 def loader_plans(
-    config: Config, collate: Mapping[str, Callable[[list[Any]], Any] | None] | None = None
+    config: Config,
+    collate: Mapping[str, Callable[[list[Any]], Any] | None] | None = None,
+    sizes: BatchSizes | None = None,
 ) -> LoaderPlans:
-    """Every section's :class:`LoaderPlan` of ``config``; ``collate`` maps a section to its ``collate_fn``.
+    """Every section's :class:`LoaderPlan` of ``config``; ``collate`` maps a section to its ``collate_fn``;
+    ``sizes``: each section's batch per rank at the run's world size (default: at one rank).
 
     Example:
         >>> from unison.config import Config
         >>> c = Config()
         >>> c.training.pin_memory, c.validation.num_workers, c.testing.drop_last = True, 2, True
+        >>> c.training.batch_size = 8
         >>> t = loader_plans(c).testing
-        >>> t.num_workers, t.pin_memory, t.drop_last, t.batch_size == c.training.batch_size
-        (2, True, True, True)
+        >>> t.num_workers, t.pin_memory, t.drop_last, t.batch_size
+        (2, True, True, 8)
     """
     t, v, s = config.training, config.validation, config.testing
+    sizes = sizes if sizes is not None else batch_sizes(config, 1)
     collate = collate or {}
     training = LoaderPlan(
-        "training", t.batch_size, t.shuffle, t.drop_last, t.seed, t.num_workers, t.pin_memory,
+        "training", sizes.training, t.shuffle, t.drop_last, t.seed, t.num_workers, t.pin_memory,
         t.prefetch_factor, collate.get("training"),
     )  # fmt: skip
     v_workers = v.num_workers
     v_pin = t.pin_memory if v.pin_memory is None else v.pin_memory
     v_prefetch = t.prefetch_factor if v.prefetch_factor is None else v.prefetch_factor
-    v_batch = v.batch_size or t.batch_size
     validation = LoaderPlan(
-        "validation", v_batch, v.shuffle, v.drop_last, t.seed, v_workers, v_pin,
+        "validation", sizes.validation, v.shuffle, v.drop_last, t.seed, v_workers, v_pin,
         v_prefetch if v_workers > 0 else None, collate.get("validation"),
     )  # fmt: skip
     s_workers = v_workers if s.num_workers is None else s.num_workers
     s_prefetch = v_prefetch if s.prefetch_factor is None else s.prefetch_factor
     testing = LoaderPlan(
-        "testing", s.batch_size if s.batch_size is not None else v_batch, s.shuffle, s.drop_last, t.seed,
+        "testing", sizes.testing, s.shuffle, s.drop_last, t.seed,
         s_workers, v_pin if s.pin_memory is None else s.pin_memory,
         s_prefetch if s_workers > 0 else None, collate.get("testing"),
     )  # fmt: skip

@@ -1,10 +1,12 @@
 """``training.lr_scaling`` in a run: the optimizer's learning rate scaled by the global batch, and warmup.
 
-The global batch is ranks x ``training.batch_size`` x ``training.accumulation_steps``. The
-string form (``linear``, ``sqrt``) scales by it over one rank's batch (``batch_size x
-accumulation_steps``), which is the world size: what it always meant. The mapping form
-names the reference (``reference_batch_size``, the global batch the learning rate was
-tuned for) and a warmup over ``warmup_steps`` optimizer updates
+The global batch is ranks x ``training.batch_size`` x ``training.accumulation_steps``, or
+``training.global_batch_size``, the same at every world size. The string form (``linear``,
+``sqrt``) scales by it over one rank's batch (``batch_size x accumulation_steps``), which is the
+world size: what it always meant (refused with a global batch size, which the world size does
+not change). The mapping form names the reference (``reference_batch_size``, the global batch
+the learning rate was tuned for; with a global batch size, that size by default, so the
+learning rate is the one written) and a warmup over ``warmup_steps`` optimizer updates
 (:class:`~unison.handlers.LRWarmup`: a factor inside ``optimizer.step()``, on top of any
 scheduler). Rank 0 logs the learning rate the run uses, once, when the optimizer is built.
 """
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from unison.config import Config, to_plain
+from unison.config.batch_sizes import DEFAULT_BATCH_SIZE
 from unison.engine import Engine
 from unison.handlers import LRWarmup, scale_lr
 from unison.utils import get_logger
@@ -38,14 +41,22 @@ class LRPlan:
     world_size: int = 1
     batch_size: int = 1
     accumulation_steps: int = 1
+    fixed_global: bool = False
+    """Whether the global batch is ``training.global_batch_size``: the same at every world size."""
 
     def at(self, world_size: int) -> LRPlan:
-        """The same plan at ``world_size`` ranks (the global batch grows with it).
+        """The same plan at ``world_size`` ranks (the global batch grows with it, unless it is fixed:
+        then each rank's batch shrinks).
 
         Example:
             >>> LRPlan("linear", 8, 8, 0, 1, 4, 2).at(3).global_batch
             24
+            >>> LRPlan("none", 64, 64, 0, 1, 32, 2, fixed_global=True).at(4).batch_size
+            8
         """
+        if self.fixed_global:
+            per_rank = max(1, self.global_batch // (world_size * self.accumulation_steps))
+            return dataclasses.replace(self, world_size=world_size, batch_size=per_rank)
         one_rank = self.batch_size * self.accumulation_steps
         return dataclasses.replace(self, global_batch=world_size * one_rank, world_size=world_size)
 
@@ -57,15 +68,23 @@ def lr_plan(config: Config, world_size: int) -> LRPlan:
 
 def plan_of(training: Mapping[str, Any], world_size: int) -> LRPlan:
     """:func:`lr_plan` of a ``training`` section as plain data (what a checkpoint stores)."""
-    batch, accumulation = int(training.get("batch_size", 1)), int(training.get("accumulation_steps", 1))
-    one_rank = batch * accumulation
+    accumulation, total = int(training.get("accumulation_steps", 1)), training.get("global_batch_size")
+    if total is not None:  # the same at every world size; the learning rate was written for it
+        batch = max(1, int(total) // (world_size * accumulation))
+        one_rank, global_batch = int(total), int(total)
+    else:
+        batch = int(training.get("batch_size") or DEFAULT_BATCH_SIZE)
+        one_rank = batch * accumulation
+        global_batch = world_size * one_rank
     ls = training.get("lr_scaling", "none")
     if isinstance(ls, str):
         rule, reference, warmup = ls, one_rank, 0
     else:
         rule, reference = ls.get("rule", "none"), int(ls.get("reference_batch_size") or one_rank)
         warmup = int(ls.get("warmup_steps", 0))
-    return LRPlan(rule, world_size * one_rank, reference, warmup, world_size, batch, accumulation)
+    return LRPlan(
+        rule, global_batch, reference, warmup, world_size, batch, accumulation, fixed_global=total is not None
+    )
 
 
 SETS_LR_ITSELF = {"OneCycleLR": ("max_lr",), "CyclicLR": ("base_lr", "max_lr")}

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from unison.config import Config
+from unison.config.batch_sizes import batch_sizes
 from unison.config.watched import Watched, watched_of
+from unison.distributed import detect_launcher, get_world_size
 from unison.recipe.accepted import AcceptedKeys, accepted_keys, compile_options
 from unison.recipe.early_stop import EarlyStoppingPlan, early_stopping_plan
 from unison.recipe.loader_plan import LoaderPlans, loader_plans
@@ -72,6 +74,9 @@ class RunPlan:
         root: the folder runs go to, as written; ``root_key`` is the key that names it.
         ema_evaluated: whether the average of the weights (``training.ema``) is what the run
             validates, tests and predicts with.
+        world_size: the ranks of the run planned for: each section's batch per rank is planned
+            for it (``global_batch_size`` divided among them), and ``data.build`` is told it when
+            it asks (a parameter named ``world_size``).
     """
 
     config: Config
@@ -94,6 +99,7 @@ class RunPlan:
     root: Path
     root_key: str
     ema_evaluated: bool
+    world_size: int = 1
 
     @property
     def run_root(self) -> Path:
@@ -107,22 +113,37 @@ def amp_dtype(config: Config) -> Literal["bf16", "fp16"] | None:
     return None if amp == "none" else amp
 
 
-def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
+def launch_world_size(config: Config, nproc: int | None = None) -> int:
+    """The world size a launch of ``config`` has, known before any rank starts: the launcher's
+    (``WORLD_SIZE`` under torchrun, ``SLURM_NTASKS`` under srun), else ``nproc`` (``--nproc``),
+    else ``parallel.nproc_per_node``, else 1 (one process)."""
+    launcher = detect_launcher()
+    if launcher.kind != "none":
+        return launcher.world_size
+    return nproc if nproc is not None else config.parallel.nproc_per_node or 1
+
+
+def plan(config: Config, resolved: Resolved | None = None, world_size: int | None = None) -> RunPlan:
     """The plan of ``config``'s run: every slot resolved, every derived value computed once.
 
     Args:
         config: a validated config.
         resolved: what :func:`~unison.recipe.resolve.resolve` returned for it, when the caller
             has it already; resolved here otherwise.
+        world_size: the ranks the run will have (:func:`launch_world_size` before they start);
+            default this process group's size (1 outside one).
 
     Raises:
-        ConfigError: naming the file, line and key of the first slot that is refused, a tracking
+        ConfigError: naming the file, line and key of the first slot that is refused, a
+            ``global_batch_size`` that does not divide over ``world_size`` ranks, a tracking
             store a config may not name, or an early-stopping handler that cannot be built.
     """
+    world = world_size if world_size is not None else get_world_size()
+    sizes = batch_sizes(config, world)  # before resolving: a size that cannot divide fails first
     refs = _References.of(config)
     resolved = resolved if resolved is not None else resolve(config)
     t = config.training
-    loaders = loader_plans(config, resolved.batches.collate)
+    loaders = loader_plans(config, resolved.batches.collate, sizes)
     watched = watched_of(config, list(resolved.metrics))
     root_key, root = root_setting(config)
     lr = {"lr": t.lr} if t.lr is not None else {}
@@ -138,7 +159,7 @@ def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
         control=control_plan(config),
         checkpoint=checkpoint_plan(config),
         logging=logging_plan(config),
-        finish=finish_plan(config),
+        finish=finish_plan(config, sizes),
         accepted=accepted_keys(config, loaders),
         lr=lr_plan(config, 1),
         optimizer_kwargs={**resolved.optimizer_kwargs, **lr},
@@ -147,4 +168,5 @@ def plan(config: Config, resolved: Resolved | None = None) -> RunPlan:
         root=root,
         root_key=root_key,
         ema_evaluated=t.ema is not None and bool(t.ema.evaluate),
+        world_size=world,
     )

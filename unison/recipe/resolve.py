@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from unison.config import Config, ConfigError, PyObjectRef, resolve_tree
+from unison.config.batch_sizes import asks_world_size
 from unison.config.data_config import uses_files
 from unison.config.names import resolve_name
 from unison.config.usercode import describe
@@ -351,13 +352,20 @@ def _data_slots(config: Config, refs: _References) -> tuple[Callable[..., Any], 
         return file_data_slots(config, refs), {}
     build = refs.ref(config.data.build, "data", "data.build")
     kwargs = refs.tree(config.data.kwargs, "data.kwargs")
+    told = asks_world_size(build)  # a parameter named world_size: the run gives it
+    if told and "world_size" in kwargs:
+        raise refs.error(
+            "data.kwargs.world_size",
+            f"{describe(build)} takes world_size, which is given by the run (its number of ranks, on every "
+            "rank); a fixed value would be wrong at another --nproc. Remove it from data.kwargs",
+        )
     refs.bind(
         build,
         type_key="data.build",
         kwargs_key="data.kwargs",
         kwargs=kwargs,
-        supplied={"seed": 0},
-        how="(seed, ...)",
+        supplied={"seed": 0, **({"world_size": 1} if told else {})},
+        how="(seed, world_size, ...)" if told else "(seed, ...)",
     )
     return build, kwargs
 

@@ -51,7 +51,7 @@ from unison.recipe.history import RunHistory
 from unison.recipe.job_run import job_previous_run, new_job_run, run_job
 from unison.recipe.meta_guard import meta_tensors_named
 from unison.recipe.parts import RunParts, scalar_metrics
-from unison.recipe.planning import RunPlan, plan
+from unison.recipe.planning import RunPlan, launch_world_size, plan
 from unison.recipe.preflight import check_port, preflight
 from unison.recipe.resume_shape import check_resume_shape
 from unison.recipe.resume_values import apply_on_resume
@@ -329,7 +329,8 @@ def run(
         config = load_config(config, overrides)
     elif overrides:
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
-    planned = plan(config)  # every slot resolved, every derived value computed once
+    world = launch_world_size(config, nproc)  # a global batch size is divided by it: checked here
+    planned = plan(config, world_size=world)  # every slot resolved, every derived value computed once
     launcher = detect_launcher()
     if launcher.kind != "none" and nproc is not None:
         raise ValueError(

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from unison.config import Config
+from unison.config.batch_sizes import BatchSizes, batch_sizes
 from unison.distributed import device as rank_device
 from unison.handlers.hparams import HParamValue
 from unison.recipe.config_record import config_record, hparams_of, params_of
@@ -228,8 +229,8 @@ def logging_plan(config: Config) -> LoggingPlan:
     )
 
 
-def finish_plan(config: Config) -> FinishPlan:
-    """``config``'s :class:`FinishPlan`."""
+def finish_plan(config: Config, sizes: BatchSizes | None = None) -> FinishPlan:
+    """``config``'s :class:`FinishPlan`; ``sizes``: the batches per rank at the run's world size."""
     s, pr = config.testing, config.predict
-    batch = pr.batch_size or config.validation.batch_size or config.training.batch_size
+    batch = (sizes if sizes is not None else batch_sizes(config, 1)).predict
     return FinishPlan(s.enabled, s.use_best, pr.enabled, batch)

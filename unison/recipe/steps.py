@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from unison.config import ConfigError
+from unison.config.batch_sizes import asks_world_size
 from unison.distributed import get_world_size, prepare_loaders, prepare_model
 from unison.engine import Engine, Events, TrainStep, UpdateEvents, create_evaluator, create_trainer
 from unison.handlers import (
@@ -95,14 +96,16 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
 
 
 def build_datasets(plan: RunPlan) -> Datasets:
-    """Data, first half: seeds every generator with ``training.seed`` and calls ``data.build``.
+    """Data, first half: seeds every generator with ``training.seed`` and calls ``data.build``
+    (with ``world_size=`` the run's, when it has a parameter of that name).
 
     Raises:
         TypeError: ``data.build`` returned something other than 2 or 3 datasets.
     """
     seed, resolved = plan.seed, plan.resolved
     manual_seed(seed)
-    built = resolved.data_build(seed=seed, **resolved.data_kwargs)
+    told = {"world_size": plan.world_size} if asks_world_size(resolved.data_build) else {}
+    built = resolved.data_build(seed=seed, **told, **resolved.data_kwargs)
     if not isinstance(built, (tuple, list)) or len(built) not in (2, 3):
         raise TypeError(
             f"data.build must return (train, val) or (train, val, test) datasets, got {type(built).__name__}"
