@@ -4,7 +4,8 @@ A section of the schema (:mod:`unison.config.schema`), in a module of its own. I
 carry the same metadata as :func:`~unison.config.schema.option`'s, for the reference page.
 Two ways to give the data, one per config:
 
-- ``data.build``: ``fn(seed, **data.kwargs) -> (train, val[, test])``, the user's own;
+- ``data.build``: ``fn(seed, **data.kwargs) -> (train, val[, test])``, the user's own (a parameter
+  named ``world_size`` gets the run's world size);
 - ``data.files`` and ``data.reader`` (QuantumGrav's keys): one
   :class:`~unison.distributed.FileDataset` over the files, split by ``data.split`` with
   ``training.seed`` (:mod:`unison.recipe.file_data`);
@@ -47,7 +48,8 @@ FILE_KEYS = (
 class DataConfig:
     build: PyObjectRef | None = _key(
         None,
-        "fn(seed, **kwargs) -> (train, val, test) datasets; test may be None (or give files and reader)",
+        "fn(seed, **kwargs) -> (train, val, test) datasets; test may be None (or give files and reader); a "
+        "parameter named world_size gets the run's",
         slot="data",
     )
     kwargs: dict[str, Any] = _key({}, "keyword arguments of build")

@@ -237,7 +237,7 @@ SLOTS: dict[str, Slot] = {
         "e.g. `!pyobject unison.metrics.Accuracy`",
     ),
     "data": Slot(
-        _USER + ": fn(seed, **data.kwargs) -> (train, val[, test])",
+        _USER + ": fn(seed[, world_size], **data.kwargs) -> (train, val[, test])",
         _user_function,
         "write `def build(seed, ...)` returning (train, val[, test]) datasets in a module beside the config",
     ),
