@@ -142,3 +142,26 @@ def test_onecycle_stepped_per_update_at_another_world_size_is_refused_before_any
     assert started == []
     run(path, nproc=2, resume="auto")  # at the saved world size it goes ahead
     assert len(started) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_onecycle_stepped_per_update_resumes_at_another_world_size_with_a_global_batch(
+    tmp_path: Path, module: str
+) -> None:
+    """training.global_batch_size: 8 over 16 samples is 2 updates an epoch at 1 rank and at 2, so
+    total_steps 4 is two epochs at either: trained one epoch at 2 ranks, the run resumes at 1 and
+    ends its schedule on its last step."""
+    from _resume_shape_workers import train
+
+    (tmp_path / f"{module}.py").write_text(DATA)
+    text = ONE_CYCLE_CONFIG.replace("  batch_size: 4\n", "  global_batch_size: 8\n")
+    first = tmp_path / "first.yaml"
+    first.write_text(text.format(module=module, epochs=1, root=tmp_path / "runs"))
+    (result, _) = run_distributed(train, str(first), nproc=2, timeout=120)
+    assert (result["world_size"], result["iterations"]) == (2, 2)
+    path = tmp_path / "more.yaml"
+    path.write_text(text.format(module=module, epochs=2, root=tmp_path / "runs"))
+    resumed = run(path, resume="auto")  # one process: 8 samples a step, 2 updates, steps 3 and 4
+    assert (resumed["world_size"], resumed["epochs"], resumed["iterations"]) == (1, 2, 4)

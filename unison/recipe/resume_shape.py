@@ -7,7 +7,8 @@ it was saved with, whether it holds the data's own state) and this run's plan:
   its ``total_steps`` in updates, and an epoch takes another number of updates at another world
   size: at fewer ranks the schedule runs past its last step and torch fails mid-epoch ("Tried to
   step ... times"), at more it ends before its final annealing. Resuming at another world size
-  is refused at the key that sets its length;
+  is refused at the key that sets its length, unless both runs divide the same
+  ``training.global_batch_size`` among their ranks (then an epoch takes the same updates);
 - a stream saved mid-epoch holds its loader's state, which a loader with another number of
   workers cannot take up (torchdata's ``StatefulDataLoader`` fails with an AssertionError): a
   changed ``training.num_workers`` is refused, with both values.
@@ -83,7 +84,7 @@ def check_resume_shape(plan: RunPlan, run_dir: Path, which: str, world_size: int
     scheduler = plan.resolved.scheduler_type
     if torch_scheduler(scheduler) != "OneCycleLR" or plan.trainer.scheduler_every != "update":
         return
-    if saved_world == world_size:
+    if saved_world == world_size or _same_updates(plan, saved):
         return
     given = plan.resolved.scheduler_kwargs
     key = next(
@@ -100,5 +101,14 @@ def check_resume_shape(plan: RunPlan, run_dir: Path, which: str, world_size: int
         f"length in updates; {path} was saved at {saved_world} ranks and this run has {world_size}, where an "
         f"epoch takes another number of updates, so the schedule would {end}. Resume at {saved_world} ranks "
         f"(--nproc {saved_world}, or torchrun --nproc-per-node), or start a new run whose {key.split('.')[-1]} "
-        f"counts the updates at {world_size} ranks",
+        f"counts the updates at {world_size} ranks (with training.global_batch_size, an epoch takes the same "
+        "updates at every world size)",
     )
+
+
+def _same_updates(plan: RunPlan, saved: Mapping[str, Any]) -> bool:
+    """Whether the saved run and this one divide the same ``training.global_batch_size`` among their
+    ranks: an epoch then takes the same updates at every world size (each rank's shard and batch
+    shrink alike; the data cannot change on resume)."""
+    total = saved.get("global_batch_size")
+    return total is not None and plan.lr.fixed_global and plan.lr.global_batch == total
