@@ -5,7 +5,8 @@ A map-style loader with a TrainSampler has one global position (the ``sampler`` 
 (:func:`unison.distributed.data_state.data_position`: torchdata's ``StatefulDataLoader``, a
 Hugging Face streaming dataset) keeps its position itself: every rank's state is gathered to
 rank 0 with the other per-rank states of a save, stored by rank, and each rank loads its own
-before its data iterator is made. A state of scope ``"global"`` (a ``shard_stream`` without
+before its data iterator is made: one user of the per-rank contract of
+:mod:`unison.checkpoint.per_rank` (the same gather, entry and loading as a handler's per-rank state). A state of scope ``"global"`` (a ``shard_stream`` without
 loader workers: every rank's counts the same source items) is the same on every rank; when it
 is elastic, a run at another world size loads it on every rank. No collective here.
 """
@@ -19,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.per_rank import load_own, rank_entry
 from unison.distributed.data_state import DataPosition, data_position
 from unison.distributed.primitives import get_world_size
 from unison.utils.logging import get_logger
@@ -113,15 +115,15 @@ class DataEntry:
         position = self.position
         if position is None or position.kind != "stateful":
             return None
-        return {
-            "kind": position.kind,
-            "source": position.source,
-            "scope": position.scope,
-            "elastic": position.elastic,
-            "not_elastic": position.not_elastic,
-            "world_size": world_size,
-            "by_rank": list(by_rank),
-        }
+        return rank_entry(
+            by_rank,
+            world_size,
+            kind=position.kind,
+            source=position.source,
+            scope=position.scope,
+            elastic=position.elastic,
+            not_elastic=position.not_elastic,
+        )
 
     def load(self, entry: Mapping[str, Any] | None, rank: int, *, mid_epoch: bool, source: str) -> None:
         """Puts this rank's saved state back, before the data iterator is made.
@@ -152,7 +154,8 @@ class DataEntry:
                 f"a {position.source}. Resume with the same kind of training data."
             )
         by_rank, world = entry["by_rank"], get_world_size()
-        if world != len(by_rank) and not (position.scope == "global" and position.elastic):
+        elastic = position.scope == "global" and position.elastic
+        if world != len(by_rank) and not elastic:
             # The checkpoint's global position (check_data_entry let it through) meets data that
             # keeps one per rank: decided from the loader's settings, the same on every rank.
             raise CheckpointError(
@@ -163,7 +166,10 @@ class DataEntry:
             )
         if position.load is None or not by_rank:
             return
-        position.load(by_rank[rank] if rank < len(by_rank) else by_rank[0])  # more ranks: the global position
+        load = position.load  # a global position is the same for every rank: any world size continues from it
+        load_own(
+            entry, rank, world, load=load, reshard=(lambda states, *_: load(states[0])) if elastic else None
+        )
 
 
 def check_data_entry(entry: Mapping[str, Any] | None, *, source: str, world_size: int) -> None:

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from unison.checkpoint.attached import PREFIX, load_attached
+from unison.checkpoint.per_rank import check_rank_objects, load_rank_objects
 from unison.checkpoint.sharded import load_dcp_states, load_full_states, sharded_names
 from unison.checkpoint.state import load_object_states
+from unison.distributed.primitives import get_rank, get_world_size
 
 
 def load_states(
@@ -27,9 +29,18 @@ def load_states(
         state: the checkpoint's dict (a sharded checkpoint's ``rest.pt``).
         source: the checkpoint file or sharded folder, where the shards are read.
         to_save: the objects the user listed (already checked to be in the checkpoint).
+
+    Raises:
+        CheckpointError: before anything is loaded, on every rank alike, for a per-rank state
+            (:mod:`unison.checkpoint.per_rank`) that cannot continue at this world size.
     """
+    ranked = check_rank_objects(objects, state, source=str(source), world_size=get_world_size())
     in_shards = [n for n in state["meta"].get("sharded", []) if n in objects]
     saved = state["objects"]
+    load_rank_objects(objects, saved, ranked, get_rank(), get_world_size())  # each rank its own
+    saved = {n: v for n, v in saved.items() if n not in ranked}
+    objects = {n: o for n, o in objects.items() if n not in ranked}
+    to_save = {n: o for n, o in to_save.items() if n not in ranked}
     sharded_now = set(sharded_names(objects))
     whole_into_shards = [n for n in objects if n in saved and n in sharded_now]
     listed = {n: o for n, o in to_save.items() if n not in in_shards and n not in sharded_now}

@@ -256,6 +256,7 @@ def build_checkpoint(
     data: Mapping[str, Any] | None = None,
     objects: Mapping[str, Any],
     config: Mapping[str, Any] | None,
+    per_rank: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint's dict, from its parts; every part loads with ``weights_only=True``.
 
@@ -267,14 +268,18 @@ def build_checkpoint(
         rng: every rank's :func:`capture_rng`, indexed by rank.
         objects: from :func:`object_states`.
         config: the run's configuration as plain data, or None.
+        per_rank: name -> each rank's state of an object whose state is per rank
+            (:func:`~unison.checkpoint.per_rank.rank_entries`): stored among the objects, the names
+            listed in ``meta["per_rank"]``.
     """
+    ranked = dict(per_rank or {})
     return {
-        "meta": dict(meta),
+        "meta": {**meta, "per_rank": list(ranked)} if ranked else dict(meta),
         "trainer": dict(trainer),
         "sampler": None if sampler is None else dict(sampler),
         "data": None if data is None else dict(data),
         "rng": list(rng),
-        "objects": dict(objects),
+        "objects": {**objects, **ranked},
         "config": None if config is None else dict(config),
     }
 

@@ -16,6 +16,7 @@ from unison.checkpoint.io import load_checkpoint
 from unison.checkpoint.loading import load_states
 from unison.checkpoint.lock import hold_folder
 from unison.checkpoint.manifest import Entry, Manifest, entry_for
+from unison.checkpoint.per_rank import DATA, is_per_rank, local_states, rank_entries
 from unison.checkpoint.position import (
     DataTracker,
     PositionUnknown,
@@ -64,10 +65,11 @@ class Checkpoint:
 
     **What**: each object of ``to_save`` (a model is saved unwrapped from DDP, without the
     ``module.`` prefix; anything else through its ``state_dict()``: optimizers, LR
-    schedulers, a GradScaler, handlers such as EarlyStopping), the trainer's state, the
-    training data's position (its sampler's, or each rank's own data state: a loader or a
-    stream in ``to_save`` is refused), every rank's generator states, the config, the world
-    size, the per-rank batch size and the library versions. Everything loads with
+    schedulers, a GradScaler, handlers such as EarlyStopping; every rank's own state of one with
+    ``per_rank_state = True``: :mod:`unison.checkpoint.per_rank`), the trainer's state, the
+    training data's position (its sampler's, or each rank's own data state: a loader or a stream
+    in ``to_save`` is refused), every rank's generator states, the config, the world size, the
+    per-rank batch size and the library versions. Everything loads with
     ``torch.load(weights_only=True)``: numpy scalars and paths become plain values, other
     values are refused at save time, naming their key. Non-finite weights are not saved.
     Mid-epoch saves (``every_iters``, ``every_seconds``, a Preemption) of data that cannot tell its position
@@ -95,8 +97,7 @@ class Checkpoint:
         at_end: save when the run completes or stops.
         keep_last: how many of the newest checkpoints to keep; None keeps all.
         keep_best: how many of the best by ``metric`` to keep as well.
-        metric: name of the score in ``metric_engine.state.metrics`` (synced, so every
-            rank agrees) used for ``keep_best``.
+        metric: the score in ``metric_engine.state.metrics`` (synced: ranks agree) ranking ``keep_best``.
         mode: ``"max"`` or ``"min"``: which scores are best.
         metric_engine: the engine whose metrics hold ``metric``; default, the trainer.
         async_save: write in a background thread.
@@ -255,8 +256,9 @@ class Checkpoint:
         if hasattr(engine, "extra_state_dict"):  # all of it, even where ignite's keys imply it
             trainer["unison"] = engine.extra_state_dict()
         stop = trainer.get("unison", {}).get("stop")  # this rank's requests no sync point has settled
-        data = self.data_entry.local()  # None but for data of kind "stateful"
-        everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None), (partial, stop), data))
+        objects = {n: o for n, o in self._objects(engine).items() if n not in (sharded or ())}
+        mine = local_states(objects, self.data_entry.local())  # per-rank states (checkpoint.per_rank)
+        everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None), (partial, stop), mine))
         if everyone is None:
             return None
         if "unison" in trainer:
@@ -282,11 +284,10 @@ class Checkpoint:
             meta=meta,
             trainer=trainer,
             sampler=sampler_state(engine.state.dataloader, pass_, iteration, by_rank) if sampled else None,
-            data=self.data_entry.entry([d for *_, d in everyone], get_world_size()),
+            data=self.data_entry.entry([m[DATA] for *_, m in everyone], get_world_size()),
             rng=[rng for rng, *_ in everyone],
-            objects=object_states(
-                {n: o for n, o in self._objects(engine).items() if n not in (sharded or ())}
-            ),
+            objects=object_states({n: o for n, o in objects.items() if not is_per_rank(o)}),
+            per_rank=rank_entries([m for *_, m in everyone], get_world_size()),  # each rank's own, by name
             config=self.config,
         )
 
