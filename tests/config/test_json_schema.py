@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator
 
 from unison.config import ConfigError, PyObjectRef, UnisonLoader, dump_config, load_config
 from unison.config.json_schema import DIALECT, PYOBJECT_NOTE, json_schema
-from unison.config.schema_walk import walk_keys
+from unison.config.schema_walk import ITEM, walk_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -109,6 +109,9 @@ def test_the_schema_rejects_unknown_keys_and_wrong_values(validator):
 def _property(schema: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
     node = schema
     for name in path:
+        if name == ITEM:  # any item of a list of sections (handlers.<i>.type)
+            node = node["items"]
+            continue
         if "properties" not in node:  # a key that takes a mapping too: its object form
             node = next(p for p in node["anyOf"] if "properties" in p)
         node = node["properties"][name]

@@ -12,7 +12,7 @@ import torch
 
 import unison.recipe.resolve
 from unison.config import Config, ConfigError, PyObjectRef, load_config, load_yaml, schema_reference, validate
-from unison.config.schema import REQUIRED, _hints, section_in
+from unison.config.schema import REQUIRED, _hints, item_section, section_in
 
 DATA = Path(__file__).parent / "data"
 MINIMAL = (
@@ -196,6 +196,9 @@ def test_schema_reference_documents_every_key():
                 sub = section_in(_hints(cls)[f.name])
                 if sub is not None:  # a key that also takes a mapping: training.ema, training.lr_scaling
                     yield from leaves(sub, prefix + f.name + ".")
+                items = item_section(_hints(cls)[f.name])
+                if items is not None:  # a list of sections: handlers.<i>.type
+                    yield from leaves(items, prefix + f.name + ".<i>.")
 
     assert sorted(keys) == sorted(leaves(Config))
 
@@ -287,7 +290,9 @@ def _check_quantumgrav(config: Config) -> None:
     resolved = unison.recipe.resolve.resolve(config)
     assert resolved.optimizer_type is torch.optim.AdamW
     assert resolved.model_type is sys.modules["qg_data"].GNNModel  # the name, found under imports:
-    assert resolved.loss.loss_fn is sys.modules["__main__"].compute_loss  # the user's script, given the whole batch
+    assert (
+        resolved.loss.loss_fn is sys.modules["__main__"].compute_loss
+    )  # the user's script, given the whole batch
     train, val, test = resolved.data_build(seed=config.training.seed, **resolved.data_kwargs)
     assert len(train) == len(val) == len(test) == 16
 

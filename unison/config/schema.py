@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 
 from unison.config.checkpoint_config import CheckpointConfig
 from unison.config.data_config import DataConfig
+from unison.config.handlers_config import HandlerConfig
 from unison.config.loader import KeyPath, PyObjectRef
 from unison.config.logging_config import LoggingConfig
 from unison.config.mlflow_config import MLflowConfig  # noqa: F401 (logging.mlflow's type)
@@ -359,6 +360,9 @@ class Config:
     early_stopping: EarlyStoppingConfig = section(EarlyStoppingConfig, "stopping when a metric stalls")
     logging: LoggingConfig = section(LoggingConfig, "run directory, TensorBoard, progress")
     hooks: HooksConfig = section(HooksConfig, "recipe code run at fixed points")
+    handlers: list[HandlerConfig] = option(
+        [], "your own handlers, attached in the order written (docs/handlers.md); each item's keys below"
+    )
     tuning: TuningConfig = section(TuningConfig, "hyperparameter sweeps with `unison tune`")
 
     @property
@@ -393,6 +397,12 @@ def section_in(tp: Any) -> type | None:
     if typing.get_origin(tp) in (Union, types.UnionType):
         return next((a for a in typing.get_args(tp) if _is_section(a)), None)
     return None
+
+
+def item_section(tp: Any) -> type | None:
+    """The section each item of a list key is (``list[HandlerConfig]``: ``handlers``); None otherwise."""
+    args = typing.get_args(tp) if typing.get_origin(tp) is list else ()
+    return typing.cast(type, args[0]) if len(args) == 1 and _is_section(args[0]) else None
 
 
 def _type_name(tp: Any) -> str:

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from unison.config.origin import KeyPath
-from unison.config.schema import Config, _hints, _is_section, section_in
+from unison.config.schema import Config, _hints, _is_section, item_section, section_in
+
+ITEM = "<i>"
+"""The path element standing for any item of a list of sections (``handlers.<i>.type``)."""
 
 
 @dataclass(frozen=True)
@@ -81,3 +84,6 @@ def walk_keys(cls: type = Config, prefix: KeyPath = ()) -> Iterator[SchemaKey]:
         sub = key.section
         if sub is not None:
             yield from walk_keys(sub, key.path)
+        items = item_section(key.type)  # a list of sections (handlers): the keys of each item
+        if items is not None:
+            yield from walk_keys(items, key.path + (ITEM,))

@@ -169,6 +169,13 @@ def _early_stopping(obj: Any, via_user: bool, scope: Scope) -> bool:
     return isinstance(obj, type) and "unison.handlers.early_stopping.EarlyStopping" in names
 
 
+def _handler(obj: Any, via_user: bool, scope: Scope) -> bool:
+    """A class of the user's own modules whose instances attach themselves or are called at an event."""
+    if not isinstance(obj, type) or not scope.is_users(obj):
+        return False
+    return callable(getattr(obj, "attach", None)) or any("__call__" in vars(c) for c in obj.__mro__[:-1])
+
+
 def _library_function(obj: Any) -> bool:
     """A function of an installed library's ``nn`` package (``torch_geometric.nn.global_mean_pool``):
     layer helpers, as ``torch.nn.functional``'s are torch's. The standard library has none."""
@@ -251,6 +258,18 @@ SLOTS: dict[str, Slot] = {
         "unison.handlers.EarlyStopping (also named EarlyStopping or DefaultEarlyStopping), or a subclass of it",
         _early_stopping,
         "leave type out for unison's EarlyStopping",
+    ),
+    "handler": Slot(
+        "a handler class of your own modules: instances with attach(engine), or called as handler(engine) at "
+        "`event`",
+        _handler,
+        "write the class in a module beside the config; a handler of unison's or ignite's is attached by "
+        "the keys of its section, or from Python",
+    ),
+    "handler_function": Slot(
+        _USER + ": fn(engine, *args, **kwargs), called at `event`",
+        _user_function,
+        "write the function in a module beside the config",
     ),
     "model_arg": Slot(
         "inside model args and kwargs, what kwargs take (constants, torch.nn.Module classes, functions of "

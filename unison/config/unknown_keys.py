@@ -12,7 +12,7 @@ import difflib
 from typing import Any
 
 from unison.config.loader import KeyPath, RawConfig
-from unison.config.schema import _hints, _is_section, section_in
+from unison.config.schema import _hints, _is_section, item_section, section_in
 
 
 def _unknown(cls: type, data: Any, path: KeyPath, out: list[tuple[KeyPath, str]]) -> None:
@@ -40,6 +40,10 @@ def _unknown(cls: type, data: Any, path: KeyPath, out: list[tuple[KeyPath, str]]
         sub = section_in(hints[name])
         if sub is not None and (_is_section(hints[name]) or isinstance(value, dict)):
             _unknown(sub, value, path + (key,), out)
+        items = item_section(hints[name])  # a list of sections: each item's keys
+        if items is not None and isinstance(value, list):
+            for i, item in enumerate(value):
+                _unknown(items, item, path + (key, str(i)), out)
 
 
 def check_unknown_keys(cls: type, raw: RawConfig) -> None:

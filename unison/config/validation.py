@@ -17,9 +17,10 @@ from unison.config.batch_sizes import check_batch_keys
 from unison.config.checks_base import in_case_of, matches, metric_direction, takes_float
 from unison.config.compat import apply_compat
 from unison.config.data_config import check_data
+from unison.config.handlers_config import check_handlers
 from unison.config.loader import KeyPath, RawConfig
 from unison.config.model_config import check_model
-from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, section_in
+from unison.config.schema import REQUIRED, Config, _hints, _is_section, _type_name, item_section, section_in
 from unison.config.tuning import check_tuning
 from unison.config.unknown_keys import check_unknown_keys
 from unison.config.watched import watched_of
@@ -68,6 +69,10 @@ def _build(cls: type, data: Any, raw: RawConfig, path: KeyPath) -> Any:
         if _is_section(tp) or (isinstance(value, dict) and section_in(tp) is not None):
             values[name] = _build(section_in(tp), value, raw, path + (key,))  # type: ignore[arg-type]  # a section
             continue
+        items = item_section(tp)  # a list of sections (handlers): each item checked as one
+        if items is not None and isinstance(value, list):
+            values[name] = [_build(items, v, raw, path + (key, str(i))) for i, v in enumerate(value)]
+            continue
         if not matches(value, tp):
             raise raw.origin.error(
                 path + (key,),
@@ -103,6 +108,7 @@ def validate(raw: RawConfig) -> Config:
                 path, f"required: set {'.'.join(path)} (e.g. `{path[1]}: !pyobject my_recipe.thing`)"
             )
     check_model(config.model, raw)  # model: from_config's own keys, call
+    check_handlers(config.handlers, raw)  # handlers: one of type or function each, events that read
     apply_compat(config, raw)  # criterion, early_stopping's type/args/kwargs, evaluator specs
     _check_values(config, raw)
     check_batch_keys(config, raw.origin)  # batch_size or global_batch_size, per section

@@ -46,6 +46,7 @@ class RunParts:
             (from the run's start: a resumed run restores the rows it has, :mod:`unison.recipe.history`).
         checkpoint: the checkpoint handler, None when ``checkpoint.enabled`` is false.
         ema: the average of the weights (``training.ema``), or None (:mod:`unison.recipe.ema`).
+        handlers: the user's handlers with a state, by checkpoint name (:mod:`unison.recipe.user_handlers`).
     """
 
     datasets: Datasets
@@ -60,6 +61,7 @@ class RunParts:
     history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint: Checkpoint | None = None
     ema: EMA | None = None
+    handlers: dict[str, Any] = field(default_factory=dict)
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:

@@ -45,6 +45,7 @@ from unison.recipe.step_plans import (
     trainer_plan,
 )
 from unison.recipe.tracking_store import root_setting, store
+from unison.recipe.user_handlers import UserHandler, handlers_plan
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class RunPlan:
         world_size: the ranks of the run planned for: each section's batch per rank is planned
             for it (``global_batch_size`` divided among them), and ``data.build`` is told it when
             it asks (a parameter named ``world_size``).
+        handlers: the user's own handlers (``handlers``), resolved and checked
+            (:mod:`unison.recipe.user_handlers`).
     """
 
     config: Config
@@ -100,6 +103,7 @@ class RunPlan:
     root_key: str
     ema_evaluated: bool
     world_size: int = 1
+    handlers: tuple[UserHandler, ...] = ()
 
     @property
     def run_root(self) -> Path:
@@ -169,4 +173,5 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
         root_key=root_key,
         ema_evaluated=t.ema is not None and bool(t.ema.evaluate),
         world_size=world,
+        handlers=handlers_plan(config, refs),
     )

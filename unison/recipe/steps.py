@@ -9,7 +9,9 @@
 5. evaluator: :func:`build_evaluator`, :func:`attach_validation`, :func:`attach_scheduler`;
 6. handlers: :func:`attach_handlers` (:func:`checkpoint_objects`, then early stopping and
    guards in :func:`attach_control`, checkpoint and preemption in
-   :func:`attach_checkpoint`, TensorBoard and progress in :func:`attach_logging`).
+   :func:`attach_checkpoint`, TensorBoard and progress in :func:`attach_logging`); the config's
+   own ``handlers`` are built before step 5's wiring, those with ``order: before`` attached
+   then and the others after step 6 (:mod:`unison.recipe.user_handlers`).
 
 Each step takes what it needs of the run's plan (:func:`unison.recipe.plan`), and can be
 called on its own. Every step and attacher reads the plan only (what it resolved, and the
@@ -52,6 +54,7 @@ from unison.recipe.stream_workers import check_stream_workers
 from unison.recipe.tracking import attach_tracking
 from unison.recipe.tracking_tb import attach_hparams, attach_profiler
 from unison.recipe.tracking_wandb import attach_wandb
+from unison.recipe.user_handlers import build_user_handlers
 from unison.utils import get_logger, manual_seed
 from unison.utils.run_files import real_folder
 
@@ -89,9 +92,12 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
         plan.watched.metric,
         ema=ema,
     )
+    users = build_user_handlers(plan.handlers, parts)  # handlers: built in order, `order: before` attached
+    parts.handlers = users.to_save
     attach_validation(plan, parts, run_dir)
     attach_scheduler(parts, plan.trainer.scheduler_every)
     attach_handlers(plan, parts, run_dir)
+    users.attach_after()  # handlers with `order: after` (the default), after unison's own
     return parts
 
 
@@ -293,7 +299,7 @@ def checkpoint_objects(parts: RunParts) -> dict[str, Any]:
     step = cast(TrainStep, parts.trainer.process_function)
     if step.scaler is not None:
         to_save["scaler"] = step.scaler
-    return to_save
+    return {**to_save, **parts.handlers}  # the user's handlers with a state (handlers:<ClassName>)
 
 
 def attach_control(plan: RunPlan, parts: RunParts, run_dir: Path, to_save: dict[str, Any]) -> None:
