@@ -75,7 +75,7 @@ def _event(name: str, filters: dict[str, int], to: str, refs: _References, key: 
 
 
 def _fired(name: str, filters: dict[str, int]) -> Any:
-    event = Events[name] if name in Events.__members__ else UpdateEvents[name]
+    event: Any = Events[name] if name in Events.__members__ else UpdateEvents[name]
     return event(**filters) if filters else event
 
 
