@@ -26,18 +26,32 @@ def test_the_disk_probe_writes_the_bytes_asked_and_leaves_nothing(tmp_path):
     (tmp_path / "ckpt" / "shards").mkdir(parents=True)
     (tmp_path / "ckpt" / "rest.pt").write_bytes(b"x" * 10)
     (tmp_path / "ckpt" / "shards" / "0.distcp").write_bytes(b"y" * 32)
-    assert disk.folder_bytes(tmp_path / "ckpt") == 42 and disk.folder_bytes(tmp_path / "ckpt" / "rest.pt") == 10
+    assert (
+        disk.folder_bytes(tmp_path / "ckpt") == 42 and disk.folder_bytes(tmp_path / "ckpt" / "rest.pt") == 10
+    )
     assert disk.mb_per_s(4e6, 2.0) == 2.0
 
 
 def test_the_report_sets_each_save_against_the_disk(tmp_path):
     stall = _module("checkpoint_stall")
     out = tmp_path / "stall.json"
-    argv = ["--width", "64", "--layers", "1", "--repeats", "1", "--steps", "2", "--no-sharded", "--device", "cpu"]
+    argv = [
+        "--width",
+        "64",
+        "--layers",
+        "1",
+        "--repeats",
+        "1",
+        "--steps",
+        "2",
+        "--no-sharded",
+        "--device",
+        "cpu",
+    ]
     assert stall.main([*argv, "--dir", str(tmp_path), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = report["throughput"]
-    assert sorted(rows) == ["file_async", "file_sync"]
+    assert sorted(rows) == ["file_async", "file_resume", "file_sync"]
     for row in rows.values():
         assert row["mb"] == report["config"]["file_mb"] > 0
         assert row["save_mb_s"] > 0 and row["disk_mb_s"] > 0
