@@ -15,6 +15,7 @@ from unison.checkpoint.archive import archive_complete, load_archive
 from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.sharded_check import sharded_complete, sharded_problem
 from unison.checkpoint.sharded_files import REST
+from unison.checkpoint.writeback import WritebackFile
 
 __all__ = [
     "CheckpointError",
@@ -45,9 +46,10 @@ def _atomic_write(path: Path, write: Any) -> None:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
+        with os.fdopen(fd, "wb", buffering=0) as fh:
+            sink = WritebackFile(fh)  # large writes; the disk's writeback starts as the bytes come
+            write(sink)
+            sink.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -61,7 +63,9 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
 
     The data goes to a temp file in the same folder, is flushed and fsynced, renamed over
     ``path``, and the folder is fsynced so the rename survives a power loss. A crash at
-    any point leaves at most a ``.tmp`` file behind, never a partial ``path``.
+    any point leaves at most a ``.tmp`` file behind, never a partial ``path``. The file is
+    written in large writes whose writeback to the disk starts while ``torch.save`` goes
+    on (:class:`~unison.checkpoint.writeback.WritebackFile`): the fsync waits for the tail.
     """
     target = Path(path)
     _atomic_write(target, lambda fh: torch.save(obj, fh))

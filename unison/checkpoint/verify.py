@@ -108,6 +108,10 @@ def first_non_finite(objects: Mapping[str, Any]) -> str | None:
     """The key path of the first tensor of ``objects`` holding a NaN or an infinity, or None.
 
     One host read per device: the flags are computed where the tensors live and read once.
+    Each tensor is first summed: a NaN or an infinity makes the sum one too, so a finite sum
+    clears the tensor in one pass that allocates nothing of its size. Only a tensor whose
+    sum is not finite (a NaN, an infinity, or finite values whose sum overflows) is checked
+    element by element.
 
     Args:
         objects: name -> state (a model's weights, an optimizer's ``state_dict()``...).
@@ -122,8 +126,11 @@ def first_non_finite(objects: Mapping[str, Any]) -> str | None:
         by_device.setdefault(tensor.device, []).append(i)
     bad: list[int] = []
     for positions in by_device.values():
-        flags = torch.stack([torch.isfinite(found[i][1].detach()).all() for i in positions])
-        bad.extend(i for i, ok in zip(positions, flags.tolist(), strict=True) if not ok)
+        sums = torch.stack([torch.isfinite(found[i][1].detach().sum()) for i in positions])
+        unclear = [i for i, ok in zip(positions, sums.tolist(), strict=True) if not ok]
+        if unclear:  # rare: the sum cannot tell a NaN from an overflow
+            flags = torch.stack([torch.isfinite(found[i][1].detach()).all() for i in unclear])
+            bad.extend(i for i, ok in zip(unclear, flags.tolist(), strict=True) if not ok)
     return found[min(bad)][0] if bad else None
 
 
