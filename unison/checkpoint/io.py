@@ -93,9 +93,16 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     return archive_complete(path)
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike[str], *, checked: bool = False) -> dict[str, Any]:
     """Loads a checkpoint onto the CPU with ``torch.load(weights_only=True)``: a file, or the
     ``rest.pt`` of a sharded checkpoint's folder once the whole folder is checked.
+
+    Args:
+        path: the checkpoint file or sharded folder.
+        checked: this process has just found it whole (:meth:`Manifest.newest_complete
+            <unison.checkpoint.manifest.Manifest.newest_complete>`, :func:`is_complete`): it is
+            loaded without reading it all once more to check it. A load that fails is still
+            told apart from a damaged file.
 
     Raises:
         CheckpointError: naming the file, when it is missing, truncated, corrupt, or
@@ -103,17 +110,17 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     file = Path(path)
     if file.is_dir():
-        return _load_sharded_rest(file)
-    return load_archive(file)
+        return _load_sharded_rest(file, checked=checked)
+    return load_archive(file, checked=checked)
 
 
-def _load_sharded_rest(folder: Path) -> dict[str, Any]:
-    """The ``rest.pt`` of a sharded checkpoint folder, after checking the whole folder."""
-    problem = sharded_problem(folder)
+def _load_sharded_rest(folder: Path, *, checked: bool) -> dict[str, Any]:
+    """The ``rest.pt`` of a sharded checkpoint folder, after checking the whole folder (unless ``checked``)."""
+    problem = None if checked else sharded_problem(folder)
     if problem is not None:
         raise CheckpointError(
             f"Sharded checkpoint {folder} is incomplete or damaged: {problem}. It was probably cut short by a "
             "crash or a full disk, or damaged on disk. Delete the folder and resume from the previous checkpoint "
             "(resume='auto' skips it by itself)."
         )
-    return load_checkpoint(folder / REST)
+    return load_checkpoint(folder / REST, checked=True)  # checked with the folder

@@ -118,7 +118,7 @@ class Manifest:
         if match is None or match.group("prefix") != self.prefix or not is_complete(path):
             return None
         try:
-            meta = load_checkpoint(path).get("meta", {})
+            meta = load_checkpoint(path, checked=True).get("meta", {})  # is_complete just read it
         except Exception:  # a file that does not load is not a checkpoint we can use
             return None
         _log.warning("Checkpoint %s was not in the manifest (a crash after writing it); adding it.", path)

@@ -367,7 +367,7 @@ class Checkpoint:
         if choice is None:
             _log.info("No checkpoint in %s: starting fresh.", self.folder)
             return None
-        state = load_checkpoint(choice)
+        state = load_checkpoint(choice, checked=which == "auto" and get_rank() == 0)  # choose() read it whole
         change = check_checkpoint(state, source=choice, names=self.to_save, world_size=get_world_size())
         if change is not None:
             _log.warning("%s", change)
