@@ -1,21 +1,28 @@
 """Streaming data: unison's stream loader against the same source in a raw loop, and the cost
 of saving and restoring the stream's position.
 
-One process, the CPU, one torch thread. Each source yields the same MNIST-shaped samples (784
-float32 features and a class), read one epoch at a time in batches of 32 by a trivial
-consumer (it counts the batch's samples), with ``num_workers`` 0 and 2:
+The CPU, one torch thread per process, at 1 and 2 gloo ranks (``--ranks``; a world of 2 is
+spawned). Each source yields the same MNIST-shaped samples (784 float32 features and a
+class), read one epoch at a time in batches of 32 per rank by a trivial consumer (it counts
+the batch's samples), with ``num_workers`` 0 and 2:
 
     generator   a plain Python generator over precomputed tensors, in an IterableDataset.
-                raw: the generator itself; with workers, each worker yields every K-th
-                item (how one splits a stream by worker without unison).
-                unison: the same generator, unsplit, in ``shard_stream`` (it splits by
-                rank and by worker: every worker reads the whole source and skips the
-                items of the others).
+                raw: the generator read whole by every process, each keeping its items with
+                ``itertools.islice`` (item i to rank i % W, a rank's items to its workers
+                in turn). unison: the same generator, unsplit, in ``shard_stream`` (the same
+                split). ``raw_own``: a generator reading only its own items, as a source
+                that can seek does (a second table: the floor for any stream read whole).
+    files       ``data.stream.files``' source: 8 ``torch.save``'d files of (features,
+                classes), read by a reader yielding their rows. raw: the files chained
+                and split with ``islice``; unison: ``shard_stream(FileStream(files, reader))``.
     hf          Hugging Face ``Dataset.from_dict(...).to_iterable_dataset(num_shards=4)``,
-                torch format; used as is by both (it deals its shards to the workers).
+                torch format, ``split_dataset_by_node`` at 2 ranks; used as is by both (it
+                deals its shards to the ranks and workers).
     webdataset  ``WebDataset`` over 4 local tar shards written with ``TarWriter`` (a
-                ``.npy`` array and a ``.cls`` per sample), decoded to (array, class).
+                ``.npy`` array and a ``.cls`` per sample), decoded to (array, class);
+                ``nodesplitter=split_by_node`` at 2 ranks.
 
+At 2 ranks every epoch starts on both ranks together and its time is the slower rank's.
 Variants: ``raw`` is ``torch.utils.data.DataLoader(source, batch_size, num_workers)`` as
 one writes it without unison; ``unison`` is ``prepare_loaders(train=source, ...)``: its
 checks, torchdata's ``StatefulDataLoader`` and unison's collate. Both loaders are built
@@ -30,10 +37,11 @@ of kind "stateful"): halfway through an epoch, the time of ``save()``, the pickl
 of the state, the time of ``load(state)`` on a fresh loader, and the time from ``iter()``
 to the first batch after that load (where the skipping happens) against a fresh
 ``iter()``'s first batch. The resumed batch is checked against the one the uninterrupted
-epoch yields next. A WebDataset's position cannot be saved (kind "none"): its row says so.
+epoch yields next (at one rank). A WebDataset's position cannot be saved (kind "none"):
+its row says so.
 
-    python benchmarks/stream_loading.py            # ~3 minutes on 2 busy cores
-    python benchmarks/stream_loading.py --quick    # a smoke run (num_workers 0 only), ~30 s
+    python benchmarks/stream_loading.py            # ~6 minutes on 2 busy cores
+    python benchmarks/stream_loading.py --quick    # a smoke run (1 rank, num_workers 0), ~30 s
     python benchmarks/stream_loading.py --sources generator --workers 0 --repeats 15 --json s.json
 """
 
@@ -54,84 +62,23 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
+import _streams as S  # noqa: E402
 
-SOURCES = ("generator", "hf", "webdataset")
-VARIANTS = ("raw", "unison")
+SOURCES = S.SOURCES
 WORKERS = (0, 2)
+RANKS = (1, 2)
 BATCH = 32
-SHARDS = 4
+SHARDS = S.SHARDS
 TARGET = 1.02
 
 
-def _generator_stream(x: Any, y: list[int], split_by_worker: bool) -> Any:
-    from torch.utils.data import IterableDataset, get_worker_info
-
-    class GeneratorStream(IterableDataset):
-        """(x[i], y[i]) for each i; with ``split_by_worker``, only this worker's i."""
-
-        def __iter__(self) -> Any:
-            info = get_worker_info()
-            start, step = (info.id, info.num_workers) if split_by_worker and info is not None else (0, 1)
-            return ((x[i], y[i]) for i in range(start, len(y), step))
-
-    return GeneratorStream()
-
-
-def _hf_stream(x: Any, y: list[int]) -> Any:
-    import datasets
-
-    datasets.disable_progress_bars()
-    table = datasets.Dataset.from_dict({"x": x.numpy(), "y": y})
-    return table.to_iterable_dataset(num_shards=SHARDS).with_format("torch")
-
-
-def _write_shards(x: Any, y: list[int], folder: Path) -> list[str]:
-    import webdataset as wds
-
-    urls, per_shard = [], -(-len(y) // SHARDS)
-    for s in range(SHARDS):
-        path = folder / f"shard-{s:02d}.tar"
-        with wds.TarWriter(str(path)) as sink:
-            for i in range(s * per_shard, min(len(y), (s + 1) * per_shard)):
-                sink.write({"__key__": f"{i:07d}", "npy": x[i].numpy(), "cls": y[i]})
-        urls.append(str(path))
-    return urls
-
-
-def _webdataset_stream(urls: list[str]) -> Any:
-    import webdataset as wds
-
-    # Only the keys it reads: WebDataset's default decoders unpickle .pyd/.pickle members and
-    # torch.load .pth ones with weights_only=False, whatever a shard holds.
-    return wds.WebDataset(urls, shardshuffle=False).decode(only=["npy", "cls"]).to_tuple("npy", "cls")
-
-
-def sources(name: str, samples: int, folder: Path) -> Callable[[str], Any]:
-    """A factory of ``name``'s dataset for a variant (a new object at each call)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, C.MLP_SIZES[0], generator=gen)
-    y = torch.randint(0, C.MLP_SIZES[-1], (samples,), generator=gen).tolist()
-    if name == "generator":
-        from unison.distributed import shard_stream
-
-        return lambda variant: (
-            _generator_stream(x, y, split_by_worker=True)
-            if variant == "raw"
-            else shard_stream(_generator_stream(x, y, split_by_worker=False))
-        )
-    if name == "hf":
-        return lambda variant: _hf_stream(x, y)
-    urls = _write_shards(x, y, folder)
-    return lambda variant: _webdataset_stream(urls)
-
-
 def build_loader(dataset: Any, variant: str, workers: int) -> Any:
-    if variant == "raw":
+    if variant != "unison":
         from torch.utils.data import DataLoader
 
-        return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+        # workers forked, as a raw script's are on Linux (a spawned rank would spawn them)
+        context = {"multiprocessing_context": "fork"} if workers else {}
+        return DataLoader(dataset, batch_size=BATCH, num_workers=workers, **context)
     from unison.distributed import prepare_loaders
 
     loader, _ = prepare_loaders(train=dataset, batch_size=BATCH, num_workers=workers)
@@ -205,49 +152,84 @@ def data_state(make: Callable[[str], Any], workers: int, samples: int) -> dict[s
     }
 
 
-def measure(name: str, samples: int, workers_list: list[int], repeats: int, folder: Path) -> list[dict]:
-    make = sources(name, samples, folder)
+def _epoch_everywhere(loader: Any, world: int) -> tuple[float, int]:
+    """One epoch on every rank, started together: the slowest rank's seconds, and this rank's samples."""
+    if world == 1:
+        return epoch(loader)
+    C.barrier("cpu")
+    seconds, n = epoch(loader)
+    return C.slowest([seconds], "cpu")[0], n
+
+
+def measure(
+    name: str, data: dict[str, Any], workers_list: list[int], repeats: int, rank: int = 0, world: int = 1
+) -> list[dict]:
+    make = S.sources(name, data, rank, world)
+    names = S.variants(name)
+    samples = len(data["y"])
     out = []
     for workers in workers_list:
-        loaders = {v: build_loader(make(v), v, workers) for v in VARIANTS}
-        for v in VARIANTS:  # warm-up: imports, first file reads, first worker start
-            epoch(loaders[v])
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        loaders = {v: build_loader(make(v), v, workers) for v in names}
+        for v in names:  # warm-up: imports, first file reads, first worker start
+            _epoch_everywhere(loaders[v], world)
+        times: dict[str, list[float]] = {v: [] for v in names}
         for r in range(repeats):
-            for v in C.rotated(VARIANTS, r):
-                seconds, n = epoch(loaders[v])
-                if n != samples:
+            for v in C.rotated(names, r):
+                seconds, n = _epoch_everywhere(loaders[v], world)
+                if n != samples // world:
                     raise SystemExit(
-                        f"{name}, {v}, num_workers={workers}: read {n} samples, expected {samples}"
+                        f"{name}, {v}, num_workers={workers}, rank {rank} of {world}: read {n} samples, "
+                        f"expected {samples // world}"
                     )
                 times[v].append(seconds)
-        states = [data_state(make, workers, samples) for _ in range(max(1, min(repeats, 3)))]
-        state: dict[str, Any] = dict(states[0])
-        for key in ("save_s", "load_s", "first_batch_fresh_s", "first_batch_resumed_s"):
-            if key in state:
-                state[key] = C.median(s[key] for s in states)
+        state: dict[str, Any] = {}
+        if world == 1:
+            states = [data_state(make, workers, samples) for _ in range(max(1, min(repeats, 3)))]
+            state = dict(states[0])
+            for key in ("save_s", "load_s", "first_batch_fresh_s", "first_batch_resumed_s"):
+                if key in state:
+                    state[key] = C.median(s[key] for s in states)
         ratio = C.paired_ratio(times["unison"], times["raw"])
-        out.append(
-            {
-                "source": name,
-                "num_workers": workers,
-                "samples": samples,
-                "repeats": repeats,
-                "samples_per_s": {v: samples / C.median(times[v]) for v in VARIANTS},
-                "epoch_s": {v: times[v] for v in VARIANTS},
-                "spread": {v: C.spread(times[v]) for v in VARIANTS},
-                "ratio_to_raw": ratio,
-                "ratio_of_medians": C.median(times["unison"]) / C.median(times["raw"]),
-                "ratio_ci95": list(C.ratio_ci(times["unison"], times["raw"])),
-                "data_state": state,
-            }
-        )
-        print(
-            f"  {name}, num_workers={workers}: raw {out[-1]['samples_per_s']['raw']:.0f}/s, "
-            f"unison {out[-1]['samples_per_s']['unison']:.0f}/s, x raw {ratio:.3f}",
-            flush=True,
-        )
+        row = {
+            "source": name,
+            "ranks": world,
+            "num_workers": workers,
+            "samples": samples,
+            "repeats": repeats,
+            "samples_per_s": {v: samples / C.median(times[v]) for v in names},
+            "epoch_s": {v: times[v] for v in names},
+            "spread": {v: C.spread(times[v]) for v in names},
+            "ratio_to_raw": ratio,
+            "ratio_of_medians": C.median(times["unison"]) / C.median(times["raw"]),
+            "ratio_ci95": list(C.ratio_ci(times["unison"], times["raw"])),
+            "data_state": state,
+        }
+        if "raw_own" in names:
+            row["ratio_to_raw_own"] = C.paired_ratio(times["unison"], times["raw_own"])
+        out.append(row)
+        if rank == 0:
+            print(
+                f"  {name}, {world} rank(s), num_workers={workers}: raw {row['samples_per_s']['raw']:.0f}/s, "
+                f"unison {row['samples_per_s']['unison']:.0f}/s, x raw {ratio:.3f}",
+                flush=True,
+            )
     return out
+
+
+def rank_worker(cfg: dict[str, Any]) -> list[dict]:
+    """Every source at ``cfg['world']`` ranks (run by ``launch`` in each rank)."""
+    import torch
+
+    import unison.distributed as ud
+
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    torch.set_num_threads(1)
+    data = S.write_data(cfg["samples"], Path(cfg["folder"]), write=False)
+    rank, world = ud.get_rank(), ud.get_world_size()
+    results: list[dict] = []
+    for name in cfg["sources"]:
+        results += measure(name, data, cfg["workers"], cfg["repeats"], rank, world)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,9 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)"
     )
+    parser.add_argument(
+        "--ranks", nargs="+", type=int, default=None, help="world sizes (default 1 2; 1 with --quick)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rounds and samples: a smoke run")
     parser.add_argument("--json", type=Path, default=None, help="write the report here, as JSON")
     args = parser.parse_args(argv)
+    ranks_list = args.ranks if args.ranks is not None else ([1] if args.quick else list(RANKS))
+    if any(r < 1 for r in ranks_list):
+        raise SystemExit(f"--ranks must be >= 1, got {ranks_list}")
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
     samples = args.samples if args.samples is not None else (512 if args.quick else 2048)
     workers_list = args.workers if args.workers is not None else ([0] if args.quick else list(WORKERS))
@@ -289,18 +277,42 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="unison-stream-"))
     results: list[dict] = []
     try:
-        for name in args.sources:
-            results += measure(name, samples, workers_list, repeats, folder)
+        data = S.write_data(samples, folder)
+        for world in ranks_list:
+            if world == 1:
+                for name in args.sources:
+                    results += measure(name, data, workers_list, repeats)
+                continue
+            from unison.distributed import launch
+
+            cfg = {
+                "samples": samples,
+                "folder": str(folder),
+                "sources": args.sources,
+                "workers": workers_list,
+                "repeats": repeats,
+            }
+            results += launch(rank_worker, cfg, nproc_per_node=world, backend="gloo", start_method="spawn")[0]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
     C.print_table(
         f"One epoch of {samples} samples, batch {BATCH}, median of {repeats} rounds "
         "(x raw: median of paired ratios of epoch times)",
-        ["source", "workers", "raw samples/s", "unison samples/s", "x raw", "95% CI", "spread raw/unison"],
+        [
+            "source",
+            "ranks",
+            "workers",
+            "raw samples/s",
+            "unison samples/s",
+            "x raw",
+            "95% CI",
+            "spread raw/unison",
+        ],
         [
             [
                 r["source"],
+                r["ranks"],
                 r["num_workers"],
                 f"{r['samples_per_s']['raw']:.0f}",
                 f"{r['samples_per_s']['unison']:.0f}",
@@ -311,9 +323,27 @@ def main(argv: list[str] | None = None) -> int:
             for r in results
         ],
     )
+    own = [r for r in results if "ratio_to_raw_own" in r]
+    if own:
+        C.print_table(
+            "The generator against a raw source that reads only its own items (what shard_stream cannot do)",
+            ["ranks", "workers", "own-items samples/s", "unison samples/s", "x own-items raw"],
+            [
+                [
+                    r["ranks"],
+                    r["num_workers"],
+                    f"{r['samples_per_s']['raw_own']:.0f}",
+                    f"{r['samples_per_s']['unison']:.0f}",
+                    f"{r['ratio_to_raw_own']:.3f}",
+                ]
+                for r in own
+            ],
+        )
     rows = []
     for r in results:
         s = r["data_state"]
+        if not s:  # measured at one rank only
+            continue
         head = [r["source"], r["num_workers"], s["source"]]
         if s["kind"] != "stateful":
             rows.append([*head, f"kind {s['kind']}: not saved", "", "", "", ""])
@@ -344,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     targets = [
         C.judge(
-            f"{r['source']}, num_workers={r['num_workers']}: unison within 2% of raw (epoch time, x raw)",
+            f"{r['source']}, {r['ranks']} rank(s), num_workers={r['num_workers']}: unison within 2% of raw "
+            "(epoch time, x raw)",
             r["ratio_to_raw"],
             TARGET,
             (r["ratio_ci95"][0], r["ratio_ci95"][1]),
@@ -360,7 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "stream_loading",
         **env,
         "quick": args.quick,
-        "config": {"samples": samples, "batch_size": BATCH, "shards": SHARDS, "repeats": repeats},
+        "config": {
+            "samples": samples,
+            "batch_size": BATCH,
+            "shards": SHARDS,
+            "files": S.FILES,
+            "repeats": repeats,
+            "ranks": ranks_list,
+        },
         "results": results,
         "targets": targets,
     }

@@ -22,6 +22,8 @@ def test_stream_loading_benchmark_runs_and_resumes_each_saved_position(tmp_path)
         "512",
         "--repeats",
         "1",
+        "--ranks",
+        "1",
     ]
     result = subprocess.run(
         [*cmd, "--workers", "0", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240
@@ -30,17 +32,18 @@ def test_stream_loading_benchmark_runs_and_resumes_each_saved_position(tmp_path)
     report = json.loads(out.read_text())
     assert report["benchmark"] == "stream_loading" and "load_average_1_5_15min" in report
     rows = {r["source"]: r for r in report["results"]}
-    assert sorted(rows) == ["generator", "hf", "webdataset"]
+    assert sorted(rows) == ["files", "generator", "hf", "webdataset"]
     for row in rows.values():
-        assert row["num_workers"] == 0 and row["samples"] == 512
+        assert row["num_workers"] == 0 and row["samples"] == 512 and row["ranks"] == 1
         assert all(v > 0 for v in row["samples_per_s"].values())
         assert row["ratio_ci95"][0] <= row["ratio_to_raw"] <= row["ratio_ci95"][1]
     # the script exits non-zero when a resumed loader's first batch is not the next one
-    for name in ("generator", "hf"):
+    for name in ("generator", "files", "hf"):
         state = rows[name]["data_state"]
         assert state["kind"] == "stateful" and state["state_bytes"] > 0
     assert rows["webdataset"]["data_state"]["kind"] == "none"
-    assert len(report["targets"]) == 3
+    assert len(report["targets"]) == 4
+    assert rows["generator"]["ratio_to_raw_own"] > 0
 
 
 def test_stream_loading_refuses_too_few_samples_before_reading_anything():
@@ -69,7 +72,7 @@ def test_the_webdataset_source_decodes_only_what_it_reads(tmp_path, capsys):
     import numpy as np
 
     wds = pytest.importorskip("webdataset")
-    spec = importlib.util.spec_from_file_location("stream_loading", ROOT / "benchmarks" / "stream_loading.py")
+    spec = importlib.util.spec_from_file_location("_streams", ROOT / "benchmarks" / "_streams.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -82,6 +85,28 @@ def test_the_webdataset_source_decodes_only_what_it_reads(tmp_path, capsys):
             "pyd": pickle.dumps(_Unpickled()),
         }
         sink.write(sample)
-    ((x, y),) = list(bench._webdataset_stream([shard]))
+    ((x, y),) = list(bench.webdataset_stream([shard]))
     assert x.tolist() == [1.0, 1.0, 1.0] and y == 1
     assert "UNPICKLED" not in capsys.readouterr().out  # the .pyd member was never unpickled
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_stream_loading_reads_each_source_at_two_ranks(tmp_path):
+    out = tmp_path / "stream2.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "stream_loading.py"),
+        "--samples",
+        "512",
+        "--repeats",
+        "1",
+    ]
+    cmd += ["--workers", "0", "--ranks", "2", "--sources", "generator", "files", "--json", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    # each rank read its 256 samples (the script exits non-zero otherwise), timed on the slower rank
+    assert [(r["source"], r["ranks"]) for r in rows] == [("generator", 2), ("files", 2)]
+    assert all(r["data_state"] == {} for r in rows)

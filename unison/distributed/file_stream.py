@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +65,14 @@ class FileStream(IterableDataset):
         return files
 
     def __iter__(self) -> Iterator[Any]:
-        samples = (sample for path in self.order() for sample in self.reader(path, **self.kwargs))
+        # chained in C: without a shuffle buffer a sample costs only the reader's own work
+        samples = chain.from_iterable(self.reader(path, **self.kwargs) for path in self.order())
         if self.shuffle_buffer <= 1:
-            yield from samples
-            return
-        draw = random.Random(f"{self.seed}:{self.epoch}:buffer")
+            return samples
+        return self._shuffled(samples, self.epoch)
+
+    def _shuffled(self, samples: Iterator[Any], epoch: int) -> Iterator[Any]:
+        draw = random.Random(f"{self.seed}:{epoch}:buffer")
         buffer: list[Any] = []
         for sample in samples:
             buffer.append(sample)

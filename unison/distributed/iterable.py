@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sized
+from itertools import count, islice, zip_longest
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -38,32 +39,35 @@ class ShardedStream(IterableDataset):
         # Item i of the source goes to rank i % W; the j-th item of a rank goes to worker
         # j % K. Items are read in rounds of W: with equal_length, an incomplete last round
         # is dropped, so every rank yields the same number of items whatever the length.
+        # The rounds are cut and the other workers' rounds skipped by zip and islice, in C:
+        # the items this process does not yield cost only the source's own reading.
         width = self.world_size
         source = iter(self.source)
-        for _ in range(start):
-            if next(source, _END) is _END:
-                return
+        if start and next(islice(source, start - 1, None), _END) is _END:
+            return
         if width == 1 and workers == 1:  # one process reads it all: no rounds to deal
             for item in source:
                 self._consumed += 1
                 yield item
             return
-        index = start
-        while True:
-            round_ = []
-            for item in source:
-                round_.append(item)
-                if len(round_) == width:
-                    break
-            if not round_ or (self.equal_length and len(round_) < width):
+        # round k after start (items start + kW ..) is worker (start // W + k) % K's
+        first = (worker - start // width) % workers
+        rounds = (
+            zip(*[source] * width) if self.equal_length else zip_longest(*[source] * width, fillvalue=_END)
+        )
+        rank = self.rank
+        for end, round_ in zip(
+            count(start + (first + 1) * width, workers * width), islice(rounds, first, None, workers)
+        ):
+            item = round_[rank]
+            if item is _END:
                 return
-            index += len(round_)
-            mine = (index - len(round_)) // width % workers == worker
-            if mine and self.rank < len(round_):
-                self._consumed = index
-                yield round_[self.rank]
-            elif len(round_) < width:
+            if round_[-1] is _END:  # the stream's incomplete last round (equal_length=False)
+                self._consumed = end - width + round_.index(_END)
+                yield item
                 return
+            self._consumed = end
+            yield item
 
     def state_dict(self) -> dict[str, int]:
         """This process's position: the epoch and how many source items it has read up to its
