@@ -53,7 +53,9 @@ class ShardedStream(IterableDataset):
         # round k after start (items start + kW ..) is worker (start // W + k) % K's
         first = (worker - start // width) % workers
         rounds = (
-            zip(*[source] * width) if self.equal_length else zip_longest(*[source] * width, fillvalue=_END)
+            zip(*[source] * width, strict=False)
+            if self.equal_length
+            else zip_longest(*[source] * width, fillvalue=_END)
         )
         rank = self.rank
         for end, round_ in zip(
