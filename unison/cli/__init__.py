@@ -332,5 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             main(["doctor", "--master-port", "29501"])
     """
+    from unison.utils.startup import mark
+
+    mark("cli")  # UNISON_STARTUP_TRACE (unison.utils.startup): a line per phase, when set
     args = build_parser().parse_args(argv)
     return int(args.handler(args))

@@ -30,6 +30,7 @@ from unison.distributed.rank_setup import (
 from unison.distributed.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPT_GRACE_S, PREEMPTION_GRACE_S
 from unison.distributed.spawn import RankFailedError, _spawn
 from unison.utils.logging import get_logger
+from unison.utils.startup import mark
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -267,6 +268,7 @@ def _run_in_process(
                 # it ourselves, then let Parallel run in the existing context.
                 _create_group(backend, timeout)
                 created_group = True
+                mark("process_group")  # UNISON_STARTUP_TRACE (unison.utils.startup), when set
             _configure_rank()
         with idist.Parallel(backend=None) as parallel:
             parallel.run(_call_into, fn, args, kwargs, result)

@@ -45,6 +45,7 @@ from unison.distributed.signals import (
 )
 from unison.utils.errors import format_exception
 from unison.utils.logging import get_logger
+from unison.utils.startup import mark
 
 _log = get_logger(__name__)
 
@@ -275,6 +276,7 @@ def _spawned_rank(
     unblock: tuple[int, ...] = (),
 ) -> None:
     """Entry point of each spawned process; the process group already exists."""
+    mark("process_group")  # UNISON_STARTUP_TRACE (unison.utils.startup): a line per phase, when set
     # A rank killed by a signal (a backend's abort, a segfault) records its Python stack,
     # which the launcher reports, instead of leaving only "died with signal SIGABRT".
     global _FAULTS

@@ -11,7 +11,6 @@ from pathlib import Path
 from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank
-from unison.utils.events import event_files
 from unison.utils.logging import get_logger
 from unison.utils.secrets import redact_url
 
@@ -153,6 +152,8 @@ class HParamsLogger:
             return None
         self._written = True
         from tensorboardX import SummaryWriter
+
+        from unison.utils.events import event_files  # tensorboardX's protobufs: on first use only
 
         start, end = session_summaries(self.hparams, status, self._started, time.time())
         before = set(event_files(self.log_dir))

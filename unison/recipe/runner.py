@@ -62,6 +62,7 @@ from unison.utils import get_logger
 from unison.utils.logging import RunLogHandler, console_level
 from unison.utils.run_files import real_folder, write_text
 from unison.utils.secrets import redact_url
+from unison.utils.startup import mark
 
 _log = get_logger("unison.recipe.run")  # the run's logger, shared by the modules of a run
 
@@ -195,6 +196,7 @@ def train_from_config(
 def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) -> dict[str, Any]:
     """:func:`train_from_config` inside the run folder it picks and holds, logging to its files."""
     planned = plan(config)  # the same plan on every rank: it reads the config and the user's modules
+    mark("rank_plan")  # UNISON_STARTUP_TRACE (unison.utils.startup): a line per phase, when set
     run_dir, resume_from = _run_dir(planned, resume)
     with hold_folder(run_dir):  # one job per run folder (unison.checkpoint.lock): refused on every rank
         if get_rank() == 0:
@@ -204,6 +206,7 @@ def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) ->
             write_text(run_dir / "config.yaml", redact_url(dump_config(config)))  # URL credentials masked
         barrier()  # the folder exists before any rank writes into it
         log_file = _file_logging(run_dir)
+        mark("run_folder")
         try:
             return _train(planned, run_dir, resume_from, attach)
         except SystemExit as stop:
@@ -324,13 +327,16 @@ def run(
     Returns:
         Rank 0's results: run directory, final metrics, history (and test metrics).
     """
+    mark("run")
     use_main(main)  # this call's script (or none), before the config is read
     if not isinstance(config, Config):
         config = load_config(config, overrides)
     elif overrides:
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
+    mark("config")
     world = launch_world_size(config, nproc)  # a global batch size is divided by it: checked here
     planned = plan(config, world_size=world)  # every slot resolved, every derived value computed once
+    mark("plan")
     launcher = detect_launcher()
     if launcher.kind != "none" and nproc is not None:
         raise ValueError(
@@ -355,6 +361,7 @@ def run(
     if launcher.kind == "none":
         check_port(config)  # a busy port fails here, not after the ranks started
         refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
+    mark("checks")
     return launch_config(config, resume, nproc_per_node)[0]
 
 

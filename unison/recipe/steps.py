@@ -57,6 +57,7 @@ from unison.recipe.tracking_wandb import attach_wandb
 from unison.recipe.user_handlers import build_user_handlers
 from unison.utils import get_logger, manual_seed
 from unison.utils.run_files import real_folder
+from unison.utils.startup import mark, tracing
 
 _log = get_logger("unison.recipe.run")  # the run's logger: its lines keep the name they had before the split
 
@@ -74,7 +75,9 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
     """
     datasets = build_datasets(plan)
     train_loader, val_loader = build_loaders(plan, datasets)
+    mark("data")  # UNISON_STARTUP_TRACE (unison.utils.startup): a line per phase, when set
     model = build_model(plan)
+    mark("model")
     optimizer, scheduler = build_optimizer(plan, model, world_size)
     trainer = build_trainer(plan, model, optimizer)
     attach_lr_warmup(plan.lr, optimizer, trainer)  # training.lr_scaling.warmup_steps
@@ -98,6 +101,10 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
     attach_scheduler(parts, plan.trainer.scheduler_every)
     attach_handlers(plan, parts, run_dir)
     users.attach_after()  # handlers with `order: after` (the default), after unison's own
+    if tracing():  # the first iteration's two phases; no handler at all otherwise
+        trainer.add_event_handler(Events.ITERATION_STARTED(once=1), mark, "first_batch")
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(once=1), mark, "first_iteration")
+    mark("build")
     return parts
 
 
