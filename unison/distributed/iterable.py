@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sized
-from itertools import count, islice, zip_longest
+from itertools import islice, zip_longest
+from operator import itemgetter, length_hint
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -22,6 +23,8 @@ class ShardedStream(IterableDataset):
         self.epoch = 0
         self._consumed = 0  # source items read by this process in the current epoch
         self._resume_from: int | None = None
+        self._yielded: Iterator[int] | None = None  # counts the items handed out (equal_length)
+        self._ends = (0, 1)  # the position after the first item handed out, and between two
 
     def set_epoch(self, epoch: int) -> None:
         """Starts epoch ``epoch``; passed on to the source when it has ``set_epoch``."""
@@ -36,44 +39,56 @@ class ShardedStream(IterableDataset):
         start = self._resume_from or 0
         self._resume_from = None
         self._consumed = start
+        self._yielded = None
         # Item i of the source goes to rank i % W; the j-th item of a rank goes to worker
         # j % K. Items are read in rounds of W: with equal_length, an incomplete last round
         # is dropped, so every rank yields the same number of items whatever the length.
-        # The rounds are cut and the other workers' rounds skipped by zip and islice, in C:
-        # the items this process does not yield cost only the source's own reading.
+        # The rounds are cut, the other workers' rounds skipped and this process's items
+        # counted by zip, islice and map, in C: no Python call per item, and an item this
+        # process does not yield costs only the source's own reading.
         width = self.world_size
         source = iter(self.source)
         if start and next(islice(source, start - 1, None), _END) is _END:
-            return
-        if width == 1 and workers == 1:  # one process reads it all: no rounds to deal
-            for item in source:
-                self._consumed += 1
-                yield item
-            return
-        # round k after start (items start + kW ..) is worker (start // W + k) % K's
+            return iter(())
+        # round k after start (items start + kW ..) is worker (start // W + k) % K's; the
+        # position after this process's n-th item is the end of its round
         first = (worker - start // width) % workers
-        rounds = (
-            zip(*[source] * width, strict=False)
-            if self.equal_length
-            else zip_longest(*[source] * width, fillvalue=_END)
-        )
-        rank = self.rank
-        for end, round_ in zip(
-            count(start + (first + 1) * width, workers * width), islice(rounds, first, None, workers)
-        ):
-            item = round_[rank]
+        self._ends = (start + (first + 1) * width, workers * width)
+        if not self.equal_length:
+            return self._unequal(source, first, workers)
+        if width == 1:
+            items: Iterator[Any] = islice(source, first, None, workers)
+        else:
+            rounds = zip(*[source] * width, strict=False)
+            items = map(itemgetter(self.rank), islice(rounds, first, None, workers))
+        self._yielded = iter(range(_MANY))  # operator.length_hint tells how many were taken
+        return map(itemgetter(0), zip(items, self._yielded, strict=False))
+
+    def _unequal(self, source: Iterator[Any], first: int, workers: int) -> Iterator[Any]:
+        """equal_length=False: the rounds padded with _END, the incomplete last one yielded too."""
+        width = self.world_size
+        rounds = zip_longest(*[source] * width, fillvalue=_END)
+        end, step = self._ends
+        for round_ in islice(rounds, first, None, workers):
+            item = round_[self.rank]
             if item is _END:
                 return
-            if round_[-1] is _END:  # the stream's incomplete last round (equal_length=False)
+            if round_[-1] is _END:  # the stream's incomplete last round
                 self._consumed = end - width + round_.index(_END)
                 yield item
                 return
             self._consumed = end
+            end += step
             yield item
 
     def state_dict(self) -> dict[str, int]:
         """This process's position: the epoch and how many source items it has read up to its
         last yielded item."""
+        if self._yielded is not None:
+            taken = _MANY - length_hint(self._yielded)
+            if taken:
+                first_end, step = self._ends
+                return {"epoch": self.epoch, "consumed": first_end + (taken - 1) * step}
         return {"epoch": self.epoch, "consumed": self._consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -104,6 +119,7 @@ class ShardedStream(IterableDataset):
         self.set_epoch(int(state["epoch"]))
         self._resume_from = int(state["consumed"])
         self._consumed = self._resume_from
+        self._yielded = None
 
     def __repr__(self) -> str:
         return (
@@ -113,6 +129,7 @@ class ShardedStream(IterableDataset):
 
 
 _END = object()
+_MANY = 1 << 62  # more items than any stream holds
 
 
 def shard_stream(
