@@ -15,8 +15,8 @@ these members of ignite 0.5's ``Engine`` (pinned ``>=0.5.5,<0.6`` in pyproject.t
   replaces one, is overridden to pick the new list up);
 - overrides ``_handler_wrapper``, so that ignite's ``every``/``once``/``before``/``after``
   filters cost one call where they do not fire (``engine/filters.py``);
-- overrides ``_handle_exception`` (the rank and iteration of a failure, failure callbacks)
-  and clears ``_internal_run_generator`` there, so that a failed engine can run again;
+- overrides ``_handle_exception`` (the rank and iteration of a failure, the close callbacks:
+  ``engine/closing.py``) and clears ``_internal_run_generator``, so a failed engine can run again;
 - calls ``_init_timers`` when it runs the epoch events of a rank with no data, and sets
   ``_init_iter`` where a loaded state says where the epoch stood;
 - reads ``_process_function`` (exposed as the public :attr:`Engine.process_function`);
@@ -41,6 +41,7 @@ from unison.distributed.primitives import get_rank, get_world_size, is_distribut
 from unison.distributed.samplers import set_sampler_epoch
 from unison.distributed.sync import SyncPoint
 from unison.engine.checks import check_sharded, check_sync_every, is_empty, note_failure, run_after, run_empty
+from unison.engine.closing import CloseCallback, RunClose
 from unison.engine.control import StopControl
 from unison.engine.empty_epochs import EmptyEpochs
 from unison.engine.events import UPDATE_ATTR, UpdateEvents
@@ -130,7 +131,7 @@ class Engine(AgreedStops):
         self._hot: tuple[list, ...] = ()
         self._refresh_hot()
         self._after_epoch: list[Callable[[Engine], None]] = []
-        self._failure_callbacks: list[Callable[[], None]] = []
+        self._closing = RunClose(name)
         self.sync_point.register(self._control, scope="every")
         self.sync_point.register(EmptyEpochs(self))  # an epoch no rank got a batch of fails on all
         self._loaded = False
@@ -160,6 +161,7 @@ class Engine(AgreedStops):
 
     def _on_started(self) -> None:
         self._log_debug = self.logger.isEnabledFor(logging.DEBUG)
+        self._closing.start()  # the run's end is said once, however it ends
         # The epoch loop fires per-iteration events inline unless this must see each (loop.py).
         self._slow_events = (
             self._log_debug or type(self)._fire_event is not Engine._fire_event or "_fire_event" in vars(self)
@@ -169,8 +171,7 @@ class Engine(AgreedStops):
             self._control.clear()
         self._loaded = False
         self._control.agreed.clear()
-        self._sync_due = False
-        self._waiting_boundary = False
+        self._sync_due = self._waiting_boundary = False
         if self.state.iteration == 0:
             setattr(self.state, UPDATE_ATTR, 0)  # a fresh run (ignite keeps custom counters)
         loaded = self._epoch.start_run(self.state)
@@ -252,6 +253,8 @@ class Engine(AgreedStops):
                 self._sync(epoch_end=False)
             self._epoch.end_epoch(self.state)
             run_after(self, self._after_epoch, event_name)
+        elif event_name is Events.COMPLETED or event_name is Events.TERMINATE:
+            self._closing.at_end(event_name, self.should_terminate, self._where(event_name))
 
     def _iteration_tail(self) -> None:
         """After ``ITERATION_COMPLETED``'s handlers: a stop waiting for the end of an accumulation
@@ -338,15 +341,17 @@ class Engine(AgreedStops):
             f"rank {get_rank()} of {get_world_size()}"
         )
 
+    def add_close_callback(self, callback: CloseCallback) -> None:
+        """Calls ``callback(how)`` once at the end of every run, with how it ended: ``"finished"``,
+        ``"terminated"`` (no ``COMPLETED``) or ``"failed"``; see :mod:`unison.engine.closing`."""
+        self._closing.add(callback)
+
     def add_failure_callback(self, callback: Callable[[], None]) -> None:
-        """Calls ``callback()`` when a run fails, before the exception propagates: for handlers
-        that own a resource (a thread, a file). Unlike ``EXCEPTION_RAISED``, it cannot swallow it."""
-        if callback not in self._failure_callbacks:
-            self._failure_callbacks.append(callback)
+        """Calls ``callback()`` when a run fails: :meth:`add_close_callback`, ``"failed"`` only."""
+        self._closing.add_on_failure(callback)
 
     def _handle_exception(self, e: BaseException) -> None:
-        for callback in self._failure_callbacks:
-            callback()
+        self._closing.close("failed", self._where(self.last_event_name))
         # ignite keeps the dead run generator, and the next run() would return None
         # without running; a failed run must leave the engine ready to run again.
         self._internal_run_generator = None
@@ -375,10 +380,8 @@ class Engine(AgreedStops):
             _log.info(
                 "%s: the state loaded from the checkpoint is already complete (epoch %s, iteration %s); nothing "
                 "to run. Give a larger max_epochs (or max_iters) to train further.",
-                self.name,
-                self.state.epoch,
-                self.state.iteration,
-            )
+                self.name, self.state.epoch, self.state.iteration,
+            )  # fmt: skip
             return self.state
         if data is not None:
             check_sharded(data, trains=not getattr(self._process_function, "evaluates", False))

@@ -90,12 +90,16 @@ def _explain_layouts(engine: EngineParts, names: list[str], sizes: list[int]) ->
 
 
 def _handlers(engine: EngineParts) -> dict[str, list[str]]:
-    """The handlers attached to each event, by name, in order."""
-    return {
+    """The handlers attached to each event, by name, in order; and the close callbacks."""
+    attached = {
         getattr(event, "name", str(event)): [handler_name(h) for h, _, _ in handlers]
         for event, handlers in engine._event_handlers.items()
         if handlers
     }
+    closing = getattr(engine, "_closing", None)
+    if closing is not None and closing.names():
+        attached["CLOSE (add_close_callback)"] = closing.names()
+    return attached
 
 
 def check_lockstep(engine: EngineParts, epoch_end: bool) -> None:

@@ -48,7 +48,9 @@ from unison.checkpoint.writer import CheckpointWriter
 from unison.distributed.primitives import get_rank, get_world_size
 from unison.distributed.replicated import agree_replicated
 from unison.distributed.sync import require_sync_point
+from unison.engine.closing import How, on_close
 from unison.handlers.timed_saves import TimedSaves
+from unison.handlers.trainer_guard import own_trainer
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -175,9 +177,7 @@ class Checkpoint:
 
     def attach(self, engine: Engine | None = None) -> None:
         """Registers on the trainer; attaching twice has no effect."""
-        trainer = engine or self.trainer
-        if trainer is not self.trainer:
-            raise ValueError("Checkpoint.attach: attach to the trainer given to the constructor.")
+        trainer = own_trainer("Checkpoint", self.trainer, engine)
         if trainer.has_event_handler(self._on_started, Events.STARTED):
             return
         k = step_attribute(trainer, "accumulation_steps", 1)
@@ -200,8 +200,7 @@ class Checkpoint:
                     self.every_iters,
                     k,
                 )
-        trainer.add_event_handler(Events.COMPLETED, self._on_end)
-        trainer.add_event_handler(Events.TERMINATE, self._on_end)
+        on_close(trainer, self._on_end)
         if self.timed is not None:
             self.timed.attach(trainer)  # after STARTED's handlers above: the clock starts with the run
 
@@ -224,7 +223,10 @@ class Checkpoint:
         if self._save_due or (self.every_epochs is not None and engine.state.epoch % self.every_epochs == 0):
             self.save(engine)
 
-    def _on_end(self, engine: Engine) -> None:
+    def _on_end(self, how: How) -> None:
+        if how == "failed":
+            return
+        engine = self.trainer
         unsaved = engine.state.iteration != self._last_saved_iteration
         if self.at_end and unsaved and self._agreed.at_boundary():
             self.save(engine)

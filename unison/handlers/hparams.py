@@ -11,10 +11,9 @@ from pathlib import Path
 from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank
-from unison.utils.logging import get_logger
+from unison.engine.closing import How, on_close
+from unison.handlers.trainer_guard import own_trainer
 from unison.utils.secrets import redact_url
-
-_log = get_logger(__name__)
 
 HParamValue = bool | int | float | str
 """What an hparam can hold: TensorBoard's HParams dashboard shows numbers, booleans and strings."""
@@ -34,11 +33,11 @@ class HParamsLogger:
     a :class:`~unison.handlers.TensorBoardLogger` writing to the same ``log_dir``, the
     metrics are the run's final ``train/loss`` and its last ``val/<metric>`` values.
 
-    When the trainer completes, is stopped (``TERMINATE``: early stopping, a time limit,
-    pruning, preemption) or fails, rank 0 writes one small event file to ``log_dir`` with
-    the session's start (the hparams, and when the run started) and its end (status and
-    time: ``STATUS_SUCCESS``, or ``STATUS_FAILURE`` when the run raised). Once per run: a
-    stopped run fires both ``TERMINATE`` and ``COMPLETED``, and writes at the first.
+    When the trainer's run ends (:mod:`unison.engine.closing`: completed, stopped by early
+    stopping, a time limit, pruning or preemption, or failed), rank 0 writes one small event
+    file to ``log_dir`` with the session's start (the hparams, and when the run started) and its
+    end (status and time: ``STATUS_SUCCESS``, or ``STATUS_FAILURE`` when the run raised), once
+    per run.
 
     No experiment summary is written, on purpose: TensorBoard then builds the table from
     every session it finds under its log dir, so the trials of a sweep (each writing its
@@ -110,14 +109,8 @@ class HParamsLogger:
         self._started = time.time()
         self._written = False
 
-    def _on_end(self, _: Engine) -> None:
-        self.write(STATUS_SUCCESS)
-
-    def _on_failure(self) -> None:
-        try:
-            self.write(STATUS_FAILURE)
-        except Exception as err:  # never hide the run's own error
-            _log.warning("HParamsLogger: could not record the failed run in %s: %s", self.log_dir, err)
+    def _closed(self, how: How) -> None:
+        self.write(STATUS_FAILURE if how == "failed" else STATUS_SUCCESS)
 
     def attach(self, engine: Engine | None = None) -> None:
         """Registers on the trainer (``engine``, default the constructor's); twice has no effect.
@@ -125,20 +118,11 @@ class HParamsLogger:
         Raises:
             ValueError: ``engine`` is not the logger's trainer.
         """
-        trainer = self.trainer
-        if engine is not None and engine is not trainer:
-            raise ValueError(
-                "HParamsLogger.attach(engine) got an engine other than its trainer; attach it to the trainer "
-                "given as HParamsLogger(trainer=...)."
-            )
-        if trainer.has_event_handler(self._on_end, Events.COMPLETED):
+        trainer = own_trainer("HParamsLogger", self.trainer, engine)
+        if trainer.has_event_handler(self._on_started, Events.STARTED):
             return
         trainer.add_event_handler(Events.STARTED, self._on_started)
-        trainer.add_event_handler(Events.TERMINATE, self._on_end)
-        trainer.add_event_handler(Events.COMPLETED, self._on_end)
-        add_failure_callback = getattr(trainer, "add_failure_callback", None)
-        if callable(add_failure_callback):
-            add_failure_callback(self._on_failure)
+        on_close(trainer, self._closed)
 
     # -- the file (rank 0 only) ---------------------------------------------------------
 

@@ -13,6 +13,7 @@ from ignite.engine import Engine, Events
 
 from unison.distributed.launcher import EXIT_PREEMPTED  # 75, EX_TEMPFAIL: try again later
 from unison.distributed.primitives import barrier, get_rank
+from unison.engine.closing import How, on_close
 from unison.handlers.checkpoint import Checkpoint
 from unison.handlers.synced import SyncedHandler
 from unison.utils.logging import get_logger
@@ -87,7 +88,7 @@ class Preemption(SyncedHandler):
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
-    def _uninstall(self, _: Engine | None = None) -> None:
+    def _uninstall(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -107,9 +108,9 @@ class Preemption(SyncedHandler):
         barrier()  # no rank exits (and gets its launcher to end the others) before the file is durable
         return f"preempted ({names}); checkpoint saved"
 
-    def _finish(self, engine: Engine) -> None:
-        self._uninstall()
-        if not self.triggered:
+    def _closed(self, how: How) -> None:
+        self._uninstall()  # a later signal in this process reaches its previous handler
+        if how != "finished" or not self.triggered:
             return
         if self.requeue and get_rank() == 0 and "SLURM_JOB_ID" in os.environ:
             job = os.environ["SLURM_JOB_ID"]
@@ -123,10 +124,4 @@ class Preemption(SyncedHandler):
 
     def attach_events(self, engine: Engine) -> None:
         engine.add_event_handler(Events.STARTED, self._install)
-        engine.add_event_handler(Events.COMPLETED, self._finish)
-        # A run stopped with terminate(skip_completed=True) never fires COMPLETED: uninstall
-        # at TERMINATE too, so a later signal in this process reaches its previous handler.
-        engine.add_event_handler(Events.TERMINATE, self._uninstall)
-        add_failure_callback = getattr(engine, "add_failure_callback", None)
-        if add_failure_callback is not None:
-            add_failure_callback(self._uninstall)
+        on_close(engine, self._closed)

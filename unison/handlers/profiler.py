@@ -10,9 +10,7 @@ import torch
 from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank
-from unison.utils.logging import get_logger
-
-_log = get_logger(__name__)
+from unison.engine.closing import on_close
 
 TRACE_FOLDER = ("plugins", "profile")
 """Where traces go inside the log dir: ``<log_dir>/plugins/profile/<session>/``."""
@@ -162,12 +160,6 @@ class Profiler:
         if profile is not None:
             profile.__exit__(None, None, None)
 
-    def _on_failure(self) -> None:
-        try:
-            self._finish()
-        except Exception as err:  # never hide the run's own error
-            _log.warning("Profiler: could not write the trace of the failed run: %s", err)
-
     def attach(self, engine: Engine) -> None:
         """Registers on the trainer; attaching twice has no effect."""
         if not isinstance(engine, Engine):
@@ -175,8 +167,4 @@ class Profiler:
         if engine.has_event_handler(self._start, Events.STARTED):
             return
         engine.add_event_handler(Events.STARTED, self._start)
-        engine.add_event_handler(Events.TERMINATE, self._finish)
-        engine.add_event_handler(Events.COMPLETED, self._finish)
-        add_failure_callback = getattr(engine, "add_failure_callback", None)
-        if callable(add_failure_callback):
-            add_failure_callback(self._on_failure)
+        on_close(engine, self._finish)  # a failed run's error is never hidden by a trace not written

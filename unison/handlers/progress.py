@@ -8,6 +8,7 @@ from typing import Any, TextIO
 from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank
+from unison.engine.closing import on_close
 
 
 class ProgressBar:
@@ -69,7 +70,7 @@ class ProgressBar:
                 self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
         self._close(engine)
 
-    def _close(self, engine: Engine) -> None:
+    def _close(self, *_: object) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -81,5 +82,4 @@ class ProgressBar:
         engine.add_event_handler(Events.EPOCH_STARTED, self._open)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._advance)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._finish)
-        engine.add_event_handler(Events.TERMINATE, self._close)
-        engine.add_event_handler(Events.COMPLETED, self._close)
+        on_close(engine, self._close)

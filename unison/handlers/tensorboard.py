@@ -13,7 +13,9 @@ from ignite.engine import Engine, Events
 
 from unison.checkpoint.tracking_step import tracking_step
 from unison.distributed.primitives import get_rank, get_world_size
+from unison.engine.closing import How, on_close
 from unison.handlers.lr_record import LRRecord, used_rates
+from unison.handlers.trainer_guard import own_trainer
 
 if TYPE_CHECKING:
     from tensorboardX import SummaryWriter
@@ -199,7 +201,7 @@ class TensorBoardLogger:
         self._write(scalars, tracking_step(self.trainer))
         self.flush()
 
-    def _closed(self, _: Engine) -> None:
+    def _closed(self, how: How) -> None:
         self.close()
 
     def _started(self, engine: Engine) -> None:
@@ -247,13 +249,7 @@ class TensorBoardLogger:
         Raises:
             ValueError: ``engine`` is not the logger's trainer.
         """
-        trainer = self.trainer
-        if engine is not None and engine is not trainer:
-            raise ValueError(
-                "TensorBoardLogger.attach(engine) got an engine other than its trainer. Attach it to the "
-                "trainer given as TensorBoardLogger(trainer=...); pass evaluators as "
-                "TensorBoardLogger(..., evaluators={'val': evaluator})."
-            )
+        trainer = own_trainer("TensorBoardLogger", self.trainer, engine, evaluators=True)
         if trainer.has_event_handler(self._epoch_completed, Events.EPOCH_COMPLETED):
             return
         trainer.add_event_handler(Events.STARTED, self._started)
@@ -266,10 +262,6 @@ class TensorBoardLogger:
                 Events.ITERATION_COMPLETED(every=self.log_every), self._iteration_completed
             )
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self._epoch_completed)
-        trainer.add_event_handler(Events.COMPLETED, self._closed)
-        trainer.add_event_handler(Events.TERMINATE, self._closed)
-        add_failure_callback = getattr(trainer, "add_failure_callback", None)
-        if callable(add_failure_callback):
-            add_failure_callback(self.close)
+        on_close(trainer, self._closed)
         for name, evaluator in self.evaluators.items():
             evaluator.add_event_handler(Events.COMPLETED, self._evaluation_completed, name)

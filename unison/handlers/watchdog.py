@@ -13,6 +13,7 @@ from typing import TextIO
 from ignite.engine import Engine, Events
 
 from unison.distributed.primitives import get_rank, get_world_size
+from unison.engine.closing import on_close
 from unison.utils.run_files import real_folder, write_text
 
 EXIT_HANG = 70
@@ -89,7 +90,7 @@ class Watchdog:
             self._thread = threading.Thread(target=self._watch, name="unison-watchdog", daemon=True)
             self._thread.start()
 
-    def _finish(self, _: Engine | None = None) -> None:
+    def _finish(self, _: object = None) -> None:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
@@ -140,8 +141,4 @@ class Watchdog:
             return
         engine.add_event_handler(Events.STARTED, self._start)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._tick)
-        engine.add_event_handler(Events.COMPLETED, self._finish)
-        engine.add_event_handler(Events.TERMINATE, self._finish)
-        add_failure_callback = getattr(engine, "add_failure_callback", None)
-        if add_failure_callback is not None:
-            add_failure_callback(self._finish)
+        on_close(engine, self._finish)
