@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from unison.engine import create_trainer
 from unison.handlers.mlflow import TRUNCATED, MLflowLogger
+from unison.handlers.mlflow_store import StoreWriter
 from unison.testing import run_distributed
 
 mlflow = pytest.importorskip("mlflow")
@@ -93,6 +94,30 @@ def test_recent_loss_points_average_the_iterations_since_the_last_point(store, r
     assert [step for step, _ in history(uri, run.info.run_id, "train/lr")] == [4, ITERS, 8, 10, 2 * ITERS]
 
 
+def test_points_inside_an_epoch_reach_the_store_in_batches_handed_over_as_every_tracker_does(
+    store, request, monkeypatch
+) -> None:
+    """MLflowLogger is a RunPoints: inside an epoch its points wait for ``hand_over_s``, and an
+    epoch's end hands over all of them (one batch per epoch here), as W&B's do."""
+    uri, _ = store
+    handed: list[int] = []
+    write = StoreWriter.metrics
+    monkeypatch.setattr(
+        StoreWriter, "metrics", lambda self, points: handed.append(len(points)) or write(self, points)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, sync_every=2)
+    logger = MLflowLogger(uri, trainer=trainer, experiment=request.node.name, every=2)
+    logger.hand_over_s = 3600.0
+    logger.attach()
+    trainer.run([(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(6)], max_epochs=2)
+    assert len(handed) == 2  # handed over at each point, it was 6 batches
+    (run,) = runs_of(uri, request.node.name)
+    assert [step for step, _ in history(uri, run.info.run_id, "train/recent_loss")] == [2, 4, 8, 10]
+    assert [step for step, _ in history(uri, run.info.run_id, "train/loss")] == [6, 12]
+
+
 def test_nothing_is_read_from_the_device_between_sync_points(store, request) -> None:
     uri, _ = store
     model = torch.nn.Linear(3, 1)
@@ -128,7 +153,9 @@ def test_a_resumed_run_continues_the_recorded_mlflow_run(store, request, tmp_pat
     assert again["run_id"] == first["run_id"] == run.info.run_id and run.info.status == "FINISHED"
     assert run.data.params == {"a": "1", "b": "2", "c": "4"}  # MLflow never changes a logged parameter
     assert run.data.tags["changed_on_resume.b"] == "3"
-    assert len(history(uri, run.info.run_id, "train/loss")) == 1  # each step once: the same step is not doubled
+    assert (
+        len(history(uri, run.info.run_id, "train/loss")) == 1
+    )  # each step once: the same step is not doubled
 
 
 def test_another_store_in_the_record_opens_a_new_run(store, request, tmp_path) -> None:

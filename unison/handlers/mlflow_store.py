@@ -9,13 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import re
-import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from unison.handlers.queued_writer import QueuedWriter
 from unison.utils import get_logger
 from unison.utils.run_files import read_bytes, replace_file
 from unison.utils.secrets import redact_url
@@ -31,8 +30,9 @@ KEEP_AT_MOST = 100_000
 _NAME = re.compile(r"[^\w\-. /:]")  # what MLflow accepts in a key; anything else becomes "_"
 
 
-class StoreWriter:
-    """Rank 0's writes to one MLflow run, made in order by a thread of their own.
+class StoreWriter(QueuedWriter):
+    """Rank 0's writes to one MLflow run, made in order by a thread of their own
+    (:class:`~unison.handlers.queued_writer.QueuedWriter`).
 
     The training thread hands over batches of metric points (:meth:`metrics`) and the run's
     end (:meth:`finish`, which waits for everything handed over). A store that is slow or away
@@ -46,41 +46,19 @@ class StoreWriter:
 
     def __init__(self, client: Any, run_id: str) -> None:
         self.client = client
-        self.run_id = run_id
-        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._unsent: list[Any] = []
         self._warned = False
-        self._thread = threading.Thread(target=self._work, name="unison-mlflow", daemon=True)
-        self._thread.start()
+        super().__init__("MLflow", run_id, "unison.handlers.mlflow")
 
     def metrics(self, points: list[Any]) -> None:
         """Queues ``mlflow.entities.Metric`` points for the store; returns at once."""
-        self._queue.put(("metrics", points))
+        self._queue_write(points)
 
     def finish(self, status: str, artifacts: list[tuple[Path, str | None]], timeout: float = 600.0) -> bool:
         """Queues the artefacts (``(local path, folder in the run or None)``) and the run's end
-        with ``status``, then waits up to ``timeout`` seconds for all queued writes.
-
-        Returns:
-            Whether everything was done in time (else a warning says what is left).
-        """
-        self._queue.put(("end", (status, artifacts)))
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            _log.warning(
-                "MLflow: run %s: writes still pending after %g s; leaving them", self.run_id, timeout
-            )
-            return False
-        return True
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            kind, payload = item
-            if kind == "metrics":
-                self._write(payload)
-            else:
-                self._end(*payload)
+        with ``status``, then waits up to ``timeout`` seconds for all queued writes; whether
+        everything was done in time (else a warning says what is left)."""
+        return self._queue_end(status, artifacts, timeout)
 
     def _write(self, points: list[Any]) -> None:
         batch = self._unsent + points
@@ -111,12 +89,18 @@ class StoreWriter:
                 elif path.is_file():
                     self.client.log_artifact(self.run_id, str(path), folder)
             except Exception as err:
-                _log.warning("MLflow: %s was not logged: %s: %s", path, type(err).__name__, redact_url(str(err)))
+                _log.warning(
+                    "MLflow: %s was not logged: %s: %s", path, type(err).__name__, redact_url(str(err))
+                )
         try:
             self.client.set_terminated(self.run_id, status)
         except Exception as err:
             _log.warning(
-                "MLflow: run %s not marked %s: %s: %s", self.run_id, status, type(err).__name__, redact_url(str(err))
+                "MLflow: run %s not marked %s: %s: %s",
+                self.run_id,
+                status,
+                type(err).__name__,
+                redact_url(str(err)),
             )
 
 

@@ -20,7 +20,12 @@ from ignite.engine import Engine, Events
 from unison.checkpoint.tracking_step import tracking_step
 from unison.distributed.primitives import get_rank
 from unison.distributed.sync import require_sync_point
+from unison.engine.closing import How, on_close
 from unison.handlers.lr_record import LRRecord, used_rates
+from unison.handlers.trainer_guard import own_trainer
+
+STATUS: dict[str, str] = {"finished": "FINISHED", "terminated": "KILLED", "failed": "FAILED"}
+"""How the trainer's run ended -> the status a tracker's run ends with."""
 
 Points = dict[int, dict[str, float]]
 """Trainer step (:func:`~unison.checkpoint.tracking_step.tracking_step`) -> metric name -> value."""
@@ -119,12 +124,18 @@ class RunPoints(ABC):
         trainer: the training engine.
         evaluators: name -> evaluation engine; the name prefixes its metrics.
         every: iterations between loss points; None for epoch ends only.
+        word: whether an evaluator's name is one the tracker takes as its metrics' prefix.
     """
 
     def __init__(
-        self, who: str, trainer: Engine, evaluators: Mapping[str, Engine] | None, every: int | None
+        self,
+        who: str,
+        trainer: Engine,
+        evaluators: Mapping[str, Engine] | None,
+        every: int | None,
+        word: Callable[[str], bool] = str.isidentifier,
     ) -> None:
-        evaluators = checked_tracker_arguments(who, trainer, evaluators, every)
+        evaluators = checked_tracker_arguments(who, trainer, evaluators, every, word)
         self.who = who
         self.trainer = trainer
         self.evaluators = evaluators
@@ -218,33 +229,18 @@ class RunPoints(ABC):
     def _epoch_done(self, engine: Engine) -> None:
         self._flush()
 
-    def _finish(self, status: str) -> None:
+    def _closed(self, how: How) -> None:
         if self._open_here:
             self._flush()
             self._open_here = False
-            self._end(status)
-
-    def _completed(self, engine: Engine) -> None:
-        self._finish("FINISHED")
-
-    def _terminated(self, engine: Engine) -> None:
-        if getattr(engine, "should_terminate", None) == "skip_completed":  # no COMPLETED follows
-            self._finish("KILLED")
-
-    def _failed(self) -> None:
-        self._finish("FAILED")
+            self._end(STATUS[how])
 
     # -- wiring -----------------------------------------------------------------------------
 
     def attach(self, engine: Engine | None = None) -> None:
         """Registers on the trainer and every evaluator (and, with ``every``, the trainer's sync
         point); attaching twice has no effect."""
-        trainer = self.trainer
-        if engine is not None and engine is not trainer:
-            raise ValueError(
-                f"{self.who}.attach(engine) got an engine other than its trainer; pass evaluators as "
-                f"{self.who}(..., evaluators={{'val': evaluator}})."
-            )
+        trainer = own_trainer(self.who, self.trainer, engine, evaluators=True)
         if trainer.has_event_handler(self._started, Events.STARTED):
             return
         optimizer = self._optimizer()
@@ -258,11 +254,7 @@ class RunPoints(ABC):
             after_epoch(self._epoch_done)  # after the epoch's evaluation: one batch per epoch
         else:
             trainer.add_event_handler(Events.EPOCH_COMPLETED, self._epoch_done)
-        trainer.add_event_handler(Events.COMPLETED, self._completed)
-        trainer.add_event_handler(Events.TERMINATE, self._terminated)
-        add_failure_callback = getattr(trainer, "add_failure_callback", None)
-        if callable(add_failure_callback):
-            add_failure_callback(self._failed)
+        on_close(trainer, self._closed)
         for name, evaluator in self.evaluators.items():
             evaluator.add_event_handler(Events.COMPLETED, self._evaluation_completed, name)
         if self.every is not None:

@@ -8,12 +8,11 @@ resumed run reads to continue the same W&B run.
 from __future__ import annotations
 
 import json
-import queue
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from unison.handlers.queued_writer import QueuedWriter
 from unison.handlers.wandb_files import RUN_ID
 from unison.utils import get_logger
 from unison.utils.run_files import read_bytes, replace_file
@@ -54,8 +53,9 @@ def write_record(run_file: Path, record: Mapping[str, Any]) -> None:
     replace_file(run_file, (json.dumps(dict(record), sort_keys=True) + "\n").encode(), sync=False)
 
 
-class RunWriter:
-    """Rank 0's writes to one W&B run, made in order by a thread of their own.
+class RunWriter(QueuedWriter):
+    """Rank 0's writes to one W&B run, made in order by a thread of their own
+    (:class:`~unison.handlers.queued_writer.QueuedWriter`).
 
     The training thread hands over batches of points (:meth:`points`) and the run's end
     (:meth:`finish`, which waits for everything handed over). ``wandb.log`` hands each row to
@@ -72,44 +72,17 @@ class RunWriter:
     def __init__(self, run: Any, last_step: int) -> None:
         self.run = run
         self.last_step = last_step
-        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
-        self._warned = False
-        self._thread = threading.Thread(target=self._work, name="unison-wandb", daemon=True)
-        self._thread.start()
+        super().__init__("W&B", str(run.id), "unison.handlers.wandb")
 
     def points(self, points: Mapping[int, Mapping[str, float]]) -> None:
         """Queues ``{step: {name: value}}`` for the run; returns at once."""
-        self._queue.put(("points", points))
+        self._queue_write(points)
 
     def finish(self, status: str, checkpoint: Checkpoint | None = None, timeout: float = 600.0) -> bool:
         """Queues the checkpoint's record and the run's end with ``status``, then waits up to
-        ``timeout`` seconds for all queued writes.
-
-        Returns:
-            Whether everything was done in time (else a warning says what is left).
-        """
-        self._queue.put(("end", (status, checkpoint)))
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            _log.warning("W&B: run %s: writes still pending after %g s; leaving them", self.run.id, timeout)
-            return False
-        return True
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            kind, payload = item
-            try:
-                if kind == "points":
-                    self._write(payload)
-                else:
-                    self._end(*payload)
-            except Exception as err:  # W&B refused: training goes on, the warning says so once
-                if not self._warned:
-                    _log.warning(
-                        "W&B: run %s: %s not written: %s: %s", self.run.id, kind, type(err).__name__, err
-                    )
-                self._warned = True
+        ``timeout`` seconds for all queued writes; whether everything was done in time (else a
+        warning says what is left)."""
+        return self._queue_end(status, checkpoint, timeout)
 
     def _write(self, points: Mapping[int, Mapping[str, float]]) -> None:
         for step in sorted(points):
