@@ -3,7 +3,8 @@
 - :func:`root_setting` and :func:`output_root`: ``training.path``, else ``logging.root``;
 - :func:`check_tracking`, in the launching process before any rank starts: MLflow is
   installed, the tracking URI is one a config may name, ``every`` has sync points to use
-  (:func:`check_mlflow` without the URI, which the run's plan checks as it computes the store).
+  (:func:`check_mlflow` without the URI, which the run's plan checks as it computes the store);
+  :func:`check_tracker`, the checks every tracker's section shares (W&B's too).
 - :func:`store`: where the run goes. Left out, a SQLite file in the output root,
   ``<logging.root>/mlflow.db``, with artefacts beside it in ``<logging.root>/mlartifacts``:
   nothing to start, and one store (one ``mlflow ui``) for every run under that root. MLflow 3
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from unison.config import Config, ConfigError
@@ -50,40 +52,44 @@ def check_tracking(config: Config) -> None:
         store(config)
 
 
-def check_mlflow(config: Config) -> None:
-    """With ``logging.mlflow`` set: MLflow is installed, the names given are not empty, and ``every``
-    has sync points to read the loss at. The store is the plan's (:func:`store`, computed once).
+def check_tracker(config: Config, name: str, module: str, missing: str, names: tuple[str, ...]) -> Any:
+    """The check of a tracker's section ``logging.<name>`` (``mlflow``, ``wandb``) before spawning:
+    its ``module`` is installed (``missing``: the tracker not found, and how to install it), the
+    ``names`` given are not empty, and ``every`` has sync points to read the loss at. Returns the
+    section; None when it is not set.
 
     Raises:
         ConfigError: naming the key (file and line), the value and the fix.
     """
-    m = config.logging.mlflow
-    if m is None:
-        return
+    section = getattr(config.logging, name)
+    if section is None:
+        return None
+    key = f"logging.{name}"
     try:
-        found = importlib.util.find_spec("mlflow") is not None
+        found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a broken or blocked install
         found = False
     if not found:
+        raise _error(config, key, f"{key} is set, but {missing}, or remove {key}")
+    for field in names:
+        if getattr(section, field) is not None and not str(getattr(section, field)).strip():
+            raise _error(config, f"{key}.{field}", f"{field} is empty; give a name or null for the default")
+    if section.every is not None and (section.every < 1 or config.training.sync_every is None):
         raise _error(
             config,
-            "logging.mlflow",
-            f"logging.mlflow is set, but MLflow is not installed here: {EXTRA} (or pip install mlflow-skinny), "
-            "or remove logging.mlflow",
+            f"{key}.every",
+            f"every: {section.every} must be a positive number of iterations, read at the trainer's sync "
+            f"points (training.sync_every: {config.training.sync_every}); set training.sync_every, or every: "
+            "null for epoch ends only",
         )
-    for key in ("experiment", "run_name", "parent_run_id"):
-        if getattr(m, key) is not None and not str(getattr(m, key)).strip():
-            raise _error(
-                config, f"logging.mlflow.{key}", f"{key} is empty; give a name or null for the default"
-            )
-    if m.every is not None and (m.every < 1 or config.training.sync_every is None):
-        raise _error(
-            config,
-            "logging.mlflow.every",
-            f"every: {m.every} must be a positive number of iterations, read at the trainer's sync points "
-            f"(training.sync_every: {config.training.sync_every}); set training.sync_every, or every: null "
-            "for epoch ends only",
-        )
+    return section
+
+
+def check_mlflow(config: Config) -> None:
+    """With ``logging.mlflow`` set: :func:`check_tracker`. The store is the plan's (:func:`store`,
+    computed once)."""
+    missing = f"MLflow is not installed here: {EXTRA} (or pip install mlflow-skinny)"
+    check_tracker(config, "mlflow", "mlflow", missing, ("experiment", "run_name", "parent_run_id"))
 
 
 def root_setting(config: Config) -> tuple[str, Path]:

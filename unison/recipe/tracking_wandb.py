@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from unison.handlers.wandb_writer import Checkpoint
 from unison.recipe.parts import RunParts
 from unison.recipe.planning import RunPlan
 from unison.recipe.references import _References
+from unison.recipe.tracking_store import check_tracker
 
 EXTRA = "pip install 'unison[wandb]'"
 RUN_FILE = "wandb-run.json"
@@ -33,41 +33,17 @@ def _error(config: Config, key: str, message: str) -> ConfigError:
 
 
 def check_wandb(config: Config) -> None:
-    """With ``logging.wandb`` set: W&B is installed, the names given are not empty, and ``every``
-    has sync points to read the loss at.
+    """With ``logging.wandb`` set: :func:`~unison.recipe.tracking_store.check_tracker`, and every
+    tag is a non-empty string.
 
     Raises:
         ConfigError: naming the key (file and line), the value and the fix.
     """
-    w = config.logging.wandb
-    if w is None:
-        return
-    try:
-        found = importlib.util.find_spec("wandb") is not None
-    except (ImportError, ValueError):  # a broken or blocked install
-        found = False
-    if not found:
-        raise _error(
-            config,
-            "logging.wandb",
-            f"logging.wandb is set, but Weights & Biases is not installed here: {EXTRA}, or remove logging.wandb",
-        )
-    for key in ("project", "entity", "name", "group"):
-        if getattr(w, key) is not None and not str(getattr(w, key)).strip():
-            raise _error(
-                config, f"logging.wandb.{key}", f"{key} is empty; give a name or null for the default"
-            )
-    for n, tag in enumerate(w.tags):
+    missing = f"Weights & Biases is not installed here: {EXTRA}"
+    w = check_tracker(config, "wandb", "wandb", missing, ("project", "entity", "name", "group"))
+    for n, tag in enumerate([] if w is None else w.tags):
         if not isinstance(tag, str) or not tag.strip():
             raise _error(config, f"logging.wandb.tags.{n}", f"tag {tag!r} must be a non-empty string")
-    if w.every is not None and (w.every < 1 or config.training.sync_every is None):
-        raise _error(
-            config,
-            "logging.wandb.every",
-            f"every: {w.every} must be a positive number of iterations, read at the trainer's sync points "
-            f"(training.sync_every: {config.training.sync_every}); set training.sync_every, or every: null "
-            "for epoch ends only",
-        )
 
 
 def newest_checkpoint(parts: RunParts) -> Checkpoint | None:
