@@ -102,59 +102,94 @@ def _spawn(
             relay.stop()
             # A rank that raised exits with code 1 and a marker (see _spawned_rank); torch's
             # own report of a raise (ProcessRaisedException) remains for an error before it.
-            raised = (results / f"raised-rank-{err.error_index}").exists()
-            if raised or isinstance(err, mp.ProcessRaisedException):
-                rank, detail = _root_cause(results, err.error_index, err.msg)
-                if relay.received == signal.SIGINT or (
-                    relay.received is not None and _is_peer_failure(Exception(detail))
-                ):
-                    raise _signal_exit(relay.received) from None
-                raise RankFailedError(rank, nproc, detail) from None
-            if err.exit_code == EXIT_PREEMPTED:
-                _log.warning(
-                    "The job was preempted: the ranks saved a checkpoint and exited with code %d. Run it "
-                    "again with resume to continue.",
-                    EXIT_PREEMPTED,
-                )
-                raise SystemExit(EXIT_PREEMPTED) from None
+            raised = isinstance(err, mp.ProcessRaisedException)
+            exit_code = getattr(err, "exit_code", 1)
             if relay.received is not None:
-                raise _signal_exit(relay.received) from None
-            elapsed = time.monotonic() - started
-            if deadline is not None and elapsed >= deadline:
-                detail = (
-                    f"it did not finish within deadline={deadline:g} s; the stacks of all its threads "
-                    "were printed to stderr above."
-                )
-            else:
-                how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
-                detail = f"the process died with {how} before returning (see its stderr above)."
-                detail += _own_traceback(results, err.error_index) + _fatal_stack(results, err.error_index)
-            raise RankFailedError(err.error_index, nproc, detail) from None
-        relay.stop()
-        missing = [rank for rank in range(nproc) if not (results / f"rank-{rank}.pkl").exists()]
-        if missing and relay.received is not None:
-            raise _signal_exit(relay.received)
-        if missing:
-            rank = missing[0]
-            raise RankFailedError(
-                rank,
+                if raised or (results / f"raised-rank-{err.error_index}").exists():
+                    _, detail = _root_cause(results, err.error_index, err.msg)
+                    if relay.received == signal.SIGINT or _is_peer_failure(Exception(detail)):
+                        raise _signal_exit(relay.received) from None
+                elif exit_code != EXIT_PREEMPTED:
+                    raise _signal_exit(relay.received) from None
+            raise _failure(
+                results,
                 nproc,
-                f"rank {rank} exited with code 0 before returning a result: its function called "
-                "sys.exit(0) (or exit(), or raised SystemExit(None)), or ended its process some other "
-                "way. A rank's function must return (every rank, the same way) for launch to return; "
-                "to stop a run early, stop the trainer (engine.terminate()) and return."
-                + _own_traceback(results, rank),
-            )
+                err.error_index,
+                exit_code,
+                getattr(err, "signal_name", None),
+                err.msg,
+                raised,
+                time.monotonic() - started,
+                deadline,
+            ) from None
+        relay.stop()
         if relay.received is not None:
+            if any(not (results / f"rank-{rank}.pkl").exists() for rank in range(nproc)):
+                raise _signal_exit(relay.received)
             _log.warning(
                 "%s arrived as the ranks were finishing; they all returned, and so does launch.",
                 signal.Signals(relay.received).name,
             )
-        out = []
-        for rank in range(nproc):
-            with open(results / f"rank-{rank}.pkl", "rb") as fh:
-                out.append(pickle.load(fh))
-        return out
+        return _read_results(results, nproc)
+
+
+def _failure(
+    results: Path,
+    nproc: int,
+    index: int,
+    exit_code: int,
+    signal_name: str | None,
+    message: str,
+    raised: bool,
+    elapsed: float,
+    deadline: float | None,
+) -> BaseException:
+    """What a job whose rank ``index`` exited first with ``exit_code`` raises.
+
+    ``raised``: the rank is known to have raised (torch reported it) even without its marker.
+    ``elapsed``: seconds since the ranks started, to tell a deadline's exit from another death.
+    """
+    if raised or (results / f"raised-rank-{index}").exists():
+        rank, detail = _root_cause(results, index, message)
+        return RankFailedError(rank, nproc, detail)
+    if exit_code == EXIT_PREEMPTED:
+        _log.warning(
+            "The job was preempted: the ranks saved a checkpoint and exited with code %d. Run it "
+            "again with resume to continue.",
+            EXIT_PREEMPTED,
+        )
+        return SystemExit(EXIT_PREEMPTED)
+    if deadline is not None and elapsed >= deadline:
+        detail = (
+            f"it did not finish within deadline={deadline:g} s; the stacks of all its threads "
+            "were printed to stderr above."
+        )
+    else:
+        how = f"signal {signal_name}" if signal_name else f"exit code {exit_code}"
+        detail = f"the process died with {how} before returning (see its stderr above)."
+        detail += _own_traceback(results, index) + _fatal_stack(results, index)
+    return RankFailedError(index, nproc, detail)
+
+
+def _read_results(results: Path, nproc: int) -> list[Any]:
+    """Every rank's result, in rank order, once all exited with 0."""
+    missing = [rank for rank in range(nproc) if not (results / f"rank-{rank}.pkl").exists()]
+    if missing:
+        rank = missing[0]
+        raise RankFailedError(
+            rank,
+            nproc,
+            f"rank {rank} exited with code 0 before returning a result: its function called "
+            "sys.exit(0) (or exit(), or raised SystemExit(None)), or ended its process some other "
+            "way. A rank's function must return (every rank, the same way) for launch to return; "
+            "to stop a run early, stop the trainer (engine.terminate()) and return."
+            + _own_traceback(results, rank),
+        )
+    out = []
+    for rank in range(nproc):
+        with open(results / f"rank-{rank}.pkl", "rb") as fh:
+            out.append(pickle.load(fh))
+    return out
 
 
 def _record_error(path: Path) -> None:

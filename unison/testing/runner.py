@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
+from unison.distributed.env import detect_launcher
 from unison.distributed.launcher import launch
+from unison.testing import pool
 
 
 def run_distributed(
@@ -15,15 +18,30 @@ def run_distributed(
     timeout: float = 120.0,
     backend: str = "gloo",
     start_method: str = "forkserver",
+    fresh: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on ``nproc`` ranks and returns each rank's result.
 
-    The ranks are spawned through ``idist.Parallel`` with a gloo process group on a free
-    port, so tests can run side by side. A rank that raises fails the call with
+    Each rank has a gloo process group of its own on a free port, so tests can run side by
+    side, and destroys it before it exits. A rank that raises fails the call with
     :class:`~unison.distributed.RankFailedError`, carrying that rank and its traceback;
     the other ranks are ended. A rank still running after ``timeout`` seconds prints the
     stacks of all its threads and exits, so a hang fails fast and shows where it was.
+
+    The ranks are forked by a warm process that imported torch, ignite and unison once
+    (:mod:`unison.testing.pool`; one per calling process, ended at exit): after the first
+    call, a call costs a few hundredths of a second, not the second or more of starting
+    processes. Every rank is still a new process, forked from a state no call has touched:
+    a module global one call sets is not there in the next, and a crashed or hung call
+    leaves nothing behind. The ranks get the caller's environment variables, working
+    folder, ``sys.path``, stdout and stderr of the moment of the call. The function's module
+    is imported once in the warm process, with the environment of the first call that
+    needed it (a module that reads a variable as it is imported sees that one); a module
+    that starts threads as it is imported is imported by each rank instead. With
+    ``fresh=True``, with ``backend="nccl"``, for a function defined in ``__main__`` (a
+    script) and off Linux, the ranks are spawned anew through
+    :func:`~unison.distributed.launch`, as before the pool: each imports everything itself.
 
     Args:
         fn: a function defined at the top level of a module (it is sent by name).
@@ -32,7 +50,10 @@ def run_distributed(
         timeout: seconds each rank may run, process start included; it is also the
             process group's timeout.
         backend: ``"gloo"`` (CPU) or ``"nccl"``.
-        start_method: ``"forkserver"`` (fast repeated starts) or ``"spawn"``.
+        start_method: the ranks' multiprocessing start method (what their own processes
+            use); with ``fresh=True``, how they start: ``"forkserver"`` or ``"spawn"``.
+        fresh: start the ranks from nothing (spawned, importing everything themselves) instead
+            of forking them from the warm process: for a test of what a new process does.
         **kwargs: keyword arguments for ``fn``, picklable.
 
     Returns:
@@ -52,6 +73,8 @@ def run_distributed(
             def test_all_reduce():
                 assert run_distributed(total_rank, nproc=3) == [3.0, 3.0, 3.0]
     """
+    if not fresh and _poolable(fn, nproc, timeout, backend, start_method):
+        return pool.run(fn, args, kwargs, nproc, float(timeout), backend, start_method)
     return launch(
         fn,
         *args,
@@ -61,4 +84,21 @@ def run_distributed(
         start_method=start_method,
         deadline=timeout,
         **kwargs,
+    )
+
+
+def _poolable(fn: Callable[..., Any], nproc: Any, timeout: Any, backend: str, start_method: str) -> bool:
+    """Whether the warm process can run the call; launch checks, and refuses, everything else."""
+    return (
+        sys.platform.startswith("linux")
+        and backend == "gloo"
+        and start_method in ("forkserver", "spawn")
+        and isinstance(nproc, int)
+        and not isinstance(nproc, bool)
+        and nproc >= 1
+        and isinstance(timeout, (int, float))
+        and not isinstance(timeout, bool)
+        and timeout > 0
+        and getattr(fn, "__module__", "__main__") not in ("__main__", "__mp_main__", None)
+        and detect_launcher().kind == "none"
     )

@@ -1,0 +1,187 @@
+"""run_distributed's warm process: calls reuse it, yet every call's ranks start fresh, and a crashed,
+hung or abandoned call never poisons the next."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import _pool_threaded_workers
+import _pool_workers
+import pytest
+from _runner_workers import killed_by_signal, rank_and_args
+
+from unison.distributed import RankFailedError
+from unison.distributed.env import usable_cores
+from unison.testing import pool, run_distributed
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool forks its ranks (Linux)"),
+]
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie counts: it runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def wait_gone(pids: list[int], within_s: float = 20.0) -> list[int]:
+    """The processes of ``pids`` still running after ``within_s`` seconds (polled)."""
+    event = threading.Event()
+    for _ in range(int(within_s * 20)):
+        if all(gone(pid) for pid in pids):
+            return []
+        event.wait(0.05)
+    return [pid for pid in pids if not gone(pid)]
+
+
+def pids_in(folder: Path, count: int) -> list[int]:
+    """The process ids the ranks wrote to ``folder``, once all ``count`` are there."""
+    event = threading.Event()
+    while len(list(folder.glob("rank-*.pid"))) < count:
+        event.wait(0.05)
+    return [int(p.read_text()) for p in sorted(folder.glob("rank-*.pid"))]
+
+
+def assert_pool_works() -> None:
+    results = run_distributed(rank_and_args, 1, nproc=2)
+    assert [r["sum_of_ranks"] for r in results] == [1.0, 1.0]
+
+
+@pytest.mark.timeout(300)
+def test_a_warm_call_reuses_the_warm_process_instead_of_importing_torch_again():
+    run_distributed(_pool_workers.where_am_i, nproc=2)  # starts the warm process, if none runs yet
+    starts = pool.started
+    calls = [run_distributed(_pool_workers.where_am_i, nproc=n) for n in (2, 3, 2)]
+    warm = pool.warm_pid()
+    assert pool.started == starts, "a warm call started a new warm process"
+    for results in calls:
+        assert [r["world"] for r in results] == [float(len(results))] * len(results)
+        # Each rank is a new process, forked by the warm process, which imported the rank's
+        # module (and torch, ignite and unison before it) once: no rank imported it again.
+        assert {r["parent"] for r in results} == {warm}
+        assert {r["imported_in"] for r in results} == {warm}
+    pids = [r["pid"] for results in calls for r in results]
+    assert len(set(pids)) == len(pids)
+
+
+@pytest.mark.timeout(300)
+def test_a_module_global_set_in_one_call_is_not_there_in_the_next():
+    for _ in range(3):
+        assert run_distributed(_pool_workers.append_and_count, nproc=2) == [1, 1]
+
+
+@pytest.mark.timeout(300)
+def test_fresh_spawns_ranks_that_import_everything_themselves():
+    results = run_distributed(_pool_workers.where_am_i, nproc=2, fresh=True)
+    assert all(r["imported_in"] == r["pid"] for r in results)
+    assert all(r["parent"] != pool.warm_pid() for r in results)
+
+
+@pytest.mark.timeout(300)
+def test_ranks_get_the_callers_working_folder_sys_path_and_thread_share(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "on-path"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    results = run_distributed(_pool_workers.setting, nproc=2)
+    expected = {
+        "cwd": str(tmp_path),
+        "path0": str(tmp_path / "on-path"),
+        "threads": max(1, usable_cores() // 2),
+    }
+    assert results == [expected, expected]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert [r["threads"] for r in run_distributed(_pool_workers.setting, nproc=2)] == [1, 1]
+
+
+@pytest.mark.timeout(300)
+def test_the_warm_process_runs_no_thread_pool_of_torch_and_ranks_start_their_own():
+    assert run_distributed(_pool_workers.parallel_matmul, nproc=2) == [256.0**3] * 2
+    warm = pool._warm
+    assert warm is not None and warm.pid == pool.warm_pid()
+    threads = len(os.listdir(f"/proc/{warm.pid}/task"))
+    assert threads == warm.threads, (
+        f"the warm process runs {threads} threads, {warm.threads} after its imports"
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_rank_fails_its_call_and_the_next_call_runs_in_the_same_warm_process():
+    assert_pool_works()
+    warm = pool.warm_pid()
+    with pytest.raises(RankFailedError) as err:
+        run_distributed(killed_by_signal, nproc=2)
+    assert err.value.rank == 0 and "SIGKILL" in str(err.value)
+    assert_pool_works()
+    assert pool.warm_pid() == warm
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_rank_prints_its_stacks_at_the_timeout_and_the_next_call_runs(capfd):
+    with pytest.raises(RankFailedError) as err:
+        run_distributed(_pool_workers.hang_on_rank_one, nproc=2, timeout=5)
+    assert err.value.rank == 1 and "did not finish within deadline=5 s" in str(err.value)
+    stderr = capfd.readouterr().err
+    assert "hang_on_rank_one" in stderr and "Thread" in stderr, stderr[-3000:]
+    assert_pool_works()
+
+
+@pytest.mark.timeout(300)
+def test_a_warm_process_that_dies_is_replaced_and_its_ranks_end(tmp_path):
+    assert_pool_works()
+    warm, starts = pool.warm_pid(), pool.started
+    with pytest.raises(pool.PoolDied, match="died during a call"):
+        run_distributed(_pool_workers.record_pid_then, str(tmp_path), "kill-parent", nproc=2)
+    assert wait_gone(pids_in(tmp_path, 2)) == []
+    assert_pool_works()
+    assert pool.warm_pid() != warm and pool.started == starts + 1
+
+
+class Abandoned(Exception):
+    pass
+
+
+@pytest.mark.timeout(300)
+def test_an_abandoned_call_ends_its_ranks_and_the_next_call_runs(tmp_path):
+    """As when a test's timeout or Ctrl-C interrupts the caller while its ranks run."""
+    assert_pool_works()
+    warm = pool.warm_pid()
+
+    def interrupt(signum, frame):
+        raise Abandoned
+
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    pids: list[int] = []
+
+    def once_running():
+        pids.extend(pids_in(tmp_path, 2))
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+    waiter = threading.Thread(target=once_running, daemon=True)
+    waiter.start()
+    try:
+        with pytest.raises(Abandoned):
+            run_distributed(_pool_workers.record_pid_then, str(tmp_path), "sleep", nproc=2)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        waiter.join(30)
+    assert wait_gone([*pids, warm]) == []
+    assert pool.warm_pid() is None
+    assert_pool_works()
+
+
+@pytest.mark.timeout(300)
+def test_a_module_that_starts_threads_as_it_is_imported_is_imported_by_the_ranks():
+    results = run_distributed(_pool_threaded_workers.imported_in, nproc=2)
+    assert pool.warm_pid() not in results  # imported in each rank, not in the warm process
+    warm = pool.warm_pid()
+    assert len(os.listdir(f"/proc/{warm}/task")) == pool._warm.threads
+    assert run_distributed(_pool_threaded_workers.imported_in, nproc=2) != [warm, warm]
+    assert_pool_works()
