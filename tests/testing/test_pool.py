@@ -78,6 +78,7 @@ def test_a_module_global_set_in_one_call_is_not_there_in_the_next():
         assert run_distributed(_pool_workers.append_and_count, nproc=2) == [1, 1]
 
 
+@pytest.mark.slow  # starts a warm process, or ranks from nothing
 @pytest.mark.timeout(300)
 def test_fresh_spawns_ranks_that_import_everything_themselves():
     results = run_distributed(_pool_workers.where_am_i, nproc=2, fresh=True)
@@ -126,13 +127,14 @@ def test_a_crashed_rank_fails_its_call_and_the_next_call_runs_in_the_same_warm_p
 @pytest.mark.timeout(300)
 def test_a_hung_rank_prints_its_stacks_at_the_timeout_and_the_next_call_runs(capfd):
     with pytest.raises(RankFailedError) as err:
-        run_distributed(_pool_workers.hang_on_rank_one, nproc=2, timeout=5)
-    assert err.value.rank == 1 and "did not finish within deadline=5 s" in str(err.value)
+        run_distributed(_pool_workers.hang_on_rank_one, nproc=2, timeout=3)
+    assert err.value.rank == 1 and "did not finish within deadline=3 s" in str(err.value)
     stderr = capfd.readouterr().err
     assert "hang_on_rank_one" in stderr and "Thread" in stderr, stderr[-3000:]
     assert_pool_works()
 
 
+@pytest.mark.slow  # starts a warm process, or ranks from nothing
 @pytest.mark.timeout(300)
 def test_a_warm_process_that_dies_is_replaced_and_its_ranks_end(tmp_path):
     assert_pool_works()
@@ -148,6 +150,7 @@ class Abandoned(Exception):
     pass
 
 
+@pytest.mark.slow  # starts a warm process, or ranks from nothing
 @pytest.mark.timeout(300)
 def test_an_abandoned_call_ends_its_ranks_and_the_next_call_runs(tmp_path):
     """As when a test's timeout or Ctrl-C interrupts the caller while its ranks run."""
@@ -177,6 +180,7 @@ def test_an_abandoned_call_ends_its_ranks_and_the_next_call_runs(tmp_path):
     assert_pool_works()
 
 
+@pytest.mark.slow  # starts a warm process, or ranks from nothing
 @pytest.mark.timeout(300)
 def test_a_module_that_starts_threads_as_it_is_imported_is_imported_by_the_ranks():
     results = run_distributed(_pool_threaded_workers.imported_in, nproc=2)

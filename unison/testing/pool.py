@@ -70,7 +70,11 @@ class _Warm:
             theirs.close()
         self.sock = ours
         self.ranks: list[int] = []
-        ready, _ = self._receive(START_TIMEOUT_S, "start")
+        try:
+            ready, _ = self._receive(START_TIMEOUT_S, "start")
+        except BaseException:
+            self.kill()
+            raise
         self.pid: int = ready["ready"]
         self.threads: int = ready["threads"]
 
@@ -100,9 +104,10 @@ class _Warm:
             ) from None
         except (EOFError, OSError) as err:
             code = self.process.poll()
+            when = "as it started (its stderr above says why)" if what == "start" else "during a call"
             raise PoolDied(
-                f"run_distributed's warm process (pid {self.process.pid}) died during a call "
-                f"(exit code {code}, {err}); its ranks were killed. The next call starts a new one; "
+                f"run_distributed's warm process (pid {self.process.pid}) died {when} (exit code {code}, "
+                f"{err}); its ranks were killed. The next call starts a new one; "
                 "run_distributed(..., fresh=True) starts the ranks from nothing instead."
             ) from None
 

@@ -46,6 +46,10 @@ GRACE_S = 30.0
 
 _HEADER = struct.Struct("!Q")
 
+_held: list[socket.socket] = []
+"""This process's ends of its sockets (to the caller, to the standby ranks): a forked rank closes
+its copies, so that the rank on the other end of one sees it closed when this process closes it."""
+
 
 def send(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
     """Sends ``message`` (a pickle) and, with it, duplicates of the file descriptors ``fds``."""
@@ -88,6 +92,7 @@ def thread_count() -> int:
 def serve(fd: int) -> None:
     """The warm process's main loop, on the socket ``fd`` its caller passed."""
     sock = socket.socket(fileno=fd)
+    _held.append(sock)
     for name in PRELOAD:
         importlib.import_module(name)
     logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
@@ -149,26 +154,30 @@ class _Standby:
             process = context.Process(target=_wait_for_call, args=(theirs, ours, os.getpid()), name="rank")
             process.start()
             theirs.close()
+            _held.append(ours)
             self.ranks.append((process, ours))
 
     def take(self, count: int) -> list[tuple[Any, socket.socket]]:
         self.size = max(count, 1)
         taken, self.ranks = self.ranks[:count], self.ranks[count:]
+        for _, sock in taken:
+            _held.remove(sock)
         return taken
 
     def clear(self) -> None:
+        """Ends the standby ranks (they hold nothing yet)."""
         for process, sock in self.ranks:
-            sock.close()  # the rank sees it closed and exits
-            process.join(5.0)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            process.kill()
+            _held.remove(sock)
+            sock.close()
+        for process, _ in self.ranks:
+            process.join()
         self.ranks = []
 
 
 def _wait_for_call(sock: socket.socket, other: socket.socket, parent: int) -> None:
     """A standby rank: waits for its call, then runs it; exits when the warm process closes its socket."""
-    other.close()
+    _close_held(other)
     _die_with(parent)
     try:
         (local_rank, request), fds = receive(sock)
@@ -260,6 +269,13 @@ def _end(ranks: list[Any], sig: int, wait_s: float) -> None:
         process.join(max(0.0, until - time.monotonic()))
 
 
+def _close_held(*more: socket.socket) -> None:
+    """In a forked rank: closes the copies of the warm process's sockets."""
+    for sock in (*_held, *more):
+        sock.close()
+    _held.clear()
+
+
 def _die_with(parent: int) -> None:
     """SIGKILL this process when ``parent`` ends (Linux), and end it now if that happened already."""
     with contextlib.suppress(AttributeError, OSError):
@@ -270,6 +286,7 @@ def _die_with(parent: int) -> None:
 
 def _rank(local_rank: int, request: dict[str, Any], fds: list[int], parent: int) -> None:
     """A rank: the caller's setting, a new process group, then the function, as a spawned rank runs it."""
+    _close_held()
     _die_with(parent)
     for target, fd in zip((1, 2), fds, strict=False):
         os.dup2(fd, target)
