@@ -16,7 +16,7 @@ from _runner_workers import killed_by_signal, rank_and_args
 
 from unison.distributed import RankFailedError
 from unison.distributed.env import usable_cores
-from unison.testing import pool, run_distributed
+from unison.testing import pool, run_distributed, zygote
 
 pytestmark = [
     pytest.mark.distributed,
@@ -48,6 +48,12 @@ def pids_in(folder: Path, count: int) -> list[int]:
     while len(list(folder.glob("rank-*.pid"))) < count:
         event.wait(0.05)
     return [int(p.read_text()) for p in sorted(folder.glob("rank-*.pid"))]
+
+
+def threads_of(pid: int) -> int:
+    """The threads of process ``pid`` that would make a fork of it unsafe."""
+    comms = [p.read_text().strip() for p in Path(f"/proc/{pid}/task").glob("*/comm")]
+    return sum(comm not in zygote.FORK_SAFE_THREADS for comm in comms)
 
 
 def assert_pool_works() -> None:
@@ -107,7 +113,7 @@ def test_the_warm_process_runs_no_thread_pool_of_torch_and_ranks_start_their_own
     assert run_distributed(_pool_workers.parallel_matmul, nproc=2) == [256.0**3] * 2
     warm = pool._warm
     assert warm is not None and warm.pid == pool.warm_pid()
-    threads = len(os.listdir(f"/proc/{warm.pid}/task"))
+    threads = threads_of(warm.pid)
     assert threads == warm.threads, (
         f"the warm process runs {threads} threads, {warm.threads} after its imports"
     )
@@ -186,6 +192,6 @@ def test_a_module_that_starts_threads_as_it_is_imported_is_imported_by_the_ranks
     results = run_distributed(_pool_threaded_workers.imported_in, nproc=2)
     assert pool.warm_pid() not in results  # imported in each rank, not in the warm process
     warm = pool.warm_pid()
-    assert len(os.listdir(f"/proc/{warm}/task")) == pool._warm.threads
+    assert threads_of(warm) == pool._warm.threads
     assert run_distributed(_pool_threaded_workers.imported_in, nproc=2) != [warm, warm]
     assert_pool_works()

@@ -84,9 +84,18 @@ def receive(sock: socket.socket) -> tuple[Any, list[int]]:
     return pickle.loads(data), fds
 
 
+FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
+"""Threads of a library that makes a fork safe itself (it holds its locks across the fork and
+starts its threads again in the child as needed): jemalloc's, which pyarrow loads."""
+
+
 def thread_count() -> int:
-    """This process's threads, C++ ones included (Linux)."""
-    return len(os.listdir("/proc/self/task"))
+    """This process's threads, C++ ones included, but for those of :data:`FORK_SAFE_THREADS` (Linux)."""
+    count = 0
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(OSError):
+            count += comm.read_text().strip() not in FORK_SAFE_THREADS
+    return count
 
 
 def serve(fd: int) -> None:
