@@ -185,3 +185,50 @@ def test_a_lock_file_unison_wrote_is_taken_again(tmp_path: Path) -> None:
     (folder / LOCK_FILE).write_text(json.dumps({"host": "h", "pid": 12, "started": 0.0}))  # a killed holder's
     with FolderLock(folder) as lock:
         assert lock.held and json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def _claim_while_the_collector_ends_another(tmp_path: Path, same: bool) -> tuple[bool, bool]:
+    """Takes a claim while the garbage collector runs the finalizer of an unreleased claim in a cycle
+    (on another folder, or on the same one); returns (the new claim holds, the folder is free after it)."""
+    import gc
+
+    from unison.checkpoint import lock
+
+    first = tmp_path / "a"
+    second = first if same else tmp_path / "b"
+    left = FolderLock(first)
+    left.cycle = left  # type: ignore[attr-defined]  # only the collector ends it
+    del left
+    taken = lock._take
+
+    def take_while_collecting(folder: Path) -> int | None:
+        gc.collect()  # as an allocation inside the claim may: the abandoned claim's finalizer runs here
+        return taken(folder)
+
+    lock._take = take_while_collecting  # type: ignore[assignment]
+    gc.disable()
+    try:
+        claim = FolderLock(second)
+    finally:
+        gc.enable()
+        lock._take = taken  # type: ignore[assignment]
+    held = claim.held
+    claim.release()
+    gc.collect()
+    return held, not lock._held
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["another folder", "the same folder"])
+def test_a_claim_ended_by_the_collector_while_another_is_taken_does_not_hang(
+    tmp_path: Path, same: bool
+) -> None:
+    import threading
+
+    result: list[tuple[bool, bool]] = []
+    worker = threading.Thread(
+        target=lambda: result.append(_claim_while_the_collector_ends_another(tmp_path, same)), daemon=True
+    )
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "taking a claim hung: the collector ended another claim inside it"
+    assert result == [(True, True)]

@@ -55,7 +55,11 @@ class _Held:
 
 
 _held: dict[str, _Held] = {}
-_guard = threading.Lock()
+_guard = threading.RLock()
+_claiming = threading.local()
+_deferred: list[str] = []
+"""Claims that ended while this thread was taking one: a claim left unreleased ends by its
+finalizer, which the garbage collector may run at any allocation, the claiming code included."""
 
 
 def holder_of(folder: str | os.PathLike[str]) -> dict[str, Any]:
@@ -145,19 +149,27 @@ def _check_ours(folder: Path, fd: int) -> None:
 
 
 def _give_back(key: str) -> None:
+    if getattr(_claiming, "active", False):  # run by the collector inside FolderLock's own claim
+        _deferred.append(key)  # ended when that claim is counted, so its count stays right
+        return
     with _guard:
-        held = _held.get(key)
-        if held is None:
-            return
-        held.claims -= 1
-        if held.claims > 0:
-            return
-        del _held[key]
-        try:
-            os.ftruncate(held.fd, 0)  # no holder named while nobody holds it
-        except OSError:
-            pass
-        os.close(held.fd)  # closing the last descriptor drops the lock
+        _end_claim(key)
+
+
+def _end_claim(key: str) -> None:
+    """Ends one claim on ``key``; the caller holds ``_guard``."""
+    held = _held.get(key)
+    if held is None:
+        return
+    held.claims -= 1
+    if held.claims > 0:
+        return
+    del _held[key]
+    try:
+        os.ftruncate(held.fd, 0)  # no holder named while nobody holds it
+    except OSError:
+        pass
+    os.close(held.fd)  # closing the last descriptor drops the lock
 
 
 class Claim:
@@ -198,14 +210,20 @@ class FolderLock(Claim):
         self.folder.mkdir(parents=True, exist_ok=True)  # the folder named; the file in it is never a link
         key = os.path.realpath(self.folder)
         with _guard:
-            held = _held.get(key)
-            if held is None:
-                fd = _take(Path(key))
-                held = _Held(fd) if fd is not None else None
+            _claiming.active = True
+            try:
+                held = _held.get(key)
+                if held is None:
+                    fd = _take(Path(key))
+                    held = _Held(fd) if fd is not None else None
+                    if held is not None:
+                        _held[key] = held
                 if held is not None:
-                    _held[key] = held
-            if held is not None:
-                held.claims += 1
+                    held.claims += 1
+            finally:
+                _claiming.active = False
+                while _deferred:
+                    _end_claim(_deferred.pop())
         self.held = held is not None
         """Whether the folder is locked (False where the file system has no locks)."""
         self._release = weakref.finalize(self, _give_back, key) if self.held else None
