@@ -14,7 +14,7 @@ ACYCLIC = ("unison.checkpoint", "unison.config", "unison.engine", "unison.recipe
 
 
 def _imports(path: Path, package: str, modules: set[str]) -> set[str]:
-    """The modules of ``package`` that the module at ``path`` imports, anywhere in it."""
+    """The modules of ``package`` (its subpackages' too) that the module at ``path`` imports, anywhere in it."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
@@ -22,16 +22,21 @@ def _imports(path: Path, package: str, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module in modules:
                 found.add(node.module)
-            elif node.module == package:  # from package import module
-                found.update(f"{package}.{a.name}" for a in node.names if f"{package}.{a.name}" in modules)
+            elif node.module == package or node.module.startswith(package + "."):  # from package import module
+                found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules)
     return found
 
 
 def circles(root: Path, package: str) -> list[list[str]]:
-    """The circles among the modules of ``package`` under ``root`` (its ``__init__`` left out: it only
-    hands names on), each as its modules, sorted; empty when every import runs one way."""
+    """The circles among the modules of ``package`` under ``root``, its subpackages' included (each
+    ``__init__`` left out: it only hands names on), each as its modules, sorted; empty when every
+    import runs one way."""
     folder = root.joinpath(*package.split("."))
-    paths = {f"{package}.{p.stem}": p for p in sorted(folder.glob("*.py")) if p.stem != "__init__"}
+    paths = {
+        ".".join([package, *p.relative_to(folder).with_suffix("").parts]): p
+        for p in sorted(folder.rglob("*.py"))
+        if p.stem != "__init__"
+    }
     graph = {name: _imports(path, package, set(paths)) - {name} for name, path in paths.items()}
     found, index, low, stack, on_stack = [], {}, {}, [], set()
 
@@ -80,3 +85,12 @@ def test_an_import_inside_a_function_closes_a_circle(tmp_path: Path) -> None:
     assert circles(tmp_path, "demo") == [["demo.high", "demo.low"]]
     (pkg / "low.py").write_text("def f():\n    return 1\n")
     assert circles(tmp_path, "demo") == []
+
+
+def test_a_circle_through_a_subpackage_is_found(tmp_path: Path) -> None:
+    (tmp_path / "demo" / "sub").mkdir(parents=True)
+    (tmp_path / "demo" / "__init__.py").write_text("")
+    (tmp_path / "demo" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "demo" / "top.py").write_text("from demo.sub import low\n")
+    (tmp_path / "demo" / "sub" / "low.py").write_text("import demo.top\n")
+    assert circles(tmp_path, "demo") == [["demo.sub.low", "demo.top"]]

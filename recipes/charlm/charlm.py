@@ -158,7 +158,7 @@ def sample(model: nn.Module, prompt: str, length: int = 200, temperature: float 
     return vocab.decode(ids[0].tolist())
 
 
-def after_training(context) -> None:  # noqa: ANN001 - a unison.recipe.runner.RunContext
+def after_training(context) -> None:  # noqa: ANN001 - a unison.recipe.phases.RunContext
     """Logs validation perplexity and writes a few sampled lines to <run>/samples.txt (rank 0)."""
     loss = context.results["validation"].get("loss")
     if loss is not None:

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import unison
 from unison.checkpoint import CheckpointError, capture_rng, load_model_state, model_state, restore_rng
-from unison.checkpoint.position import DataPass, PositionUnknown, resumable_sampler, sampler_state
+from unison.checkpoint.positions import DataPass, PositionUnknown, resumable_sampler, sampler_state
 from unison.checkpoint.state import (
     FORMAT,
     Position,

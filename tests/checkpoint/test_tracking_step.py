@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from unison.checkpoint.position import place_engine
+from unison.checkpoint.positions import place_engine
 from unison.checkpoint.state import Position
 from unison.checkpoint.tracking_step import renumber, step_offset, tracking_step
 from unison.engine import create_trainer

@@ -1,6 +1,6 @@
 """A tiny classifier run for the tests of unison/cli/: what ``resolve`` returns, a quiet config.
 
-Shared by tests/cli/test_run_steps.py and tests/cli/test_run.py, which build and train it in
+Shared by tests/recipe/build/test_assemble.py and tests/cli/test_run.py, which build and train it in
 one process.
 """
 
@@ -16,10 +16,10 @@ from torch.utils.data import TensorDataset
 
 from unison.config import Config
 from unison.metrics import Accuracy, Loss
-from unison.recipe.parts import Datasets, RunParts
-from unison.recipe.planning import RunPlan, plan
-from unison.recipe.resolve import Resolved
-from unison.recipe.steps import build_run
+from unison.recipe.build.assemble import build_run
+from unison.recipe.build.parts import Datasets, RunParts
+from unison.recipe.planning.resolved import Resolved
+from unison.recipe.planning.run_plan import RunPlan, plan
 
 
 def tiny_datasets(seed: int, n: int = 24, test: bool = True) -> tuple[TensorDataset, ...]:

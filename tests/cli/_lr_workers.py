@@ -16,7 +16,7 @@ from _cli_parts import config, planned
 
 from unison.config.schema import LRScalingConfig
 from unison.distributed import get_world_size, prepare_model, unwrap_model
-from unison.recipe.steps import build_model, build_run
+from unison.recipe.build.assemble import build_model, build_run
 
 
 def effective_lrs(batch_size: int, max_epochs: int = 5) -> dict[str, Any]:

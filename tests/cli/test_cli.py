@@ -188,7 +188,7 @@ def test_unison_run_digits_writes_a_complete_run_directory(tmp_path):
     assert 0.0 <= accuracy <= 1.0 and 0.0 <= metrics["test"]["accuracy"] <= 1.0
 
     # tb: the epoch's training loss and validation metrics at the epoch's last iteration
-    from unison.utils.events import read_scalars
+    from unison.utils.event_files import read_scalars
 
     scalars = read_scalars(run_dir / "tb")
     assert [step for step, _ in scalars["train/loss"]] == [ITERATIONS]

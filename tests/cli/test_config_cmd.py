@@ -12,7 +12,7 @@ from unison.cli import build_parser, main
 from unison.config import ConfigError, PyObjectRef, load_config
 from unison.config.canonical import canonical
 from unison.config.json_schema import json_schema
-from unison.recipe.runner import run
+from unison.recipe.phases import run
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "config" / "data"

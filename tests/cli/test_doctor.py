@@ -116,7 +116,7 @@ def test_an_unresolvable_master_address_blocks():
      ("0.5.4", False), ("0.5.6+cu121", True), ("not-a-version", False)],
 )  # fmt: skip
 def test_the_ignite_range_is_read_by_pep_440(version: str, ok: bool) -> None:
-    from unison.cli.checks import IGNITE_RANGE, _in_range
+    from unison.cli.doctor_checks import IGNITE_RANGE, _in_range
 
     assert _in_range(version, IGNITE_RANGE) is ok
 

@@ -1,4 +1,4 @@
-"""unison/recipe/tracking.py: `logging.mlflow` in `unison run` and `unison tune`, read back with MLflow's client.
+"""unison/recipe/build/tracking.py: `logging.mlflow` in `unison run` and `unison tune`, read back with MLflow's client.
 
 The checks and the pieces (store, parameters, git commit) run in this process. The runs
 are real: `unison run` and `unison tune` in a subprocess of their own session, 2 spawned
@@ -22,10 +22,10 @@ from _procs import run_in_session
 from unison.cli import main
 from unison.config import ConfigError, load_config
 from unison.config.mlflow_config import MLflowConfig
-from unison.recipe.runner import collect_results
-from unison.recipe.tracking import RUN_FILE, git_commit, params_of, run_tags
-from unison.recipe.tracking_store import check_tracking, store
-from unison.recipe.tracking_sweep import SweepRun, trial_overrides
+from unison.recipe.build.tracking import RUN_FILE, git_commit, params_of, run_tags
+from unison.recipe.phases import collect_results
+from unison.recipe.planning.tracking_store import check_tracking, store
+from unison.recipe.sweep.tracking_sweep import SweepRun, trial_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240
@@ -350,6 +350,6 @@ def test_mlflow_is_imported_inside_functions_only() -> None:
     assert {p for p, _ in found} <= {
         "unison/handlers/mlflow.py",
         "unison/handlers/mlflow_store.py",
-        "unison/recipe/tracking.py",
-        "unison/recipe/tracking_sweep.py",
+        "unison/recipe/build/tracking.py",
+        "unison/recipe/sweep/tracking_sweep.py",
     }

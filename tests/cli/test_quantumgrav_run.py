@@ -1,6 +1,6 @@
 """QuantumGrav's DDP config in a run: each key's effect, and the guide's block trained by `unison run`.
 
-The keys one at a time run in this process (unison/recipe/eval_loaders.py, accepted.py,
+The keys one at a time run in this process (unison/recipe/build/eval_loaders.py, accepted.py,
 early_stop.py and their calls in steps.py and run.py); the whole block, verbatim, with a
 user's module and `--set` overrides for a CPU laptop only, runs on 2 spawned gloo ranks.
 What the config layer accepts and refuses is in tests/config/test_quantumgrav.py.
@@ -21,14 +21,14 @@ import torch
 from _cli_parts import config, datasets, parts_of, planned, resolved
 from _procs import run_in_session
 
-import unison.recipe.steps
+import unison.recipe.build.assemble
 from unison.config import load_config
 from unison.handlers import EarlyStopping
-from unison.recipe.accepted import accepted_lines, report_accepted
-from unison.recipe.eval_loaders import eval_loader
-from unison.recipe.loader_plan import loader_plans
-from unison.recipe.runner import collect_results, evaluate_test_set
-from unison.recipe.steps import build_loaders, build_model, build_optimizer
+from unison.recipe.build.assemble import build_loaders, build_model, build_optimizer
+from unison.recipe.build.eval_loaders import eval_loader
+from unison.recipe.phases import collect_results, evaluate_test_set
+from unison.recipe.planning.accepted import accepted_lines, report_accepted
+from unison.recipe.planning.loader_plan import loader_plans
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = ROOT / "tests" / "config" / "data" / "quantumgrav_ddp.yaml"
@@ -115,15 +115,15 @@ def test_checkpoint_at_saves_every_n_epochs(tmp_path: Path) -> None:
 
 def test_output_device_reaches_ddp_on_a_gpu_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict = {}
-    monkeypatch.setattr("unison.recipe.step_plans.rank_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr("unison.recipe.planning.step_plans.rank_device", lambda: torch.device("cuda", 1))
     monkeypatch.setattr(
-        unison.recipe.steps, "prepare_model", lambda model, **kwargs: seen.update(kwargs) or model
+        unison.recipe.build.assemble, "prepare_model", lambda model, **kwargs: seen.update(kwargs) or model
     )
     c = config()
     c.parallel.output_device = 1
     build_model(planned(c))
     assert seen["output_device"] == 1
-    monkeypatch.setattr("unison.recipe.step_plans.rank_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr("unison.recipe.planning.step_plans.rank_device", lambda: torch.device("cpu"))
     seen.clear()
     build_model(planned(c))
     assert "output_device" not in seen  # DDP takes none for a CPU module
@@ -169,9 +169,9 @@ def test_default_early_stopping_with_kwargs_stops_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list = []
-    make = unison.recipe.steps.make_early_stopping
+    make = unison.recipe.build.assemble.make_early_stopping
     monkeypatch.setattr(
-        unison.recipe.steps, "make_early_stopping", lambda *a: made.append(make(*a)) or made[-1]
+        unison.recipe.build.assemble, "make_early_stopping", lambda *a: made.append(make(*a)) or made[-1]
     )
     c = load_config(
         BLOCK, ["data.build=!pyobject torch.utils.data.random_split", "early_stopping.kwargs={patience: 1}"]
@@ -191,8 +191,8 @@ def test_default_early_stopping_with_kwargs_stops_the_run(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: 'cuda' is a device here")
 def test_cuda_on_a_cpu_machine_fails_before_spawn_naming_the_override(tmp_path: Path) -> None:
     from unison.config import ConfigError
-    from unison.recipe.planning import plan
-    from unison.recipe.preflight import preflight
+    from unison.recipe.build.preflight import preflight
+    from unison.recipe.planning.run_plan import plan
 
     path = _user_config(tmp_path, "!pyobject qg_user.compute_loss")
     config = load_config(path, [f"training.path={tmp_path}"])
@@ -323,7 +323,7 @@ def test_the_block_runs_from_the_users_script_under_torchrun_keeping_its_rendezv
     """`criterion: !pyobject __main__.compute_loss` and `model.type: "GNNModel"`, both in the user's
     script, which runs the config through `unison.recipe.run`; here as the one rank of a torchrun
     job, whose MASTER_ADDR and MASTER_PORT win over the config's localhost:12355."""
-    from unison.recipe.runner import run
+    from unison.recipe.phases import run
 
     script = types.ModuleType("__main__")
     script.__file__ = str(tmp_path / "train_qg.py")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from unison.recipe.runner import ResumeError, previous_run
+from unison.recipe.phases import ResumeError, previous_run
 
 
 def _run(tmp_path: Path) -> Path:

@@ -1,7 +1,7 @@
-"""unison/recipe/runner.py: a run built in steps, resumed, trained and tested, in one process.
+"""unison/recipe/phases.py: a run built in steps, resumed, trained and tested, in one process.
 
 Real runs of whole configs, spawned on 2 ranks, are in tests/cli/test_cli.py and
-tests/recipes/; each build step on its own is in tests/cli/test_run_steps.py.
+tests/recipes/; each build step on its own is in tests/recipe/build/test_assemble.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from _cli_parts import config, parts_of, planned, resolved
 
-from unison.recipe.runner import collect_results, finish_run, resume_run
+from unison.recipe.phases import collect_results, finish_run, resume_run
 
 RUNS = Path("runs/run")
 """The folder of a config's runs (``plan.run_root``): read only by ``--resume auto``."""
@@ -67,7 +67,7 @@ def _files(folder: Path) -> dict[str, int]:
 
 
 def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path: Path) -> None:
-    from unison.recipe.runner import _train
+    from unison.recipe.phases import _train
 
     c = config(tmp_path)
     c.training.max_epochs = 2
@@ -81,7 +81,7 @@ def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path: Path) -> N
 
 
 def test_a_finished_run_resumed_with_more_epochs_goes_on_from_its_end(tmp_path: Path) -> None:
-    from unison.recipe.runner import _train
+    from unison.recipe.phases import _train
 
     c = config(tmp_path)
     c.training.max_epochs = 2
@@ -98,7 +98,7 @@ def test_a_finished_run_resumed_with_more_epochs_goes_on_from_its_end(tmp_path: 
 
 
 def test_run_folders_are_ordered_as_made_not_as_text(tmp_path: Path) -> None:
-    from unison.recipe.runner import _run_order
+    from unison.recipe.phases import _run_order
 
     names = ["20261123-101500", "20261123-101500-2", "20261123-101500-10", "20261123-101501"]
     manifests = [tmp_path / name / "checkpoints" / "manifest.json" for name in reversed(names)]
@@ -109,7 +109,7 @@ def test_run_folders_are_ordered_as_made_not_as_text(tmp_path: Path) -> None:
 
 
 def test_resume_of_a_missing_path_is_an_error_not_a_fresh_run(tmp_path: Path) -> None:
-    from unison.recipe.runner import ResumeError, previous_run
+    from unison.recipe.phases import ResumeError, previous_run
 
     with pytest.raises(ResumeError, match=r"--resume .*nope.pt: no such file or folder"):
         previous_run(RUNS, str(tmp_path / "nope.pt"))
@@ -117,7 +117,7 @@ def test_resume_of_a_missing_path_is_an_error_not_a_fresh_run(tmp_path: Path) ->
 
 def test_a_checkpoint_outside_a_run_folder_is_refused(tmp_path: Path) -> None:
     """A file whose grandparent is a project folder must not make that folder 'the run'."""
-    from unison.recipe.runner import ResumeError, previous_run
+    from unison.recipe.phases import ResumeError, previous_run
 
     project = tmp_path / "project"
     (project / "weights").mkdir(parents=True)
@@ -131,7 +131,7 @@ def test_a_checkpoint_outside_a_run_folder_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_run_folder_and_its_checkpoints_resume(tmp_path: Path) -> None:
-    from unison.recipe.runner import _train, previous_run
+    from unison.recipe.phases import _train, previous_run
 
     c = config(tmp_path)
     _train(planned(c), tmp_path, None)
@@ -143,7 +143,7 @@ def test_a_run_folder_and_its_checkpoints_resume(tmp_path: Path) -> None:
 
 
 def test_a_hook_that_fails_after_training_loses_no_results(tmp_path: Path) -> None:
-    from unison.recipe.runner import _train
+    from unison.recipe.phases import _train
 
     def broken(context: Any) -> None:
         context.results["from_hook"] = 1

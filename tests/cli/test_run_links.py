@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from unison.config import load_config
-from unison.recipe import runner
-from unison.recipe.runner import ResumeError, run, train_from_config
+from unison.recipe import phases as runner
+from unison.recipe.phases import ResumeError, run, train_from_config
 
 TIMEOUT_S = 240
 
@@ -127,6 +127,7 @@ def test_a_linked_file_is_refused_before_spawning_and_its_target_untouched(copy,
 def test_a_linked_folder_is_refused_before_spawning_and_nothing_is_written_in_its_target(
     copy, tmp_path, name
 ):
+
     config, run_dir = copy
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -16,7 +16,7 @@ from _procs import kill_tree
 
 from unison.checkpoint.lock import LOCK_FILE
 from unison.config import load_config
-from unison.recipe.runner import train_from_config
+from unison.recipe.phases import train_from_config
 
 TIMEOUT_S = 240
 

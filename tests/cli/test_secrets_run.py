@@ -15,12 +15,12 @@ import pytest
 from ignite.engine import Engine
 
 import unison.handlers.mlflow as mlflow_handler
-import unison.recipe.tracking as tracking
-import unison.recipe.tracking_store as tracking_store
+import unison.recipe.build.tracking as tracking
+import unison.recipe.planning.tracking_store as tracking_store
 from unison.config import ConfigError, load_config
 from unison.handlers.mlflow import MLflowLogger
 from unison.handlers.mlflow_store import artifacts_beside, make_client
-from unison.recipe.runner import train_from_config
+from unison.recipe.phases import train_from_config
 from unison.utils import setup_logging
 
 PASSWORD = "Tr0ub4dor-s3cret"

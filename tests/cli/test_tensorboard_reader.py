@@ -21,9 +21,9 @@ from _procs import run_in_session
 from unison.cli import build_parser
 from unison.config import Config, load_config
 from unison.config.loader import PyObjectRef
-from unison.recipe.runner import collect_results
-from unison.recipe.tracking_tb import profile_overrides
-from unison.utils.events import read_scalars
+from unison.recipe.build.tracking_tb import profile_overrides
+from unison.recipe.phases import collect_results
+from unison.utils.event_files import read_scalars
 
 pytest.importorskip("tensorboard")
 from tensorboard import context as tb_context  # noqa: E402

@@ -18,16 +18,16 @@ import torch
 from _cli_parts import config, parts_of, planned, resolved
 from _lr_workers import ddp_find_unused, effective_lrs, sync_batchnorm_on_cpu
 
-import unison.recipe.preflight
+import unison.recipe.build.preflight
 from unison.checkpoint import load_checkpoint
 from unison.config import ConfigError, load_config
 from unison.config.schema import EMAConfig, LRScalingConfig
 from unison.distributed import find_unused_from_env
 from unison.engine import create_evaluator
 from unison.metrics import Accuracy, Loss
-from unison.recipe.planning import plan
-from unison.recipe.runner import collect_results, finish_run
-from unison.recipe.steps import build_model, build_optimizer
+from unison.recipe.build.assemble import build_model, build_optimizer
+from unison.recipe.phases import collect_results, finish_run
+from unison.recipe.planning.run_plan import plan
 from unison.testing import run_distributed
 
 # -- EMA -----------------------------------------------------------------------------------------
@@ -222,9 +222,9 @@ def test_a_bad_variable_fails_before_spawn_unless_the_config_decides(
     monkeypatch.setenv("DDP_FIND_UNUSED_PARAMETERS", "maybe")
     c = load_config(_config_file(tmp_path, ""))
     with pytest.raises(ConfigError) as info:
-        unison.recipe.preflight.preflight(plan(c))
+        unison.recipe.build.preflight.preflight(plan(c))
     message = str(info.value)
     assert "parallel.find_unused_parameters" in message and "DDP_FIND_UNUSED_PARAMETERS='maybe'" in message
     assert "expected true or false" in message
     given = load_config(_config_file(tmp_path, "parallel:\n  find_unused_parameters: false\n"))
-    unison.recipe.preflight.preflight(plan(given))  # the config decides: no error
+    unison.recipe.build.preflight.preflight(plan(given))  # the config decides: no error

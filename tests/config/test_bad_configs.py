@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing
 
 import unison.distributed.launcher as launcher
-import unison.recipe.runner
+import unison.recipe.phases
 from unison.cli import main as cli_main
 from unison.config import ConfigError
 

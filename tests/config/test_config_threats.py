@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import unison
-import unison.recipe.preflight
-import unison.recipe.resolve
+import unison.recipe.build.preflight
+import unison.recipe.planning.resolved
 from unison.config import ConfigError, apply_overrides, load_config, load_yaml
 from unison.config.loader import UnisonLoader
-from unison.recipe.planning import plan
+from unison.recipe.planning.run_plan import plan
 
 ROOT = Path(unison.__file__).resolve().parents[1]  # the subprocesses import this checkout
 
@@ -73,7 +73,7 @@ def test_a_tqdm_py_beside_the_config_does_not_replace_tqdm(tmp_path):
         f"""
         import sys
         from unison.config import load_config
-        from unison.recipe.resolve import resolve
+        from unison.recipe.planning.resolved import resolve
         r = resolve(load_config({str(path)!r}))
         module = sys.modules[r.data_build.__module__]
         assert module.__file__ == {str(tmp_path / "mycode.py")!r}
@@ -107,7 +107,7 @@ def test_modules_beside_the_config_import_each_other_by_plain_name(tmp_path):
         f"""
         import sys
         from unison.config import load_config
-        from unison.recipe.resolve import resolve
+        from unison.recipe.planning.resolved import resolve
         r = resolve(load_config({str(path)!r}))
         assert len(r.data_build(seed=0)[0]) == 8
         shapes = sys.modules[r.data_build.__module__]
@@ -125,7 +125,7 @@ def test_every_process_gets_the_same_private_module_name(tmp_path):
     """Ranks re-resolve the config: the module beside it has one name in every process, which
     a fresh interpreter imports back (as unpickling an object of the user's would)."""
     path = _config(tmp_path)
-    resolved = unison.recipe.resolve.resolve(load_config(path))
+    resolved = unison.recipe.planning.resolved.resolve(load_config(path))
     name = resolved.data_build.__module__
     assert name.startswith("unison.config.usercode.f") and name.endswith(".mycode")
     code = f"import importlib; m = importlib.import_module({name!r}); print(m.__file__)"
@@ -133,7 +133,7 @@ def test_every_process_gets_the_same_private_module_name(tmp_path):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.stdout.strip() == str(tmp_path / "mycode.py"), result.stderr
-    again = unison.recipe.resolve.resolve(load_config(path))
+    again = unison.recipe.planning.resolved.resolve(load_config(path))
     assert again.data_build is resolved.data_build
 
 
@@ -144,11 +144,11 @@ def test_a_module_beside_the_config_is_named_without_imports_and_its_function_ch
         "type: !pyobject mycode2.not_a_model",
     )
     path.write_text(text)
-    resolved = unison.recipe.resolve.resolve(load_config(path))
+    resolved = unison.recipe.planning.resolved.resolve(load_config(path))
     with pytest.raises(ConfigError, match="returned a str"):
         resolved.model_type()
     with pytest.raises(ConfigError, match=r"c.yaml:2: model.type: .*returned a str"):
-        unison.recipe.preflight.preflight(plan(load_config(path), resolved))
+        unison.recipe.build.preflight.preflight(plan(load_config(path), resolved))
 
 
 # -- 4. YAML bombs: refused, naming the file, in well under a second --------------------------
@@ -241,7 +241,7 @@ def test_the_mode_follows_the_watched_metric(body, checkpoint_mode, es_mode, tmp
 
 def test_a_loss_module_class_is_built_with_no_arguments(tmp_path):
     config = load_config(_config(tmp_path, "training:\n  loss: !pyobject torch.nn.CrossEntropyLoss\n"))
-    resolved = unison.recipe.resolve.resolve(config)
+    resolved = unison.recipe.planning.resolved.resolve(config)
     assert isinstance(resolved.loss, torch.nn.CrossEntropyLoss)
 
 
@@ -252,12 +252,12 @@ def test_preflight_builds_nothing_real_and_calls_no_data_builder(tmp_path):
         code.read_text().replace("def build(seed, n=8):", "def build(seed, n=8):\n    raise SystemExit(3)")
     )
     config = load_config(path)
-    unison.recipe.preflight.preflight(plan(config))
+    unison.recipe.build.preflight.preflight(plan(config))
     assert not (tmp_path / "runs").exists()
 
 
 def test_a_kwargs_typo_from_the_command_line_names_the_set(tmp_path):
     config = load_config(_config(tmp_path), ["model.kwargs.out_feature=3"])
     with pytest.raises(ConfigError) as info:
-        unison.recipe.resolve.resolve(config)
+        unison.recipe.planning.resolved.resolve(config)
     assert str(info.value).startswith("--set model.kwargs.out_feature=3: model.kwargs.out_feature: ")

@@ -137,7 +137,7 @@ def test_pyyaml_global_loaders_stay_untouched(tmp_path):
 def test_loading_imports_nothing_until_resolve(tmp_path, monkeypatch):
     """Loading and validating a config neither imports nor calls what it names; resolve()
     imports (and calls nothing)."""
-    import unison.recipe.resolve
+    import unison.recipe.planning.resolved
 
     name = f"unison_probe_{uuid.uuid4().hex[:10]}"
     code_dir = tmp_path / "code"
@@ -162,7 +162,7 @@ def test_loading_imports_nothing_until_resolve(tmp_path, monkeypatch):
         config = load_config(path, [f"hooks.after_training=!pyobject {name}.build"])
         assert name not in sys.modules
         assert not imported.exists()
-        resolved = unison.recipe.resolve.resolve(config)
+        resolved = unison.recipe.planning.resolved.resolve(config)
         assert name in sys.modules and imported.exists()
         assert resolved.data_build is sys.modules[name].build
         assert resolved.after_training is sys.modules[name].build

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from unison.config import Config, ConfigError, Origin, apply_overrides, dump_config, load_config, load_yaml
-from unison.recipe.references import _References
+from unison.recipe.planning.references import _References
 
 BASE = """\
 name: base

@@ -121,7 +121,7 @@ def test_pyobject_via_set_names_the_override_as_its_origin(base):
 
 def test_a_refused_pyobject_via_set_names_the_override():
     """The error from resolving a --set reference names the --set, not the file."""
-    import unison.recipe.resolve
+    import unison.recipe.planning.resolved
 
     path = Path(__file__).parent / "data" / "quantumgrav.yaml"
     item = "training.loss=!pyobject os.system"
@@ -129,7 +129,7 @@ def test_a_refused_pyobject_via_set_names_the_override():
         path, ["parallel.master_port=12355", "imports=[]", "data.build=!pyobject torch.randn", item]
     )
     with pytest.raises(ConfigError) as info:
-        unison.recipe.resolve.resolve(config)
+        unison.recipe.planning.resolved.resolve(config)
     assert str(info.value).startswith(f"--set {item}: training.loss: ")
 
 

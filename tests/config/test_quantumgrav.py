@@ -18,8 +18,8 @@ from unison.config import ConfigError, PyObjectRef, load_config
 from unison.config.resolve import Scope
 from unison.handlers import EarlyStopping
 from unison.metrics import BatchLoss
-from unison.recipe.planning import plan
-from unison.recipe.resolve import resolve
+from unison.recipe.planning.resolved import resolve
+from unison.recipe.planning.run_plan import plan
 
 BLOCK = (Path(__file__).parent / "data" / "quantumgrav_ddp.yaml").read_text()
 
@@ -247,8 +247,8 @@ def test_early_stopping_errors_name_the_key_and_the_fix(qg, old, new, key, words
 
 def test_early_stopping_type_names_unisons_handler_or_a_subclass_in_the_imports(qg):
     config = load_config(qg(_user_block()))
-    from unison.recipe.early_stop import early_stopping_slot
-    from unison.recipe.references import _References
+    from unison.recipe.planning.early_stop import early_stopping_slot
+    from unison.recipe.planning.references import _References
 
     cls, args, extra = early_stopping_slot(config, _References.of(config))
     assert (cls, args, extra) == (EarlyStopping, [], {})  # DefaultEarlyStopping

@@ -1,4 +1,4 @@
-"""unison/config/resolve.py and unison.recipe.resolve.resolve: allow-list, denied prefixes, slots."""
+"""unison/config/resolve.py and unison.recipe.planning.resolved.resolve: allow-list, denied prefixes, slots."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-import unison.recipe.resolve
+import unison.recipe.planning.resolved
 from unison.config import (
     ALLOWED_PREFIXES,
     DENIED_PREFIXES,
@@ -119,7 +119,7 @@ def test_recipe_resolve_finds_modules_next_to_the_config(tmp_path, monkeypatch):
     path = tmp_path / "config.yaml"
     path.write_text(f"model:\n  type: !pyobject {name}.Net\ndata:\n  build: !pyobject {name}.build\n")
     before = list(sys.path)
-    resolved = unison.recipe.resolve.resolve(load_config(path))
+    resolved = unison.recipe.planning.resolved.resolve(load_config(path))
     assert sys.path == before, "the config's folder is never put on sys.path"
     assert name not in sys.modules, "imported by file path, under a private name"
     module = sys.modules[resolved.model_type.__module__]
@@ -272,7 +272,7 @@ def test_hook_and_data_slots_take_the_users_functions_only(local):
     assert "a function of your own modules" in refused("torch.utils.collect_env.run", slot="hook")
 
 
-# -- nested kwargs and unison.recipe.resolve.resolve ----------------------------------------------
+# -- nested kwargs and unison.recipe.planning.resolved.resolve ----------------------------------------------
 
 
 def test_resolve_tree_resolves_nested_references_and_names_their_key():
@@ -321,7 +321,7 @@ def test_recipe_resolve_returns_every_object(tmp_path):
         "    loss:\n      type: !pyobject unison.metrics.Loss\n"
         "      kwargs: {loss_fn: !pyobject torch.nn.functional.nll_loss}\n",
     )
-    r = unison.recipe.resolve.resolve(config)
+    r = unison.recipe.planning.resolved.resolve(config)
     assert r.optimizer_type is torch.optim.AdamW  # the default
     assert r.scheduler_type is torch.optim.lr_scheduler.StepLR and r.scheduler_kwargs == {"step_size": 2}
     assert r.loss is torch.nn.functional.cross_entropy
@@ -337,7 +337,7 @@ def test_recipe_resolve_checks_the_metric_mapping_form(tmp_path):
         tmp_path, "validation:\n  metrics:\n    acc: {typ: !pyobject unison.metrics.Accuracy}\n"
     )
     with pytest.raises(ConfigError) as info:
-        unison.recipe.resolve.resolve(config)
+        unison.recipe.planning.resolved.resolve(config)
     assert info.value.key_path == "validation.metrics.acc"
     assert "'typ'" in str(info.value)
 
@@ -347,7 +347,7 @@ def test_recipe_resolve_names_the_key_and_slot_of_a_wrong_optimizer(tmp_path):
         tmp_path, "training:\n  optimizer_type: !pyobject torch.optim.lr_scheduler.StepLR\n"
     )
     with pytest.raises(ConfigError) as info:
-        unison.recipe.resolve.resolve(config)
+        unison.recipe.planning.resolved.resolve(config)
     line = len(path.read_text().splitlines())
     assert str(info.value).startswith(f"{path}:{line}: training.optimizer_type: ")
     assert "torch.optim.Optimizer" in str(info.value)
@@ -356,8 +356,8 @@ def test_recipe_resolve_names_the_key_and_slot_of_a_wrong_optimizer(tmp_path):
 def test_recipe_resolve_uses_the_configs_imports(tmp_path, local):
     name = local("def hook(context):\n    return context\n")
     _, config = _config(tmp_path, f"imports: [{name}]\nhooks:\n  after_training: !pyobject {name}.hook\n")
-    assert unison.recipe.resolve.resolve(config).after_training(3) == 3
+    assert unison.recipe.planning.resolved.resolve(config).after_training(3) == 3
     _, config = _config(tmp_path, "imports: [os]\nhooks:\n  after_training: !pyobject os.system\n")
     with pytest.raises(ConfigError) as info:
-        unison.recipe.resolve.resolve(config)
+        unison.recipe.planning.resolved.resolve(config)
     assert info.value.key_path == "imports.0" and "standard library" in str(info.value)

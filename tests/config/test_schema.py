@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import unison.recipe.resolve
+import unison.recipe.planning.resolved
 from unison.config import Config, ConfigError, PyObjectRef, load_config, load_yaml, schema_reference, validate
 from unison.config.schema import REQUIRED, _hints, item_section, section_in
 
@@ -287,7 +287,7 @@ def _check_quantumgrav(config: Config) -> None:
     assert (es.type, es.args, es.kwargs, es.patience) == ("DefaultEarlyStopping", [], {}, 5)  # kwargs -> keys
     assert config.criterion == config.training.loss == PyObjectRef("__main__.compute_loss")
     assert config.model.type == "GNNModel"
-    resolved = unison.recipe.resolve.resolve(config)
+    resolved = unison.recipe.planning.resolved.resolve(config)
     assert resolved.optimizer_type is torch.optim.AdamW
     assert resolved.model_type is sys.modules["qg_data"].GNNModel  # the name, found under imports:
     assert (
@@ -319,7 +319,7 @@ def test_quantumgrav_config_needs_its_import(quantumgrav, tmp_path):
     path.write_text(text.replace("imports: [qg_data]\n", ""))
     config = load_config(path)
     with pytest.raises(ConfigError) as info:
-        unison.recipe.resolve.resolve(config)
+        unison.recipe.planning.resolved.resolve(config)
     line = next(i for i, row in enumerate(path.read_text().splitlines(), 1) if "qg_data.build" in row)
     assert str(info.value).startswith(f"{path}:{line}: data.build: ")
     assert "imports: [qg_data]" in str(info.value)

@@ -179,7 +179,7 @@ validation:
 def test_a_rule_that_chooses_no_block_fails_before_spawning_at_its_line(tmp_path: Path, rule: str, says: str):
     from unison.config import ConfigError, load_config
     from unison.recipe import plan
-    from unison.recipe.preflight import preflight
+    from unison.recipe.build.preflight import preflight
 
     (tmp_path / "acnet.py").write_text(NET)
     config = tmp_path / "config.yaml"
@@ -194,8 +194,8 @@ def test_a_rule_that_chooses_no_block_fails_before_spawning_at_its_line(tmp_path
 def test_the_config_key_reaches_the_built_model(tmp_path: Path):
     from unison.config import load_config
     from unison.recipe import plan
-    from unison.recipe.preflight import preflight
-    from unison.recipe.steps import build_model
+    from unison.recipe.build.assemble import build_model
+    from unison.recipe.build.preflight import preflight
 
     (tmp_path / "acnet.py").write_text(NET)
     config = tmp_path / "config.yaml"

@@ -31,7 +31,7 @@ from _compile_workers import (
 from _ddp_workers import make_mlp
 
 import unison.distributed.launcher as launcher
-import unison.recipe.runner
+import unison.recipe.phases
 from unison.checkpoint.state import load_model_state, model_state
 from unison.config import ConfigError
 from unison.distributed import prepare_model, unwrap_model

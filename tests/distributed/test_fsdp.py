@@ -92,7 +92,7 @@ def test_a_shard_rule_naming_no_class_of_the_model_fails_before_spawning(tmp_pat
     from pathlib import Path
 
     from unison.config import ConfigError
-    from unison.recipe.runner import run
+    from unison.recipe.phases import run
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "digits" / "config.yaml"
     overrides = ["parallel.strategy=fsdp", "parallel.fsdp.shard=[Bogus]", f"logging.root={tmp_path}"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from unison.engine.predict import predict
-from unison.recipe.resolve import scaled_lr
+from unison.recipe.planning.resolved import scaled_lr
 from unison.testing import run_distributed
 
 

@@ -17,8 +17,8 @@ from unison.engine import Engine, Events, create_evaluator, create_trainer
 from unison.handlers.hparams import HParamsLogger
 from unison.handlers.tensorboard import TensorBoardLogger
 from unison.metrics import Loss
-from unison.recipe.tracking_tb import LEFT_OUT, hparams_of
-from unison.utils.events import event_files, read_scalars
+from unison.recipe.build.tracking_tb import LEFT_OUT, hparams_of
+from unison.utils.event_files import event_files, read_scalars
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing import plugin_event_accumulator  # noqa: E402

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from unison.engine import Engine, Events, create_trainer
 from unison.handlers import LRWarmup, MLflowLogger, TensorBoardLogger
 from unison.handlers.lr_record import _RECORDS, LRRecord, used_rates
-from unison.utils.events import read_scalars
+from unison.utils.event_files import read_scalars
 
 ITERS = 6  # per epoch
 DATA = [(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(ITERS)]

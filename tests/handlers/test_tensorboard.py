@@ -17,7 +17,7 @@ from unison.engine import Engine, Events, create_evaluator, create_trainer
 from unison.handlers.tensorboard import TensorBoardLogger
 from unison.metrics import Loss, MeanSquaredError
 from unison.testing import run_distributed
-from unison.utils.events import event_files, read_scalars
+from unison.utils.event_files import event_files, read_scalars
 
 N_SAMPLES, BATCH, EPOCHS = 12, 4, 3
 ITERS = N_SAMPLES // BATCH  # per epoch

@@ -25,7 +25,7 @@ import torch
 from _procs import kill_tree
 
 from unison.distributed import find_free_port
-from unison.recipe.job_run import JOB_RECORD
+from unison.recipe.folder.job_run import JOB_RECORD
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -60,7 +60,7 @@ def write_store(path: Path, sizes: list[int], seed: int) -> Path:
 def split_on_rank(config_path: str) -> dict[str, Any]:
     """One rank: loads and resolves the config, builds its datasets; the indices of each split."""
     from unison.config import load_config
-    from unison.recipe.resolve import resolve
+    from unison.recipe.planning.resolved import resolve
 
     config = load_config(config_path)
     parts = resolve(config).data_build(seed=config.training.seed)

@@ -15,8 +15,8 @@ from ignite.engine import Events
 
 from unison.config import load_config
 from unison.distributed import get_world_size, unwrap_model
-from unison.recipe.planning import plan
-from unison.recipe.steps import build_run
+from unison.recipe.build.assemble import build_run
+from unison.recipe.planning.run_plan import plan
 
 USER_MODULE = """
 import torch

@@ -1,5 +1,5 @@
 """The ``data`` section as QuantumGrav writes it: files read by a reader into one FileDataset,
-split with the training seed (unison/config/data_config.py, unison/recipe/file_data.py)."""
+split with the training seed (unison/config/data_config.py, unison/recipe/planning/file_data.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ pytest.importorskip("zarr")
 from _data_section_workers import USER_MODULE, split_on_rank, write_store  # noqa: E402  # needs zarr
 
 from unison.config import ConfigError, load_config  # noqa: E402
-from unison.recipe.file_data import FileData, StoreReader  # noqa: E402
-from unison.recipe.resolve import resolve  # noqa: E402
+from unison.recipe.planning.file_data import FileData, StoreReader  # noqa: E402
+from unison.recipe.planning.resolved import resolve  # noqa: E402
 from unison.testing import run_distributed  # noqa: E402
 
 SIZES = [[3, 1, 4, 2, 5, 3], [2, 4, 3, 1]]

@@ -15,8 +15,8 @@ from unison.config import Config, ConfigError, load_config
 from unison.distributed import EvalSampler
 from unison.engine import create_evaluator
 from unison.metrics import Accuracy, MeanAbsoluteError
-from unison.recipe.eval_loaders import eval_loader
-from unison.recipe.loader_plan import loader_plans
+from unison.recipe.build.eval_loaders import eval_loader
+from unison.recipe.planning.loader_plan import loader_plans
 from unison.utils.logging import console_level, setup_logging
 
 MINIMAL = "model:\n  type: !pyobject torch.nn.Linear\ndata:\n  build: !pyobject torch.nn.Linear\n"

@@ -13,10 +13,10 @@ import pytest
 import torch
 from _global_batch_workers import trained, write_config
 
-import unison.recipe.runner as runner
+import unison.recipe.phases as runner
 from unison.config import ConfigError, load_config
-from unison.recipe.planning import plan
-from unison.recipe.resolve import resolve
+from unison.recipe.planning.resolved import resolve
+from unison.recipe.planning.run_plan import plan
 from unison.testing import run_distributed
 
 WEIGHTS_ATOL = 1e-6

@@ -276,7 +276,7 @@ def test_processes_started_from_a_rank_import_the_script_too(tmp_path: Path, met
 
 
 def test_the_best_config_of_a_sweep_is_run_with_the_sweeps_script(tmp_path: Path) -> None:
-    from unison.cli.tune_best import run_command
+    from unison.recipe.sweep.best import run_command
 
     assert run_command(Path("best.yaml"), 2) == "unison run best.yaml --nproc 2"
     found = use_main(user_files(tmp_path).with_name("train_qg.py"))

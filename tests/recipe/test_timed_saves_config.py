@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from unison.config import ConfigError, load_config
 from unison.recipe import plan
-from unison.recipe.steps import build_run
-from unison.recipe.stream_data import check_mid_epoch_saves
+from unison.recipe.build.assemble import build_run
+from unison.recipe.build.stream_data import check_mid_epoch_saves
 
 DATA = """\
 import torch

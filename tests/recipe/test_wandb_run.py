@@ -1,4 +1,4 @@
-"""unison/recipe/tracking_wandb.py: `logging.wandb` in `unison run`, read back with W&B's own reader.
+"""unison/recipe/build/tracking_wandb.py: `logging.wandb` in `unison run`, read back with W&B's own reader.
 
 The checks and the pieces (the run's config, a sweep's trial keys) run in this process. The
 runs are real: `unison run` in a subprocess of its own session, W&B offline into tmp_path (no
@@ -17,8 +17,8 @@ from _procs import run_in_session
 from unison.cli import main
 from unison.config import ConfigError, load_config
 from unison.config.wandb_config import WandbConfig
-from unison.recipe.tracking_wandb import RUN_FILE, check_wandb, wandb_trial_overrides
-from unison.recipe.wandb_plan import flat_config
+from unison.recipe.build.tracking_wandb import RUN_FILE, check_wandb, wandb_trial_overrides
+from unison.recipe.planning.wandb_plan import flat_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handlers"))
 from _wandb_workers import history, offline_env, records, run_files  # noqa: E402

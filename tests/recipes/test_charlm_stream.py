@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison.recipe.runner import run
+from unison.recipe.phases import run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes" / "charlm" / "stream.yaml"

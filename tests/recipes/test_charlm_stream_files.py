@@ -13,8 +13,8 @@ import torch
 
 from unison.config import load_config
 from unison.distributed import ShardedStream
-from unison.recipe.resolve import resolve
-from unison.recipe.runner import run
+from unison.recipe.phases import run
+from unison.recipe.planning.resolved import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes" / "charlm" / "stream_files.yaml"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from _procs import run_in_session
 
-import unison.recipe.runner
+import unison.recipe.phases
 from unison.config import load_config, to_plain
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison.recipe.runner import run
+from unison.recipe.phases import run
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes" / "diabetes"))

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _wordlm_workers import train  # noqa: E402
 
-from unison.recipe.runner import run  # noqa: E402
+from unison.recipe.phases import run  # noqa: E402
 from unison.testing import run_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

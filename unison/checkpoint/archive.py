@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)

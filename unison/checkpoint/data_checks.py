@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.checkpoint_error import CheckpointError
 
 COUNTS = frozenset(
     {

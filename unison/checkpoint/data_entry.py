@@ -1,7 +1,7 @@
 """The checkpoint's ``data`` entry: each rank's own data state, for sources that keep one.
 
 A map-style loader with a TrainSampler has one global position (the ``sampler`` entry,
-:mod:`unison.checkpoint.position`). A source of kind ``"stateful"``
+:mod:`unison.checkpoint.positions`). A source of kind ``"stateful"``
 (:func:`unison.distributed.data_state.data_position`: torchdata's ``StatefulDataLoader``, a
 Hugging Face streaming dataset) keeps its position itself: every rank's state is gathered to
 rank 0 with the other per-rank states of a save, stored by rank, and each rank loads its own
@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.per_rank import load_own, rank_entry
 from unison.distributed.data_state import DataPosition, data_position
 from unison.distributed.primitives import get_world_size

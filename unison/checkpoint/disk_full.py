@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.checkpoint_error import CheckpointError
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _SHORT_WRITE = "unexpected pos"

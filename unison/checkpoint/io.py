@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from unison.checkpoint.archive import archive_complete, load_archive
-from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.sharded_check import sharded_complete, sharded_problem
 from unison.checkpoint.sharded_files import REST
 from unison.checkpoint.writeback import WritebackFile

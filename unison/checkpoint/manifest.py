@@ -9,8 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.entry import Entry, checkpoint_name, entry_for, file_in
-from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.io import atomic_write_json, is_complete, load_checkpoint
 from unison.checkpoint.retention import oldest_first
 from unison.checkpoint.sharded_check import checkpoint_verdict

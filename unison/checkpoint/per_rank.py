@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.checkpoint_error import CheckpointError
 
 ATTRIBUTE = "per_rank_state"
 """The attribute an object sets to True when its state is its rank's own."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.lock import Claim, hold_folder
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.sharded import local_view

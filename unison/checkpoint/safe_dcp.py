@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from unison.checkpoint.errors import CheckpointError
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.sharded_check import read_metadata
 
 _NO_GROUP_WARNING = r"torch\.distributed is (disabled, )?(unavailable|uninitialized)"

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.disk_full import unwritten
-from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.io import atomic_save, atomic_write_json, fsync_dir
 from unison.checkpoint.safe_dcp import safe_load
 from unison.checkpoint.sharded_files import CHECKSUMS, REST, SUFFIX, file_checksum, folder_size

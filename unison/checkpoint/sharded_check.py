@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 
 from unison.checkpoint.archive import archive_complete
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.entry import file_in
-from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.sharded_files import CHECKSUMS, REST, file_checksum
 from unison.checkpoint.sharded_layout import layout_problem, storage_problem
 

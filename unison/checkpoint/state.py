@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.data_checks import check_data_positions
 from unison.checkpoint.data_entry import check_data_entry, refuse_data_objects
-from unison.checkpoint.errors import CheckpointError
 from unison.checkpoint.retention import check_options as check_retention
 from unison.distributed.model import unwrap_model
 from unison.utils.logging import get_logger

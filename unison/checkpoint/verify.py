@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from unison.checkpoint.manifest import Manifest
-from unison.checkpoint.position import PositionUnknown
+from unison.checkpoint.positions import PositionUnknown
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 """Values that load with ``weights_only=True`` as they are."""

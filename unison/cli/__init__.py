@@ -2,10 +2,10 @@
 ``export`` its weights, show a resolved ``config`` and the config's JSON ``schema``.
 
 The parser and :func:`main` live here; each command's code is in modules of this package,
-imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.recipe.runner`
-(with :mod:`unison.recipe.resolve` and :mod:`unison.recipe.steps`), :mod:`unison.cli.tune` (with
-:mod:`unison.recipe.tune_space`, :mod:`unison.cli.tune_server` and :mod:`unison.cli.tune_best`),
-:mod:`unison.cli.doctor` (with :mod:`unison.cli.checks` and :mod:`unison.cli.launch_checks`)
+imported only when its command runs, so ``unison --help`` stays quick: :mod:`unison.recipe.phases`
+(with :mod:`unison.recipe.planning.resolved` and :mod:`unison.recipe.build.assemble`), :mod:`unison.recipe.sweep.study` (with
+:mod:`unison.recipe.sweep.space`, :mod:`unison.recipe.sweep.decision_server` and :mod:`unison.recipe.sweep.best`),
+:mod:`unison.cli.doctor` (with :mod:`unison.cli.doctor_checks` and :mod:`unison.cli.launch_checks`)
 and :mod:`unison.cli.plot`, :mod:`unison.cli.export`, :mod:`unison.cli.config_cmd` (``config`` and ``schema``).
 """
 
@@ -22,14 +22,14 @@ def _run(args: argparse.Namespace) -> int:
     from unison.config import ConfigError
     from unison.config.main_script import MainScriptError
     from unison.distributed import RankFailedError, detect_launcher
-    from unison.recipe.runner import ResumeError, run
+    from unison.recipe.phases import ResumeError, run
     from unison.utils.secrets import redact_url
 
     first_rank = detect_launcher().rank == 0  # read before the group sets variables of its own
     try:
         overrides = args.set
         if args.profile is not None:  # --profile [ACTIVE]; a --set of training.profile wins
-            from unison.recipe.tracking_tb import profile_overrides
+            from unison.recipe.build.tracking_tb import profile_overrides
 
             active = args.profile or None  # 0: a bare --profile
             overrides = [*profile_overrides(args.config, active), *args.set]
@@ -51,11 +51,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from unison.cli.tune import SweepStopped, tune
-    from unison.cli.tune_best import summary_lines
     from unison.config.main_script import use_main
     from unison.distributed import RankFailedError
-    from unison.recipe.tune_space import MissingOptunaError
+    from unison.recipe.sweep.best import summary_lines
+    from unison.recipe.sweep.space import MissingOptunaError
+    from unison.recipe.sweep.study import SweepStopped, tune
     from unison.utils.logging import setup_logging
 
     setup_logging()  # the sweep's progress lines, at INFO

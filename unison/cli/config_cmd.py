@@ -6,7 +6,7 @@ and other trainers' keys under unison's names (:func:`~unison.config.canonical.c
 ``--set`` applied, URL credentials masked. The text loads again with
 :func:`~unison.config.load_config` into an equal config. Nothing of the user's is imported
 unless ``--check`` asks for the checks ``unison run`` makes next: every ``!pyobject``
-resolved and the model built on the meta device (:func:`~unison.recipe.preflight.preflight`).
+resolved and the model built on the meta device (:func:`~unison.recipe.build.preflight.preflight`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def show_config(
     """
     config = load_config(path, overrides)
     if check:
-        from unison.recipe.planning import launch_world_size, plan
-        from unison.recipe.preflight import preflight
+        from unison.recipe.build.preflight import preflight
+        from unison.recipe.planning.run_plan import launch_world_size, plan
 
         preflight(plan(config, world_size=launch_world_size(config)))  # parallel.nproc_per_node ranks
     text = redact_url(dump_config(canonical(config)))  # URL credentials masked

@@ -1,7 +1,7 @@
 """``unison doctor``: what this machine and environment offer a distributed run, and what blocks one.
 
 Each check reads the environment and returns the lines to show and the problems found
-(:mod:`unison.cli.checks` for this machine, :mod:`unison.cli.launch_checks` for the
+(:mod:`unison.cli.doctor_checks` for this machine, :mod:`unison.cli.launch_checks` for the
 launcher, rendezvous and network); :func:`run_doctor` prints them. A problem says what is
 wrong and how to fix it, and whether it blocks a run (exit status 1) or is a warning.
 """
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from unison.cli.checks import Section, check_backends, check_gpus, check_threads, check_versions
+from unison.cli.doctor_checks import Section, check_backends, check_gpus, check_threads, check_versions
 from unison.cli.elastic_checks import check_elastic
 from unison.cli.launch_checks import check_launcher, check_network, check_rendezvous
 from unison.cli.private_apis import check_private_apis

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from unison.cli.checks import Section
+from unison.cli.doctor_checks import Section
 from unison.distributed.env import detect_launcher
 from unison.distributed.job import NO_JOB_ID
 

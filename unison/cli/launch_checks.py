@@ -2,7 +2,7 @@
 
 The launcher (torchrun, srun) and its variables, the master address and port of the
 rendezvous, and the ``NCCL_*`` / ``GLOO_*`` network settings; each check returns a
-:class:`~unison.cli.checks.Section`, as those of :mod:`unison.cli.checks` do.
+:class:`~unison.cli.doctor_checks.Section`, as those of :mod:`unison.cli.doctor_checks` do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from unison.cli.checks import Section, env_int, env_shown
+from unison.cli.doctor_checks import Section, env_int, env_shown
 from unison.distributed.env import detect_launcher, port_is_free
 
 DEFAULT_MASTER_PORT = 29500

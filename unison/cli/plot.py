@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from unison.utils.events import Scalars, event_files, read_scalars
+from unison.utils.event_files import Scalars, event_files, read_scalars
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

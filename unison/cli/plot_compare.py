@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from unison.cli.plot import find_log_dir, group_tags
 from unison.config import ConfigError
 from unison.config.loader import PyObjectRef, load_yaml
-from unison.utils.events import Scalars, read_scalars
+from unison.utils.event_files import Scalars, read_scalars
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

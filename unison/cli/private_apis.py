@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from unison.cli.checks import Section
+from unison.cli.doctor_checks import Section
 from unison.distributed.compile_hook import compiled_call_problem
 from unison.engine.ignite_internals import ignite_internals_problem
 

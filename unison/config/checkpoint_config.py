@@ -2,7 +2,7 @@
 
 A section of the schema (:mod:`unison.config.schema`), in a module of its own. Its fields
 carry the same metadata as :func:`~unison.config.schema.option`'s, for the reference page.
-What the keys do is :mod:`unison.recipe.steps`'s (the Checkpoint handler it attaches) and
+What the keys do is :mod:`unison.recipe.build.assemble`'s (the Checkpoint handler it attaches) and
 docs/checkpoints.md's.
 """
 

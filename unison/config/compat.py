@@ -13,7 +13,7 @@ and checks the values of keys that are accepted but not needed.
   the trainer is the metric). What is left goes to a handler class of the user's own.
 - ``validation.validator`` and ``testing.tester`` (QuantumGrav's evaluator specs),
   ``parallel.rank`` and ``parallel.output_device``: their values are checked here; what
-  becomes of them is logged before the ranks start (:mod:`unison.recipe.accepted`).
+  becomes of them is logged before the ranks start (:mod:`unison.recipe.planning.accepted`).
 
 The loader keys of ``validation`` and ``testing`` are checked here too.
 """

@@ -8,9 +8,9 @@ Two ways to give the data, one per config:
   named ``world_size`` gets the run's world size);
 - ``data.files`` and ``data.reader`` (QuantumGrav's keys): one
   :class:`~unison.distributed.FileDataset` over the files, split by ``data.split`` with
-  ``training.seed`` (:mod:`unison.recipe.file_data`);
+  ``training.seed`` (:mod:`unison.recipe.planning.file_data`);
 - ``data.stream``: training data streamed from files or a Hugging Face dataset on disk
-  (:mod:`unison.config.stream_config`, :mod:`unison.recipe.stream_files`).
+  (:mod:`unison.config.stream_config`, :mod:`unison.recipe.planning.stream_files`).
 
 :func:`check_data` checks the section's values; it runs inside
 :func:`~unison.config.validate`.

@@ -12,7 +12,7 @@ A section of the schema (:mod:`unison.config.schema`), one item per handler::
 The checks here are the section's shape (one of ``type`` or ``function``, an event for a
 function, an event written as ``NAME`` or ``NAME(every=N)``); what the names resolve to,
 whether the event exists and whether the arguments bind are the plan's
-(:mod:`unison.recipe.user_handlers`), before any rank starts. What each key does is
+(:mod:`unison.recipe.build.user_handlers`), before any rank starts. What each key does is
 docs/handlers.md's.
 """
 

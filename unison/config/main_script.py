@@ -11,7 +11,7 @@ that guard would start it on import: nothing checks for that beyond the guard it
 The script is imported when a config first names something in it, never before: a config
 that names nothing there runs as it would without ``--main``. Every rank imports it the
 same way: spawned ranks receive its path from the launching process
-(:func:`unison.recipe.runner.launch_config`), torchrun and srun ranks read the same ``--main``.
+(:func:`unison.recipe.phases.launch_config`), torchrun and srun ranks read the same ``--main``.
 Modules beside the script import by plain name from it, as when Python runs it, but its folder
 comes last on ``sys.path``: installed packages always win. Where ``__main__`` is unison itself,
 the script also stands in for it (:func:`_stand_in_for_main`), so processes started from a rank

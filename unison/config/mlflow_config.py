@@ -2,7 +2,7 @@
 
 A section of the schema (:mod:`unison.config.schema`), in a module of its own. Its fields
 carry the same metadata as :func:`~unison.config.schema.option`'s, for the reference page.
-What the keys do is :mod:`unison.recipe.tracking`'s (and docs/tracking.md's).
+What the keys do is :mod:`unison.recipe.build.tracking`'s (and docs/tracking.md's).
 """
 
 from __future__ import annotations

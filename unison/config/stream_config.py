@@ -11,7 +11,7 @@ that is read in order, never indexed, so they are kept apart from the map-style 
 
 :func:`check_stream` checks the keys that the section alone decides; the files, the reader
 and the ``datasets`` package are checked when the config is resolved
-(:mod:`unison.recipe.stream_files`).
+(:mod:`unison.recipe.planning.stream_files`).
 """
 
 # No ``from __future__ import annotations``: the schema reads these types with its own names.

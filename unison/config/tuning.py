@@ -6,7 +6,7 @@ takes the values it draws; its bounds, ``log``, ``step`` and ``choices``), the w
 metric and the direction (filled in when left out, refused when they contradict), the
 storage URL, the study name, and that the sampler's and pruner's names and keyword
 arguments are plain data. Which Optuna class a name means is looked up by ``unison tune``
-(:mod:`unison.recipe.tune_space`), among Optuna's samplers and pruners only.
+(:mod:`unison.recipe.sweep.space`), among Optuna's samplers and pruners only.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ def storage_file(storage: str, root: Path) -> Path | None:
 def check_storage_confined(config: Config, root: Path) -> Path | None:
     """The confinement of ``tuning.storage``: a journal or SQLite file stays inside ``root``, the
     sweep's output root (the text read as SQLAlchemy reads it: percent-decoded). The sweep checks
-    it once, when it plans (:func:`~unison.recipe.tune_space.plan_sweep`); its trials, each planned
+    it once, when it plans (:func:`~unison.recipe.sweep.space.plan_sweep`); its trials, each planned
     in a folder of its own, take the checked value and do not check it again.
 
     Returns:

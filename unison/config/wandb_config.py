@@ -3,7 +3,7 @@
 A section of the schema (:mod:`unison.config.schema`, hung on ``logging`` by
 :mod:`unison.config.logging_config`), in a module of its own. Its fields carry the same
 metadata as :func:`~unison.config.schema.option`'s, for the reference page. What the keys do
-is :mod:`unison.recipe.tracking_wandb`'s (and docs/tracking.md's).
+is :mod:`unison.recipe.build.tracking_wandb`'s (and docs/tracking.md's).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from unison.utils.errors import add_note
+from unison.utils.exception_notes import add_note
 
 __all__ = ["InvalidItemError", "item_problems", "load_items", "make_items"]
 

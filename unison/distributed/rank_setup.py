@@ -20,7 +20,7 @@ import ignite.distributed as idist
 import torch
 
 from unison.distributed.env import device_for_local_rank
-from unison.utils.errors import add_note, has_note, print_notes_at_exit
+from unison.utils.exception_notes import add_note, has_note, print_notes_at_exit
 from unison.utils.logging import get_logger, setup_logging
 
 _log = get_logger(__name__)

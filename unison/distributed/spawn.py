@@ -43,7 +43,7 @@ from unison.distributed.signals import (
     _SignalRelay,
     _start_helpers,
 )
-from unison.utils.errors import format_exception
+from unison.utils.exception_notes import format_exception
 from unison.utils.logging import get_logger
 from unison.utils.startup import mark
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from unison.distributed.primitives import get_world_size
 from unison.distributed.stream_sources import stream_problem
 from unison.engine.protocol import EngineParts
-from unison.utils.errors import add_note, has_note
+from unison.utils.exception_notes import add_note, has_note
 
 E = TypeVar("E", bound=EngineParts)
 """An engine's own type, so that its callbacks take it as they were written."""

@@ -33,7 +33,7 @@ from ignite.engine.engine import _EngineTerminateException, _EngineTerminateSing
 
 from unison.engine.checks import handler_name
 from unison.engine.protocol import EngineParts
-from unison.utils.errors import add_note
+from unison.utils.exception_notes import add_note
 
 _GET_BATCH_STARTED = Events.GET_BATCH_STARTED
 _GET_BATCH_COMPLETED = Events.GET_BATCH_COMPLETED

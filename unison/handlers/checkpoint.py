@@ -17,7 +17,7 @@ from unison.checkpoint.loading import load_states
 from unison.checkpoint.lock import hold_folder
 from unison.checkpoint.manifest import Entry, Manifest, entry_for
 from unison.checkpoint.per_rank import DATA, is_per_rank, local_states, rank_entries
-from unison.checkpoint.position import (
+from unison.checkpoint.positions import (
     DataTracker,
     PositionUnknown,
     fit_to_data,

@@ -137,7 +137,7 @@ class HParamsLogger:
         self._written = True
         from tensorboardX import SummaryWriter
 
-        from unison.utils.events import event_files  # tensorboardX's protobufs: on first use only
+        from unison.utils.event_files import event_files  # tensorboardX's protobufs: on first use only
 
         start, end = session_summaries(self.hparams, status, self._started, time.time())
         before = set(event_files(self.log_dir))

@@ -66,7 +66,7 @@ class TensorBoardLogger:
     Example:
         >>> import tempfile, torch
         >>> from unison.engine import create_trainer
-        >>> from unison.utils.events import read_scalars
+        >>> from unison.utils.event_files import read_scalars
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> trainer = create_trainer(model, opt, torch.nn.functional.mse_loss)

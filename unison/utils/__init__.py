@@ -11,7 +11,7 @@ __all__ = ["fork_rank_streams", "get_logger", "manual_seed", "rank_seed", "read_
 def __getattr__(name: str) -> Any:
     # The event reader needs tensorboardX's protobufs: imported on first use, not with unison.
     if name == "read_scalars":
-        from unison.utils.events import read_scalars
+        from unison.utils.event_files import read_scalars
 
         return read_scalars
     raise AttributeError(f"module 'unison.utils' has no attribute {name!r}")
