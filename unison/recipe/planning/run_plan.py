@@ -24,9 +24,9 @@ from unison.config import Config
 from unison.config.batch_sizes import batch_sizes
 from unison.config.watched import Watched, watched_of
 from unison.distributed import detect_launcher, get_world_size
-from unison.recipe.build.user_handlers import UserHandler, handlers_plan
 from unison.recipe.planning.accepted import AcceptedKeys, accepted_keys, compile_options
 from unison.recipe.planning.early_stop import EarlyStoppingPlan, early_stopping_plan
+from unison.recipe.planning.handlers_plan import UserHandler, handlers_plan
 from unison.recipe.planning.loader_plan import LoaderPlans, loader_plans
 from unison.recipe.planning.lr_plan import LRPlan, lr_plan
 from unison.recipe.planning.references import _References
