@@ -172,7 +172,7 @@ def _file_logging(run_dir: Path) -> logging.Handler:
 
 
 def train_from_config(
-    config: Config,
+    config: Config | RunPlan,
     resume: str | None = None,
     attach: Attach | None = None,
     quiet: bool = False,
@@ -192,16 +192,19 @@ def train_from_config(
     """
     if main is not None:
         use_main(main)  # a spawned rank: the launching process's script
+    given = config.config if isinstance(config, RunPlan) else config
     level = (
-        None if config.log_level is None else logging.getLevelName(config.log_level)
+        None if given.log_level is None else logging.getLevelName(given.log_level)
     )  # log_level, every rank
     with console_level(logging.ERROR if quiet else level):
-        return _in_run_folder(config, resume, attach)
+        # A process plans once: the plan it was given, or (a spawned rank) its own of the same config.
+        planned = config if isinstance(config, RunPlan) else plan(config)
+        return _in_run_folder(planned, resume, attach)
 
 
-def _in_run_folder(config: Config, resume: str | None, attach: Attach | None) -> dict[str, Any]:
+def _in_run_folder(planned: RunPlan, resume: str | None, attach: Attach | None) -> dict[str, Any]:
     """:func:`train_from_config` inside the run folder it picks and holds, logging to its files."""
-    planned = plan(config)  # the same plan on every rank: it reads the config and the user's modules
+    config = planned.config
     mark("rank_plan")  # UNISON_STARTUP_TRACE (unison.utils.startup): a line per phase, when set
     run_dir, resume_from = _run_dir(planned, resume)
     with hold_folder(run_dir):  # one job per run folder (unison.checkpoint.lock): refused on every rank
@@ -368,11 +371,11 @@ def run(
         check_port(config)  # a busy port fails here, not after the ranks started
         refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
     mark("checks")
-    return launch_config(config, resume, nproc_per_node)[0]
+    return launch_config(planned, resume, nproc_per_node)[0]
 
 
 def launch_config(
-    config: Config,
+    planned: RunPlan,
     resume: str | None,
     nproc_per_node: int | None,
     attach: Attach | None = None,
@@ -381,11 +384,16 @@ def launch_config(
 ) -> list[dict[str, Any]]:
     """Runs :func:`train_from_config` on every rank, started with the config's ``parallel`` keys
     (its address and port only when unison spawns the ranks); returns each rank's results.
-    ``quiet``: the ranks print errors only (their log files keep everything)."""
-    p = config.parallel
+    ``quiet``: the ranks print errors only (their log files keep everything).
+
+    A rank in this process (``nproc_per_node`` None: torchrun, srun, one process) trains from
+    ``planned``; a spawned rank gets the config and plans it once: the plan holds the classes of
+    the user's modules and ``--main`` script, which a spawned process can unpickle only after it has
+    imported them, and the launch unpickles a rank's arguments before the rank sets anything up."""
+    p = planned.config.parallel
     return launch(
         train_from_config,
-        config,
+        planned if nproc_per_node is None else planned.config,
         resume,
         attach,
         quiet,

@@ -41,7 +41,7 @@ class FakeLaunch:
 
     def __call__(
         self,
-        config: Any,
+        planned: Any,
         resume: Any,
         nproc: Any,
         attach: Any,
@@ -51,7 +51,7 @@ class FakeLaunch:
         self.calls += 1
         if self.before is not None:
             self.before(self.calls)
-        run_dir = Path(config.logging.root) / config.name / "20260101-000000"
+        run_dir = planned.run_root / "20260101-000000"
         run_dir.mkdir(parents=True, exist_ok=True)
         value = next(self.values)
         return [{"run_dir": str(run_dir), "epochs": 1, "iterations": 4, "history": [{"val_loss": value}]}]

@@ -210,16 +210,16 @@ def run_trial(
             *wandb_trial_overrides(plan.config, plan.study_name, trial.number),  # logging.wandb: grouped
         ]
         config = load_config(plan.path, [*plan.overrides, *sets, *layout])
-        preflight(  # at the trial's ranks; nproc None: the trial trains in this process
-            plan_run(config, world_size=launch_world_size(config, nproc)), trains_here=nproc is None
-        )
+        # the trial's plan at its ranks: a trial in this process (nproc None) trains from it
+        planned = plan_run(config, world_size=launch_world_size(config, nproc))
+        preflight(planned, trains_here=nproc is None)
         _log.debug("trial %d: %s", trial.number, "  ".join(sets))  # its one line comes when it ends
         with DecisionServer(trial, plan.metric) as server:
             if detect_launcher().kind == "none" and nproc is not None:
                 check_port(config)
             attach = AttachPruning(plan.metric, server.judge(config.parallel.timeout))
             # The fork server imports torch once for all trials; the ranks print errors only.
-            results = launch_config(config, None, nproc, attach, start_method="forkserver", quiet=True)
+            results = launch_config(planned, None, nproc, attach, start_method="forkserver", quiet=True)
         record["reported"] = dict(server.reported)
         _judge(trial, plan, server.pruned_at, results, record)
     except BaseException as err:

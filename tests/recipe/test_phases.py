@@ -1,0 +1,109 @@
+"""unison/recipe/phases.py: a process that planned never plans again.
+
+Under torchrun or srun the launching process is the rank: ``run`` plans (and checks the plan
+before training), then trains from that same plan. A sweep's trial that trains in the sweep
+process does the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import unison.config
+import unison.recipe
+from unison.recipe import phases
+from unison.recipe.planning.run_plan import RunPlan
+
+DATA_MODULE = """\
+import torch
+from torch.utils.data import TensorDataset
+
+
+def build(seed):
+    g = torch.Generator().manual_seed(seed)
+    ds = TensorDataset(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g))
+    return ds, ds
+"""
+
+CONFIG = """\
+name: once
+model:
+  type: !pyobject torch.nn.Linear
+  kwargs: {{in_features: 4, out_features: 2}}
+data:
+  build: !pyobject plan_once_data.build
+training:
+  max_epochs: 1
+  batch_size: 4
+  optimizer_kwargs: {{lr: 0.01}}
+  path: {root}
+validation:
+  metrics:
+    accuracy: !pyobject unison.metrics.Accuracy
+logging: {{progress: false, tensorboard: false}}
+checkpoint: {{preemption: false}}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every call of the plan pass from the run's phases, as the id of the process that made it."""
+    calls: list[int] = []
+    real = phases.plan
+
+    def counted(*args: Any, **kwargs: Any) -> RunPlan:
+        calls.append(os.getpid())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(phases, "plan", counted)
+    return calls
+
+
+@pytest.mark.timeout(240)
+def test_the_one_rank_of_a_torchrun_job_plans_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "plan_once_data.py").write_text(DATA_MODULE)
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.format(root=tmp_path / "runs"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for key, value in {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    calls = _counted_plans(monkeypatch)
+    logger = logging.getLogger("unison")  # a run in this process sets up unison's console logging
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        results = unison.recipe.run(config)
+    finally:
+        logger.handlers[:], logger.propagate = saved[0], saved[2]
+        logger.setLevel(saved[1])
+    assert results["epochs"] == 1
+    assert calls == [os.getpid()]  # planned before the checks, and trained from that plan
+
+
+def test_a_rank_given_a_plan_does_not_plan_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train_from_config takes the plan its process made; a spawned rank gets the config and plans once."""
+    (tmp_path / "plan_once_data.py").write_text(DATA_MODULE)
+    path = tmp_path / "config.yaml"
+    path.write_text(CONFIG.format(root=tmp_path / "runs"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    planned = phases.plan(unison.config.load_config(path))
+    calls = _counted_plans(monkeypatch)
+    seen: list[Any] = []
+    monkeypatch.setattr(phases, "_in_run_folder", lambda p, resume, attach: seen.append(p) or {})
+    phases.train_from_config(planned)
+    phases.train_from_config(planned.config)
+    assert seen[0] is planned and isinstance(seen[1], RunPlan)
+    assert calls == [os.getpid()]  # only the rank given a config planned
