@@ -62,7 +62,7 @@ from unison.recipe.folder.run_folder import (
     resume_command,
 )
 from unison.recipe.planning.accepted import report_accepted
-from unison.recipe.planning.changes import check_resume, record
+from unison.recipe.planning.changes import check_resume, record_changes
 from unison.recipe.planning.run_plan import RunPlan, launch_world_size, plan
 from unison.utils import get_logger
 from unison.utils.logging import RunLogHandler, console_level
@@ -211,7 +211,7 @@ def _in_run_folder(planned: RunPlan, resume: str | None, attach: Attach | None) 
         if get_rank() == 0:
             write_text(run_dir / RUN_MARKER, "", "a")  # no file here follows a link (unison.utils.run_files)
             if resume_from is not None:
-                _record_changes(config, run_dir, planned.resolved.scheduler_type)
+                record_changes(config, run_dir, planned.resolved.scheduler_type)
             write_text(run_dir / "config.yaml", redact_url(dump_config(config)))  # URL credentials masked
         barrier()  # the folder exists before any rank writes into it
         log_file = _file_logging(run_dir)
@@ -227,15 +227,6 @@ def _in_run_folder(planned: RunPlan, resume: str | None, attach: Attach | None) 
         finally:
             logging.getLogger("unison").removeHandler(log_file)
             log_file.close()
-
-
-def _record_changes(config: Config, run_dir: Path, scheduler_type: Any) -> None:
-    """Rank 0: logs and records what changed since the saved run (refusals happened before spawn)."""
-    changes = check_resume(config, run_dir, scheduler_type)
-    for change in changes:
-        _log.warning("changed on resume: %s", change)
-    if changes:
-        record(run_dir, changes)
 
 
 def _train(
@@ -368,7 +359,7 @@ def run(
         world = launcher.world_size if launcher.kind != "none" else nproc_per_node or 1
         check_resume_shape(planned, found[0], found[1], world)
     if launcher.kind == "none":
-        check_port(config)  # a busy port fails here, not after the ranks started
+        check_port(planned)  # a busy port fails here, not after the ranks started
         refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
     mark("checks")
     return launch_config(planned, resume, nproc_per_node)[0]

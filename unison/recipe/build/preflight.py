@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
-from unison.config import Config, ConfigError
+from unison.config import ConfigError
 from unison.config.usercode import describe
 from unison.distributed.env import port_is_free
 from unison.distributed.fsdp import named_units
@@ -52,17 +53,16 @@ def preflight(plan: RunPlan, *, trains_here: bool = False) -> None:
     Raises:
         ConfigError: naming the file, line and key of the first problem.
     """
-    config, resolved = plan.config, plan.resolved
-    refs = _References.of(config)
-    _check_device(config, refs)
+    config, resolved, refs = plan.config, plan.resolved, plan.refs
+    _check_device(config.training.device, refs)
     _check_output_root(plan, refs)
-    _check_find_unused(config, refs)
+    _check_find_unused(plan.model.find_unused_parameters, refs)
     check_mlflow(config)  # logging.mlflow: installed, names given, every at sync points (the store: planned)
     check_wandb(config)  # logging.wandb: installed, names given, every at sync points
     model = None if trains_here else _meta_model(resolved, refs)
     _meta_optimizer(plan, model, refs)  # without the meta model: on a stand-in parameter of the CPU
     if model is not None:
-        _check_shard_rule(config, model, refs)
+        _check_shard_rule(plan.model.fsdp, model, refs)
     check_activation_checkpointing(config, model, refs)
     for name, (cls, kwargs) in resolved.metrics.items():
         kwargs = with_loss(cls, kwargs, resolved.loss)
@@ -74,10 +74,11 @@ def preflight(plan: RunPlan, *, trains_here: bool = False) -> None:
             ) from err
 
 
-def _check_shard_rule(config: Config, model: nn.Module, refs: _References) -> None:
-    """``parallel.fsdp.shard`` names classes the model holds (checked on the meta model)."""
-    shard = config.parallel.fsdp.shard
-    if config.parallel.strategy != "fsdp" or shard == "auto":
+def _check_shard_rule(fsdp: dict[str, Any] | None, model: nn.Module, refs: _References) -> None:
+    """``parallel.fsdp.shard`` names classes the model holds (checked on the meta model); ``fsdp``:
+    the plan's FSDP2 options, None unless ``parallel.strategy`` is ``fsdp``."""
+    shard = None if fsdp is None else fsdp["shard"]
+    if shard is None or shard == "auto":
         return
     try:
         named_units(model, [shard] if isinstance(shard, str) else list(shard))
@@ -87,10 +88,10 @@ def _check_shard_rule(config: Config, model: nn.Module, refs: _References) -> No
         ) from None
 
 
-def _check_find_unused(config: Config, refs: _References) -> None:
+def _check_find_unused(find_unused: bool | None, refs: _References) -> None:
     """``parallel.find_unused_parameters`` left out: ``DDP_FIND_UNUSED_PARAMETERS`` decides, and must
     read as a bool in this process (the ranks inherit it)."""
-    if config.parallel.find_unused_parameters is not None:
+    if find_unused is not None:
         return
     try:
         find_unused_from_env()
@@ -100,9 +101,8 @@ def _check_find_unused(config: Config, refs: _References) -> None:
         ) from None
 
 
-def _check_device(config: Config, refs: _References) -> None:
+def _check_device(text: str | None, refs: _References) -> None:
     """``training.device``: a device this machine has (each rank still takes its own)."""
-    text = config.training.device
     if text is None:
         return
     key = "training.device"
@@ -219,17 +219,18 @@ def _meta_optimizer(plan: RunPlan, model: nn.Module | None, refs: _References) -
         ) from err
 
 
-def check_port(config: Config) -> None:
+def check_port(plan: RunPlan) -> None:
     """``parallel.master_port``, when given for a local spawn: free now, or an error naming it.
 
     Under torchrun or srun the launcher owns the rendezvous: this is not called there.
     """
-    port = config.parallel.master_port
+    parallel = plan.config.parallel
+    port = parallel.master_port
     if port is None:
         return
-    host = config.parallel.master_addr
+    host = parallel.master_addr
     if not port_is_free(int(port), host):
-        raise _References.of(config).error(
+        raise plan.refs.error(
             "parallel.master_port",
             f"{port} is in use on {host} (another job, or a leftover process): leave master_port out "
             "(a free port is picked) or choose another",

@@ -26,7 +26,6 @@ from unison.checkpoint.entry import file_in
 from unison.checkpoint.manifest import read_entries
 from unison.checkpoint.retention import oldest_first
 from unison.checkpoint.sharded_files import REST
-from unison.recipe.planning.references import _References
 from unison.recipe.planning.run_plan import RunPlan
 from unison.recipe.planning.scheduler_resume import torch_scheduler
 
@@ -67,7 +66,7 @@ def check_resume_shape(plan: RunPlan, run_dir: Path, which: str, world_size: int
         return
     path, state = found
     meta = state.get("meta") or {}
-    refs = _References.of(plan.config)
+    refs = plan.refs
     saved = ((state.get("config") or {}).get("training")) or {}
     workers = plan.loaders.training.num_workers
     if meta.get("mid_epoch") and state.get("data") is not None and "num_workers" in saved:

@@ -10,8 +10,11 @@ from typing import Any
 
 from unison.config import Config, load_config, to_plain
 from unison.recipe.planning.scheduler_resume import PREFIX, how_applied, refusal
+from unison.utils import get_logger
 from unison.utils.run_files import write_text
 from unison.utils.secrets import redact
+
+_log = get_logger("unison.recipe.run")  # the run's logger
 
 NOT_RESUMABLE = (
     "model",
@@ -123,3 +126,12 @@ def record(run_dir: Path, changes: list[Change]) -> None:
     listed = [{k: v for k, v in vars(c).items() if k != "applied" or v is not None} for c in changes]
     line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changes": listed}
     write_text(run_dir / CHANGES_FILE, json.dumps(line, default=str) + "\n", "a")  # never through a link
+
+
+def record_changes(config: Config, run_dir: Path, scheduler_type: Any) -> None:
+    """Rank 0: logs and records what changed since the saved run (refusals happened before spawn)."""
+    changes = check_resume(config, run_dir, scheduler_type)
+    for change in changes:
+        _log.warning("changed on resume: %s", change)
+    if changes:
+        record(run_dir, changes)

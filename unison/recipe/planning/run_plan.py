@@ -54,6 +54,7 @@ class RunPlan:
 
     Attributes:
         config: the validated config (its origin names the file and line of every key).
+        refs: how its references resolve, and the file and line of each key for errors: built once.
         resolved: the objects it names, imported and checked.
         watched: the metric checkpoints rank by, the one early stopping follows, and their modes
             (also what ``tuning.metric`` defaults to).
@@ -83,6 +84,7 @@ class RunPlan:
     """
 
     config: Config
+    refs: _References
     resolved: Resolved
     watched: Watched
     amp: Literal["bf16", "fp16"] | None
@@ -153,6 +155,7 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
     lr = {"lr": t.lr} if t.lr is not None else {}
     return RunPlan(
         config=config,
+        refs=refs,
         resolved=resolved,
         watched=watched,
         amp=amp_dtype(config),

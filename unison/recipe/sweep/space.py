@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from unison.config import Config, ConfigError, load_config
+from unison.config.schema import TuningConfig
 from unison.config.tuning import check_storage_confined
 from unison.recipe.build.preflight import preflight
 from unison.recipe.planning.dead_keys import changes_nothing
@@ -45,7 +46,7 @@ def import_optuna() -> ModuleType:
     return optuna
 
 
-def optuna_object(config: Config, key: str, seed_offset: int = 0) -> Any:
+def optuna_object(tuning: TuningConfig, refs: _References, key: str, seed_offset: int = 0) -> Any:
     """Builds ``tuning.<key>`` (``sampler`` or ``pruner``) from Optuna's own classes only.
 
     The name is looked up in ``optuna.samplers.__all__`` or ``optuna.pruners.__all__``;
@@ -54,7 +55,7 @@ def optuna_object(config: Config, key: str, seed_offset: int = 0) -> Any:
     first trials' values again).
     """
     optuna = import_optuna()
-    t = config.tuning
+    t = tuning
     name = t.sampler if key == "sampler" else (t.pruner or "NopPruner")
     kwargs = dict(t.sampler_kwargs if key == "sampler" else t.pruner_kwargs)
     module = optuna.samplers if key == "sampler" else optuna.pruners
@@ -73,20 +74,19 @@ def optuna_object(config: Config, key: str, seed_offset: int = 0) -> Any:
     if name not in exported:
         near = difflib.get_close_matches(name, exported, n=1, cutoff=0.5)
         hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise config.origin.error(
-            ("tuning", key),
+        raise refs.error(
+            f"tuning.{key}",
             f"{name!r} is not one of {module.__name__}'s classes: {', '.join(sorted(exported))}.{hint}",
         )
     cls = getattr(module, name)
-    refs = _References.of(config)
     refs.bind(cls, type_key=f"tuning.{key}", kwargs_key=f"tuning.{key}_kwargs", kwargs=kwargs)
     if seed_offset and isinstance(kwargs.get("seed"), int):
         kwargs["seed"] += seed_offset
     try:
         return cls(**kwargs)
     except Exception as err:
-        raise config.origin.error(
-            ("tuning", f"{key}_kwargs"), f"{name}(**{kwargs}) raised {type(err).__name__}: {err}"
+        raise refs.error(
+            f"tuning.{key}_kwargs", f"{name}(**{kwargs}) raised {type(err).__name__}: {err}"
         ) from None
 
 
@@ -176,8 +176,9 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str], nproc: int | 
             "tuning:\n  search_space:\n    training.lr: {type: float, low: 1.0e-4, high: 1.0e-1, log: true}\n"
             "(see docs/tuning.md)",
         )
-    optuna_object(config, "sampler")
-    optuna_object(config, "pruner")
+    refs = _References.of(config)  # the sweep's own keys, before the run's plan
+    optuna_object(t, refs, "sampler")
+    optuna_object(t, refs, "pruner")
     run = plan_run(config)
     trains_here = (nproc if nproc is not None else config.parallel.nproc_per_node) is None
     preflight(run, trains_here=trains_here)

@@ -52,6 +52,7 @@ from unison.distributed import detect_launcher
 from unison.recipe.build.preflight import check_port, preflight
 from unison.recipe.build.tracking_wandb import wandb_trial_overrides
 from unison.recipe.phases import launch_config
+from unison.recipe.planning.references import _References
 from unison.recipe.planning.run_plan import launch_world_size
 from unison.recipe.planning.run_plan import plan as plan_run
 from unison.recipe.sweep.best import run_command, write_best
@@ -125,8 +126,8 @@ def _why(err: BaseException) -> str:
 def open_study(plan: SweepPlan) -> Any:
     """Creates or loads the study of ``plan``; its direction must be the config's."""
     optuna = import_optuna()
-    t = plan.config.tuning
-    sampler, pruner = optuna_object(plan.config, "sampler"), optuna_object(plan.config, "pruner")
+    t, refs = plan.config.tuning, _References.of(plan.config)
+    sampler, pruner = optuna_object(t, refs, "sampler"), optuna_object(t, refs, "pruner")
     try:
         with optuna_quiet():  # the sweep says what it found in its own line
             study = optuna.create_study(
@@ -159,7 +160,7 @@ def open_study(plan: SweepPlan) -> Any:
     started = len(study.get_trials(deepcopy=False))
     if started and isinstance(t.sampler_kwargs.get("seed"), int):
         # A resumed study re-seeded alike would draw its first trials' values again.
-        study.sampler = optuna_object(plan.config, "sampler", seed_offset=started)
+        study.sampler = optuna_object(t, refs, "sampler", seed_offset=started)
     return study
 
 
@@ -216,7 +217,7 @@ def run_trial(
         _log.debug("trial %d: %s", trial.number, "  ".join(sets))  # its one line comes when it ends
         with DecisionServer(trial, plan.metric) as server:
             if detect_launcher().kind == "none" and nproc is not None:
-                check_port(config)
+                check_port(planned)
             attach = AttachPruning(plan.metric, server.judge(config.parallel.timeout))
             # The fork server imports torch once for all trials; the ranks print errors only.
             results = launch_config(planned, None, nproc, attach, start_method="forkserver", quiet=True)
