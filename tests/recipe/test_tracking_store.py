@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from unison.config import ConfigError, load_config
-from unison.recipe.tracking_store import check_tracker
+from unison.recipe.planning.tracking_store import check_tracker
 
 CONFIG = """\
 name: tiny

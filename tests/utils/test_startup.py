@@ -45,7 +45,7 @@ def test_a_trace_path_that_is_a_link_is_not_followed(tmp_path, monkeypatch):
 
 
 def test_the_recipe_layer_imports_no_tensorboard_protobufs_before_they_are_used():
-    code = "import sys, unison.cli, unison.recipe.runner; print(sorted(m for m in sys.modules if m.startswith('tensorboardX')))"
+    code = "import sys, unison.cli, unison.recipe.phases; print(sorted(m for m in sys.modules if m.startswith('tensorboardX')))"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

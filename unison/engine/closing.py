@@ -27,7 +27,7 @@ from ignite.engine import Engine as IgniteEngine
 from ignite.engine import Events
 
 from unison.engine.checks import handler_name
-from unison.utils.errors import add_note
+from unison.utils.exception_notes import add_note
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)

@@ -33,7 +33,7 @@ def _error(config: Config, key: str, message: str) -> ConfigError:
 
 
 def check_wandb(config: Config) -> None:
-    """With ``logging.wandb`` set: :func:`~unison.recipe.tracking_store.check_tracker`, and every
+    """With ``logging.wandb`` set: :func:`~unison.recipe.planning.tracking_store.check_tracker`, and every
     tag is a non-empty string.
 
     Raises:
