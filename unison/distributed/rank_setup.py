@@ -140,25 +140,20 @@ def _leave_group() -> None:
     (``Py_FinalizeEx``), with the GIL held and the interpreter finalizing, which kills any
     thread that still needs Python; a C++ thread killed that way aborts the process with
     "terminate called without an active exception", after training succeeded, now and then,
-    as scheduling allows (torch issue #190489). So when the group's threads outlive the
-    destroy, the garbage is collected (freeing those models, and with them the group, whose
-    threads are joined here), then DTensor's caches are emptied. Both cost about a second in
-    a process that imported torch's compiler (a pass over every object); a rank that holds
-    nothing of its group, the usual case, skips them.
+    as scheduling allows (torch issue #190489). Collecting the garbage first frees those
+    models while their group is whole, so the destroy below frees the group and joins its
+    threads here. (Collecting only after the destroy, to skip the pass when nothing holds the
+    group, left a model's destructor waiting on a destroyed group now and then: a rank hung
+    in ``gc.collect`` after its function returned.)
 
     No barrier before it: ranks return at different times (rank 0 writes files), and a rank
     that ran fewer collectives than its peers must leave, so that their next collective fails
     with a lost connection that names the cause, instead of waiting on it in a barrier.
     """
+    _clear_dtensor_cache()  # DTensor's caches hold its mesh, and the mesh the group
+    gc.collect()  # a model in reference cycles still holds the group: freed while it is whole
     idist.finalize()  # dist.destroy_process_group(), and ignite back to a single process
     left = _group_threads()
-    if left:  # a model in reference cycles still holds the group
-        gc.collect()
-        left = _group_threads()
-    if left:  # DTensor's caches hold its mesh, and the mesh the group
-        _clear_dtensor_cache()
-        gc.collect()
-        left = _group_threads()
     if left:
         _log.warning(
             "The process group was destroyed but its threads (%s) still run: an object still "
