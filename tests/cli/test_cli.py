@@ -20,6 +20,7 @@ from _procs import run_in_session
 
 from unison.cli import main
 from unison.config import load_config, to_plain
+from unison.distributed.env import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "recipes" / "digits" / "config.yaml"
@@ -31,12 +32,6 @@ ITERATIONS = 5
 def run_command(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Runs cmd in a new session; on a timeout ends its whole process tree and fails."""
     return run_in_session(cmd, timeout, ROOT)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def short_run(root: Path) -> list[str]:
@@ -125,7 +120,7 @@ def test_a_missing_resume_path_exits_2_naming_it(capsys, tmp_path):
 def test_doctor_passes_on_this_machine(capsys):
     """With a port known to be free (the default 29500 may be held by another job's torchrun)."""
     pytest.importorskip("unison.cli.doctor")
-    port = free_port()
+    port = find_free_port()
     rc = main(["doctor", "--master-port", str(port)])
     out = capsys.readouterr().out
     assert rc == 0, out

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import socket
 import sys
 import types
 from pathlib import Path
@@ -23,6 +22,7 @@ from _procs import run_in_session
 
 import unison.recipe.build.assemble
 from unison.config import load_config
+from unison.distributed.env import find_free_port
 from unison.handlers import EarlyStopping
 from unison.recipe.build.assemble import build_loaders, build_model, build_optimizer
 from unison.recipe.build.eval_loaders import eval_loader
@@ -250,12 +250,6 @@ CPU_LAPTOP = [
 """What a user on a 2-core laptop without a GPU changes, on the command line."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _user_config(folder: Path, criterion: str) -> Path:
     """The guide's block, unmodified but for the criterion, with the user's imports and data."""
     block = BLOCK.read_text()
@@ -273,7 +267,7 @@ def test_unison_run_trains_the_guides_block_on_two_cpu_ranks(tmp_path: Path) -> 
     path = _user_config(tmp_path, "!pyobject qg_user.compute_loss")
     out = tmp_path / "output"
     cmd = [sys.executable, "-m", "unison", "run", str(path), "--nproc", "2"]
-    for item in [*CPU_LAPTOP, f"training.path={out}", f"parallel.master_port={_free_port()}"]:
+    for item in [*CPU_LAPTOP, f"training.path={out}", f"parallel.master_port={find_free_port()}"]:
         cmd += ["--set", item]
     result = run_in_session(cmd, 200, ROOT)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -330,7 +324,7 @@ def test_the_block_runs_from_the_users_script_under_torchrun_keeping_its_rendezv
     record = "import os\ndef record(context):\n    context.results['rendezvous'] = os.environ['MASTER_ADDR'], os.environ['MASTER_PORT']\n"
     exec(compile(USER_MODULE + record, script.__file__, "exec"), script.__dict__)
     monkeypatch.setitem(sys.modules, "__main__", script)
-    port = str(_free_port())
+    port = str(find_free_port())
     for key, value in {
         "RANK": "0",
         "LOCAL_RANK": "0",

@@ -15,7 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from unison.cli.launch_checks import check_rendezvous
-from unison.distributed.env import port_is_free
+from unison.distributed import RankFailedError, launch, spawn
+from unison.distributed.env import find_free_port, port_is_free
 
 STORE_TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -68,3 +69,50 @@ def test_a_listening_port_is_still_in_use(reuse: bool) -> None:
         port = server.getsockname()[1]
         assert port_is_free(port, "127.0.0.1") is False
         assert port_is_free(port, "0.0.0.0") is False
+
+
+def test_a_chosen_port_lies_below_the_kernels_ephemeral_range_and_is_free() -> None:
+    """Ports the kernel hands to outgoing connections and to gloo's listeners come from the
+    ephemeral range; a store's port drawn from it was taken before the store bound it."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {find_free_port("127.0.0.1") for _ in range(20)}
+    assert all(port < low and port_is_free(port, "127.0.0.1") for port in ports), (ports, low)
+    assert len(ports) > 1  # drawn, not one fixed port every caller would share
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+@pytest.mark.timeout(120)
+def test_a_port_taken_before_the_ranks_bind_it_is_replaced_and_the_ranks_run_once(monkeypatch) -> None:
+    """What the machine did to one job in CI: the chosen port was free, then something else
+    listened on it before rank 0's store bound it (EADDRINUSE). No rank has run anything yet,
+    so launch starts them again on a fresh port instead of failing the job."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([taken.getsockname()[1]])
+        chosen: list[int] = []
+
+        def pick(host: str = "127.0.0.1") -> int:
+            chosen.append(next(picks, None) or find_free_port(host))
+            return chosen[-1]
+
+        monkeypatch.setattr(spawn, "find_free_port", pick)
+        busy = taken.getsockname()[1]
+        results = launch(_rank_and_world, nproc_per_node=2, backend="gloo", start_method="forkserver")
+    assert results == [(0, 2), (1, 2)]
+    assert len(chosen) == 2 and chosen[0] == busy and chosen[1] != busy, chosen
+
+
+@pytest.mark.timeout(120)
+def test_a_port_the_caller_named_is_not_replaced_and_its_error_says_it_is_in_use() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RankFailedError, match="EADDRINUSE"):
+            launch(_rank_and_world, nproc_per_node=2, backend="gloo", start_method="forkserver",
+                   master_port=taken.getsockname()[1], timeout=20)  # fmt: skip

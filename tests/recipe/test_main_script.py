@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 import types
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import unison.recipe
 from unison.cli import build_parser, main
 from unison.config import load_config
 from unison.config.main_script import MainScriptError, script, use_main
+from unison.distributed.env import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = ROOT / "tests" / "config" / "data" / "quantumgrav_ddp.yaml"
@@ -83,12 +83,6 @@ CPU = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(autouse=True)
 def no_script() -> Iterator[None]:
     """Each test starts and ends with no `--main` script in this process."""
@@ -123,7 +117,7 @@ def test_unison_run_with_main_trains_on_two_spawned_ranks(tmp_path: Path) -> Non
     user_files(tmp_path)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "unison", "run", "config.yaml", "--main", "train_qg.py", "--nproc", "2"]
-    for item in [*CPU, f"training.path={out}", f"parallel.master_port={free_port()}"]:
+    for item in [*CPU, f"training.path={out}", f"parallel.master_port={find_free_port()}"]:
         cmd += ["--set", item]
     result = run_in_session(cmd, RUN_TIMEOUT_S, tmp_path)  # the script relative to the working directory
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -203,7 +197,7 @@ def test_the_python_api_takes_main_as_one_rank_of_a_launcher(
     torchrun or srun job is: each reads the same `--main` and imports the script itself."""
     path = user_files(tmp_path)
     monkeypatch.chdir(tmp_path)
-    port = str(free_port())
+    port = str(find_free_port())
     for key, value in {
         "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
     }.items():  # fmt: skip

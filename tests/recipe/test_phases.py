@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 
 import unison.config
 import unison.recipe
+from unison.distributed.env import find_free_port
 from unison.recipe import phases
 from unison.recipe.planning.run_plan import RunPlan
 
@@ -51,12 +51,6 @@ checkpoint: {{preemption: false}}
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every call of the plan pass from the run's phases, as the id of the process that made it."""
     calls: list[int] = []
@@ -78,7 +72,7 @@ def test_the_one_rank_of_a_torchrun_job_plans_once(tmp_path: Path, monkeypatch: 
     monkeypatch.syspath_prepend(str(tmp_path))
     for key, value in {
         "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(find_free_port()),
     }.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     calls = _counted_plans(monkeypatch)

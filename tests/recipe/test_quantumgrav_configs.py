@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -25,16 +24,12 @@ pytest.importorskip("zarr")
 
 from _procs import run_in_session  # noqa: E402
 
+from unison.distributed.env import find_free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "config" / "data"
 RUN_TIMEOUT_S = 240
 EPOCHS = 2
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +88,7 @@ def finite(section: dict) -> bool:
 @pytest.mark.distributed
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_the_ddp_config_trains_a_graph_network_from_zarr_stores(tmp_path: Path, stores: list[Path]) -> None:
-    overrides = [*laptop(tmp_path, stores, prefetch_in_eval=False), f"parallel.master_port={free_port()}"]
+    overrides = [*laptop(tmp_path, stores, prefetch_in_eval=False), f"parallel.master_port={find_free_port()}"]
     metrics, output = unison_run("quantumgrav_train_ddp.yaml", tmp_path, overrides)
     assert (metrics["world_size"], metrics["epochs"]) == (2, EPOCHS)
     assert finite(metrics["validation"]) and finite(metrics["test"]), metrics

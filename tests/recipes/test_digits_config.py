@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from _procs import run_in_session
 
 import unison.recipe.phases
 from unison.config import load_config, to_plain
+from unison.distributed.env import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes" / "digits" / "config.yaml"
@@ -28,12 +28,6 @@ def short_run(root: Path) -> list[str]:
         "logging.progress=false",
         f"logging.root={root}",
     ]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- one process, from Python ---------------------------------------------------------------
@@ -99,7 +93,7 @@ def test_torchrun_runs_the_config_in_one_run_directory(tmp_path):
     """`torchrun -m unison run CONFIG`: both ranks write into the one directory rank 0 picked."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+        "--master_addr=127.0.0.1", f"--master_port={find_free_port()}",
         "-m", "unison", "run", str(CONFIG),
     ]  # fmt: skip
     for item in short_run(tmp_path):

@@ -35,7 +35,10 @@ def setting() -> dict:
 
 def record_pid_then(folder: str, what: str) -> None:
     """Writes this rank's process id to ``folder``, then sleeps, or kills the warm process."""
-    (Path(folder) / f"rank-{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    final = Path(folder) / f"rank-{dist.get_rank()}.pid"
+    partial = final.with_suffix(".part")  # renamed whole: a reader never sees it half written
+    partial.write_text(str(os.getpid()))
+    os.replace(partial, final)
     if what == "kill-parent" and dist.get_rank() == 1:
         os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(300)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -113,10 +115,37 @@ def device_for_local_rank(local_rank: int) -> torch.device:
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now, chosen by the kernel."""
+    """A TCP port on ``host`` that nothing listens on right now, for a rendezvous store.
+
+    The port is drawn at random below the kernel's ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``), where the kernel never puts a socket by
+    itself. A port from inside the range, the kernel's own pick, stays free only until the
+    next outgoing connection or ``bind(port=0)``, and gloo binds one per peer while its
+    ranks connect: between the pick and the store's bind, seconds later once the ranks have
+    imported torch, another job on the machine took it now and then (``EADDRINUSE``). The
+    kernel's pick remains the fallback when nothing below the range is free.
+    """
+    low = _ephemeral_low()
+    if low > _PORT_FLOOR + 1024:
+        draw = random.Random()  # seeded from os.urandom: forked callers draw apart
+        for _ in range(64):
+            port = draw.randrange(_PORT_FLOOR, low)
+            if port_is_free(port, host):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+_PORT_FLOOR = 20000  # below it lie more registered services' ports (databases, X11, VNC)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range; 32768 (Linux's default) where unknown."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import ignite.distributed as idist
 import torch
@@ -88,40 +88,31 @@ def _spawn(
         results = Path(tmp)
         started = time.monotonic()
         unblock = _start_helpers(start_method)
-        try:
-            with idist.Parallel(
-                backend=backend,
-                nproc_per_node=nproc,
-                master_addr=master_addr,
-                master_port=port,
-                timeout=timeout,
-                start_method=start_method,
-            ) as parallel:
-                parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline, environ, unblock)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            relay.stop()
-            # A rank that raised exits with code 1 and a marker (see _spawned_rank); torch's
-            # own report of a raise (ProcessRaisedException) remains for an error before it.
-            raised = isinstance(err, mp.ProcessRaisedException)
-            exit_code = getattr(err, "exit_code", 1)
-            if relay.received is not None:
-                if raised or (results / f"raised-rank-{err.error_index}").exists():
-                    _, detail = _root_cause(results, err.error_index, err.msg)
-                    if relay.received == signal.SIGINT or _is_peer_failure(Exception(detail)):
-                        raise _signal_exit(relay.received) from None
-                elif exit_code != EXIT_PREEMPTED:
-                    raise _signal_exit(relay.received) from None
-            raise _failure(
-                results,
-                nproc,
-                err.error_index,
-                exit_code,
-                getattr(err, "signal_name", None),
-                err.msg,
-                raised,
-                time.monotonic() - started,
-                deadline,
-            ) from None
+        tries = 1 if master_port is not None else _PORT_TRIES
+        for attempt in range(1, tries + 1):
+            try:
+                with idist.Parallel(
+                    backend=backend,
+                    nproc_per_node=nproc,
+                    master_addr=master_addr,
+                    master_port=port,
+                    timeout=timeout,
+                    start_method=start_method,
+                ) as parallel:
+                    parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline, environ, unblock)
+            except mp.ProcessRaisedException as err:
+                if attempt < tries and relay.received is None and _port_was_taken(err, results):
+                    # The port was free when chosen and taken before rank 0's store bound it;
+                    # no rank ran anything yet, so the ranks start again on another port.
+                    _log.info("port %d was taken before the ranks' store bound it; trying another", port)
+                    port = find_free_port(master_addr)
+                    continue
+                failed: mp.ProcessRaisedException | mp.ProcessExitedException = err
+            except mp.ProcessExitedException as err:
+                failed = err
+            else:
+                break
+            _raise_failure(failed, relay, results, nproc, started, deadline)
         relay.stop()
         if relay.received is not None:
             if any(not (results / f"rank-{rank}.pkl").exists() for rank in range(nproc)):
@@ -131,6 +122,49 @@ def _spawn(
                 signal.Signals(relay.received).name,
             )
         return _read_results(results, nproc)
+
+
+_PORT_TRIES = 3
+
+
+def _port_was_taken(err: mp.ProcessRaisedException, results: Path) -> bool:
+    """Whether rank 0's store failed to bind its port before any rank reached its function:
+    every rank that starts opens its fault file first (see :func:`_spawned_rank`)."""
+    return "EADDRINUSE" in err.msg and not any(results.glob("fault-rank-*.txt"))
+
+
+def _raise_failure(
+    err: mp.ProcessRaisedException | mp.ProcessExitedException,
+    relay: _SignalRelay,
+    results: Path,
+    nproc: int,
+    started: float,
+    deadline: float | None,
+) -> NoReturn:
+    """Raise what the ranks' end means: a signal's exit, or the root cause's error."""
+    relay.stop()
+    # A rank that raised exits with code 1 and a marker (see _spawned_rank); torch's
+    # own report of a raise (ProcessRaisedException) remains for an error before it.
+    raised = isinstance(err, mp.ProcessRaisedException)
+    exit_code = getattr(err, "exit_code", 1)
+    if relay.received is not None:
+        if raised or (results / f"raised-rank-{err.error_index}").exists():
+            _, detail = _root_cause(results, err.error_index, err.msg)
+            if relay.received == signal.SIGINT or _is_peer_failure(Exception(detail)):
+                raise _signal_exit(relay.received) from None
+        elif exit_code != EXIT_PREEMPTED:
+            raise _signal_exit(relay.received) from None
+    raise _failure(
+        results,
+        nproc,
+        err.error_index,
+        exit_code,
+        getattr(err, "signal_name", None),
+        err.msg,
+        raised,
+        time.monotonic() - started,
+        deadline,
+    ) from None
 
 
 def _failure(
