@@ -208,3 +208,21 @@ def test_a_mid_epoch_resume_at_another_world_size_sees_each_sample_once(
     resumed = run_at(new_world, folder, "resume", 0, 3, batch_after)
     assert all(2 not in r["loaded"] or r["loaded"][2] for r in stopped)
     check_elastic(stopped, resumed, epoch=2, batch_after=batch_after)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resume_at_another_world_size_says_whether_the_global_batch_changed(tmp_path, caplog):
+    """Saved by 2 ranks of BATCH, resumed by 1 rank: with twice the per-rank batch the global
+    batch stays what it was (as ``training.global_batch_size`` makes it), with the same one it
+    halves; the warning says which, with both sizes."""
+    length = math.ceil(math.ceil(SIZE / 2) / BATCH)
+    folder = str(tmp_path)
+    run_at(2, folder, "stop", length + 2, 3, BATCH)
+    caplog.set_level("WARNING", logger="unison")
+    run_at(1, folder, "resume", 0, 3, 2 * BATCH)
+    notes = [r.getMessage() for r in caplog.records if "saved mid-epoch with world size 2" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].endswith(
+        f"the global batch stays {2 * BATCH} ({BATCH} -> {2 * BATCH} per rank)."
+    ), notes

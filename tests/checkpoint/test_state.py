@@ -31,6 +31,7 @@ from unison.checkpoint.state import (
     refit_epoch_length,
     rng_of_rank,
     to_cpu_copy,
+    world_size_note,
 )
 from unison.distributed import TrainSampler
 
@@ -332,8 +333,30 @@ def test_a_checkpoint_that_does_not_fit_is_refused(state, names, world_size, mes
 def test_another_world_size_at_an_epoch_boundary_is_a_warning():
     warning = check_checkpoint(_saved(), source="f.pt", names=["model"], world_size=1)
     assert warning == (
-        "Resuming f.pt, saved with world size 2, on 1 ranks: the global batch changes from here on."
+        "Resuming f.pt, saved with world size 2, on 1 ranks: the global batch changes from here on, "
+        "unless the per-rank batch size was changed to match."
     )
+
+
+@pytest.mark.parametrize(
+    "saved, now, layout, expected",
+    [
+        ((2, 8, 1), 4, (4, 1), "the global batch stays 16 (8 -> 4 per rank)."),
+        ((2, 8, 2), 1, (16, 2), "the global batch stays 32 (8 -> 16 per rank)."),
+        ((2, 8, 1), 1, (8, 1), "the global batch changes from 16 to 8 from here on."),
+        ((2, None, 1), 1, (8, 1), "the global batch changes from here on, unless the per-rank batch size"),
+        ((2, 8, 1), 1, (None, 1), "the global batch changes from here on, unless the per-rank batch size"),
+    ],
+    ids=["stays", "stays-accumulating", "halves", "saved-size-unknown", "size-unknown"],
+)
+def test_the_world_size_note_says_whether_the_global_batch_changed(saved, now, layout, expected):
+    """A run with ``training.global_batch_size`` keeps its global batch at any world size: the
+    note must not say it changes when it does not."""
+    world, size, steps = saved
+    meta = {"world_size": world, "batch_size": size, "accumulation_steps": steps, "mid_epoch": False}
+    note = world_size_note(meta, source="f.pt", world_size=now, layout=layout)
+    assert note.startswith(f"Resuming f.pt, saved with world size {world}, on {now} ranks: ")
+    assert expected in note
 
 
 @pytest.mark.parametrize(

@@ -293,7 +293,12 @@ def rng_of_rank(rng: Sequence[Mapping[str, Any]], rank: int) -> Mapping[str, Any
 
 
 def check_checkpoint(
-    state: Mapping[str, Any], *, source: str, names: Iterable[str], world_size: int
+    state: Mapping[str, Any],
+    *,
+    source: str,
+    names: Iterable[str],
+    world_size: int,
+    layout: tuple[int | None, int] | None = None,
 ) -> str | None:
     """Checks that a loaded checkpoint fits this run, before anything is loaded from it.
 
@@ -302,6 +307,8 @@ def check_checkpoint(
         source: the file it came from, for messages.
         names: the names of the objects to load (the keys of ``to_save``).
         world_size: this run's number of ranks.
+        layout: this run's per-rank batch size and accumulation steps, when known
+            (:func:`world_size_note`).
 
     Returns:
         None, or a warning when it was saved with another world size.
@@ -340,14 +347,41 @@ def check_checkpoint(
                 "or from a checkpoint taken at an epoch's end. It holds no TrainSampler position over "
                 f"{meta['world_size']} ranks to reshard the epoch's remaining samples from."
             )
+    return world_size_note(meta, source=source, world_size=world_size, layout=layout)
+
+
+def world_size_note(
+    meta: Mapping[str, Any], *, source: str, world_size: int, layout: tuple[int | None, int] | None = None
+) -> str:
+    """What a resume at another world size changes, for the log.
+
+    Args:
+        meta: the checkpoint's ``meta`` entry.
+        source: the file, for the message.
+        world_size: this run's number of ranks.
+        layout: this run's per-rank batch size (None when the data has no fixed one) and
+            accumulation steps; None when not known yet.
+
+    Example:
+        >>> meta = {"world_size": 2, "batch_size": 8, "accumulation_steps": 1, "mid_epoch": False}
+        >>> world_size_note(meta, source="f.pt", world_size=4, layout=(4, 1))
+        'Resuming f.pt, saved with world size 2, on 4 ranks: the global batch stays 16 (8 -> 4 per rank).'
+    """
+    where = "mid-epoch " if meta["mid_epoch"] else ""
+    head = f"Resuming {source}, saved {where}with world size {meta['world_size']}, on {world_size} ranks: "
+    if meta["mid_epoch"]:
+        head += "the epoch's remaining samples are sharded over them, and "
+    before_size, before_steps = meta.get("batch_size"), meta.get("accumulation_steps") or 1
+    size, steps = layout if layout is not None else (None, 1)
+    if before_size is None or size is None:
         return (
-            f"Resuming {source}, saved mid-epoch with world size {meta['world_size']}, on {world_size} ranks: "
-            "the epoch's remaining samples are sharded over them, and the global batch changes from here on."
+            head
+            + "the global batch changes from here on, unless the per-rank batch size was changed to match."
         )
-    return (
-        f"Resuming {source}, saved with world size {meta['world_size']}, on {world_size} ranks: "
-        "the global batch changes from here on."
-    )
+    before, now = meta["world_size"] * before_size * before_steps, world_size * size * steps
+    if before == now:
+        return head + f"the global batch stays {now} ({before_size} -> {size} per rank)."
+    return head + f"the global batch changes from {before} to {now} from here on."
 
 
 def check_layout(meta: Mapping[str, Any], *, batch_size: int | None, accumulation_steps: int) -> str | None:

@@ -41,6 +41,7 @@ from unison.checkpoint.state import (
     object_states,
     restore_rng,
     rng_of_rank,
+    world_size_note,
 )
 from unison.checkpoint.verify import to_plain
 from unison.checkpoint.vetting import vetted
@@ -161,6 +162,7 @@ class Checkpoint:
         self._last_saved_iteration = -1
         self._save_due = False
         self._pending_resume: dict[str, Any] | None = None
+        self._resumed_from = ""  # the file the pending resume came from, for its messages
         self._pending_rng: Mapping[str, Any] | None = None
         self.data = DataTracker()
         """Where the training data's iterator stands (the sampler position of a save)."""
@@ -330,7 +332,9 @@ class Checkpoint:
             entry = entry_for(state["meta"], self.manifest.prefix, sharded=bool(names))
         if shards is not None:  # every rank writes its shards; rank 0 the rest, then records
             name = entry_for(trainer_position(engine)._asdict(), self.manifest.prefix, sharded=True).file
-            path = save_sharded(self.writer, name, state, shards, entry, async_group=background_group(self.writer))
+            path = save_sharded(
+                self.writer, name, state, shards, entry, async_group=background_group(self.writer)
+            )
         elif state is None or entry is None:
             return None
         else:
@@ -370,9 +374,9 @@ class Checkpoint:
             _log.info("No checkpoint in %s: starting fresh.", self.folder)
             return None
         state = load_checkpoint(choice, checked=which == "auto" and get_rank() == 0)  # choose() read it whole
-        change = check_checkpoint(state, source=choice, names=self.to_save, world_size=get_world_size())
-        if change is not None:
-            _log.warning("%s", change)
+        # Raises for what does not fit; the note on another world size waits for the run's layout.
+        check_checkpoint(state, source=choice, names=self.to_save, world_size=get_world_size())
+        self._resumed_from = choice
         meta = state["meta"]
         load_states(self._objects(self.trainer), state, Path(choice), self.to_save)
         self.trainer.load_state_dict(state["trainer"])
@@ -390,6 +394,16 @@ class Checkpoint:
         saved = rank_view(state.get("sampler") if state and position.kind == "sampler" else None, get_rank())
         if state is not None:  # the data decides the epoch length, not the checkpoint
             batch_size, steps = trainer_layout(engine)
+            if state["meta"]["world_size"] != get_world_size():
+                _log.warning(
+                    "%s",
+                    world_size_note(
+                        state["meta"],
+                        source=self._resumed_from,
+                        world_size=get_world_size(),
+                        layout=(batch_size, steps),
+                    ),
+                )
             saved = fit_to_data(
                 engine, trainer_position(engine), state["meta"], saved, layout=(batch_size, steps)
             )
