@@ -74,11 +74,6 @@ def _spawn(
     deadline: float | None,
 ) -> list[Any]:
     port = master_port if master_port is not None else find_free_port(master_addr)
-    if start_method == "forkserver":
-        # The fork server imports these once; each rank then starts in a fraction of a second.
-        mp.get_context("forkserver").set_forkserver_preload(
-            ["torch", "torch._dynamo", "ignite.engine", "unison"]
-        )
     environ = dict(os.environ)  # each rank's, once its group exists: SLURM's variables included
     with (
         tempfile.TemporaryDirectory(prefix="unison-launch-") as tmp,
@@ -87,7 +82,7 @@ def _spawn(
     ):
         results = Path(tmp)
         started = time.monotonic()
-        unblock = _start_helpers(start_method)
+        unblock = start_fork_server() if start_method == "forkserver" else _start_helpers(start_method)
         tries = 1 if master_port is not None else _PORT_TRIES
         for attempt in range(1, tries + 1):
             try:
@@ -125,6 +120,20 @@ def _spawn(
 
 
 _PORT_TRIES = 3
+_PRELOAD = ["torch", "torch._dynamo", "ignite.engine", "unison"]
+
+
+def start_fork_server() -> tuple[int, ...]:
+    """Starts the fork server that a ``start_method="forkserver"`` launch forks its ranks from,
+    if it is not running yet, and returns the signals its ranks unblock (see ``_start_helpers``).
+
+    The server imports torch, ignite and unison once, in the background; each rank is then a
+    fork of it and starts in a fraction of a second instead of importing them again. Called
+    early, as ``unison run`` does before it plans and checks the config, the imports overlap
+    that work.
+    """
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    return _start_helpers("forkserver")
 
 
 def _port_was_taken(err: mp.ProcessRaisedException, results: Path) -> bool:

@@ -39,6 +39,7 @@ from unison.distributed import (
     get_world_size,
     launch,
 )
+from unison.distributed.spawn import start_fork_server
 from unison.engine.empty_epochs import EmptyDataError
 from unison.handlers import EXIT_PREEMPTED
 from unison.recipe.build.assemble import build_run
@@ -334,10 +335,12 @@ def run(
     elif overrides:
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
     mark("config")
+    launcher = detect_launcher()
+    if launcher.kind == "none" and (nproc or config.parallel.nproc_per_node) is not None:
+        start_fork_server()  # the ranks' imports, done once while this process plans and checks
     world = launch_world_size(config, nproc)  # a global batch size is divided by it: checked here
     planned = plan(config, world_size=world)  # every slot resolved, every derived value computed once
     mark("plan")
-    launcher = detect_launcher()
     if launcher.kind != "none" and nproc is not None:
         raise ValueError(
             f"--nproc {nproc} was given, but this process is already one rank started by {launcher.describe()}; "
@@ -370,7 +373,7 @@ def launch_config(
     resume: str | None,
     nproc_per_node: int | None,
     attach: Attach | None = None,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
     quiet: bool = False,
 ) -> list[dict[str, Any]]:
     """Runs :func:`train_from_config` on every rank, started with the config's ``parallel`` keys
