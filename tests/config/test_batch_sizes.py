@@ -136,3 +136,18 @@ def test_a_dumped_config_with_a_global_batch_loads_back(tmp_path: Path) -> None:
     again.write_text(dump_config(c))
     assert load_config(again) == c
     assert batch_sizes(load_config(again), 4) == batch_sizes(c, 4)
+
+
+def test_predictions_take_a_global_size_too(tmp_path: Path) -> None:
+    """``predict.global_batch_size`` divides over the ranks like the evaluation sections' sizes;
+    without it predictions take validation's per-rank batch."""
+    c = _config(tmp_path, "training:\n  batch_size: 5\npredict:\n  enabled: true\n  global_batch_size: 12\n")
+    assert {w: batch_sizes(c, w).predict for w in (1, 2, 3)} == {1: 12, 2: 6, 3: 4}
+    with pytest.raises(ConfigError) as err:
+        batch_sizes(c, 5)
+    text = str(err.value)
+    assert ":9: predict.global_batch_size: 12 (samples per prediction step across all ranks)" in text, text
+    assert "run on 1, 2, 3, 4, 6 or 12 ranks" in text, text
+    with pytest.raises(ConfigError, match="predict.global_batch_size: set together with predict.batch_size"):
+        _config(tmp_path, "predict:\n  batch_size: 4\n  global_batch_size: 12\n")
+    assert batch_sizes(_config(tmp_path, "validation:\n  batch_size: 7\n"), 2).predict == 7

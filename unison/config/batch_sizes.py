@@ -7,8 +7,9 @@ samples of one optimizer update across all ranks, as DeepSpeed's ``train_batch_s
 Megatron's ``global_batch_size`` and the "total batch size" Accelerate and the Hugging Face
 Trainer log mean it: at ``world_size`` ranks each rank takes ``global_batch_size / (world_size x
 accumulation_steps)`` per step, so a run at 1 rank and one at 8 see the same samples per update.
-``validation.global_batch_size`` and ``testing.global_batch_size`` are the samples of one
-evaluation step across all ranks (no accumulation there): ``global / world_size`` per rank.
+``validation.global_batch_size``, ``testing.global_batch_size`` and ``predict.global_batch_size``
+are the samples of one evaluation (or prediction) step across all ranks (no accumulation there):
+``global / world_size`` per rank.
 
 A section gives one or the other. When the file gives one and ``--set`` the other, the command
 line wins (as it does for a key written under two names); both in the file, both on the command
@@ -34,7 +35,7 @@ from unison.config.schema import Config
 DEFAULT_BATCH_SIZE = 32
 """Samples per rank per step when a section gives neither ``batch_size`` nor ``global_batch_size``."""
 
-SECTIONS = ("training", "validation", "testing")
+SECTIONS = ("training", "validation", "testing", "predict")
 """The sections that take a ``global_batch_size``."""
 
 GLOBAL_MEANS = (
@@ -51,7 +52,8 @@ class BatchSizes:
         training: samples per rank per step (a micro-batch, with accumulation).
         validation: per rank; default the training one.
         testing: per rank; default the validation one.
-        predict: per rank (``predict.batch_size``); default the validation one.
+        predict: per rank (``predict.batch_size`` or ``predict.global_batch_size``); default the
+            validation one.
     """
 
     world_size: int
@@ -94,7 +96,8 @@ def batch_sizes(config: Config, world_size: int) -> BatchSizes:
         config.origin, "validation", v.batch_size, v.global_batch_size, world_size, training
     )
     testing = _section(config.origin, "testing", s.batch_size, s.global_batch_size, world_size, validation)
-    predict = config.predict.batch_size or validation
+    p = config.predict
+    predict = _section(config.origin, "predict", p.batch_size, p.global_batch_size, world_size, validation)
     return BatchSizes(world_size, training, validation, testing, predict)
 
 
@@ -120,12 +123,15 @@ def _per_rank(origin: Origin, section: str, total: int, world_size: int, accumul
         if worlds
         else f"no world size divides it: make it a multiple of {accumulation} (training.accumulation_steps)"
     )
-    meaning = GLOBAL_MEANS if section == "training" else "samples per evaluation step across all ranks"
+    meaning = GLOBAL_MEANS if section == "training" else f"samples per {_STEP[section]} step across all ranks"
     raise origin.error(
         (section, "global_batch_size"),
         f"{total} ({meaning}) does not divide over {over}: {total / unit:g} per rank and step. Set a "
         f"multiple of {unit} ({multiples}), {where}; or give {section}.batch_size (per rank) instead",
     )
+
+
+_STEP = {"validation": "evaluation", "testing": "evaluation", "predict": "prediction"}
 
 
 def _listed(items: list[str], most: int = 8) -> str:
