@@ -118,9 +118,14 @@ class Agents:
     port: int = field(default_factory=find_free_port)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     timeout: float = RUN_TIMEOUT_S
+    store: int | None = None
+    """The port of a rendezvous store served by ``unison store`` (every agent a client); None:
+    node A's agent serves it (torchrun's default for the host the endpoint names)."""
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.timeout
+        if self.store is not None:
+            self.port = self.store
 
     @property
     def flag(self) -> Path:
@@ -141,7 +146,8 @@ class Agents:
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # a shared store breaks a re-formed group
             PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
         )
-        conf = ",".join([f"is_host={int(node == 'A')}", *(f"{k}={v}" for k, v in self.rdzv_conf.items())])
+        hosts = self.store is None and node == "A"
+        conf = ",".join([f"is_host={int(hosts)}", *(f"{k}={v}" for k, v in self.rdzv_conf.items())])
         kwargs = {"trace": str(self.trace_dir), "flag": str(self.flag), **self.fault}
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
@@ -234,6 +240,33 @@ def node_lost(root: Path, rdzv_conf: dict[str, int], at: int = 7, timeout: float
         fault_t = time.time()
         agents.kill("B")
         return agents.finish(fault_t)
+
+
+def host_lost(
+    root: Path,
+    rdzv_conf: dict[str, int],
+    store: int | None,
+    who: str = "rank0",
+    at: int = 7,
+    timeout: float = RUN_TIMEOUT_S,
+) -> tuple[Outcome, str]:
+    """The worker of ``who`` (a node, or ``"rank0"``: rank 0's) stops at step ``at``; its node
+    (agent and worker) is then killed (SIGKILL). ``store``: the port of a ``unison store`` the
+    agents use, or None for the store node A's agent serves. Returns the outcome and the node
+    that was lost."""
+    with Agents(
+        root, rdzv_conf, {"node": who, "at": at, "fault": "hang"}, timeout=timeout, store=store
+    ) as agents:
+        start_both(agents)
+        agents.flag_time()
+        fault_t = time.time()
+        lost = (
+            who
+            if who != "rank0"
+            else next(r["node"] for r in agents._trace() if r["rank"] == 0 and r["step"] == at)
+        )
+        agents.kill(lost)
+        return agents.finish(fault_t), lost
 
 
 def worker_crash(

@@ -5,7 +5,7 @@
 - ``TraceNet``: a tiny classifier that, in each training step, appends one JSON line to
   ``<trace>/<node>-<pid>.jsonl``: the time, the node (``PROBE_NODE`` in the agent's
   environment), rank, world size, this process's step count and the ids of the batch. On
-  node ``node``, at the ``at``-th step of the first worker group (the file ``flag`` does not
+  node ``node`` (or on rank 0's node, for ``node="rank0"``), at the ``at``-th step of the first worker group (the file ``flag`` does not
   exist yet), it creates ``flag`` (holding the time) and then, by ``fault``:
 
   - ``"hang"``: sleeps until it is killed (its node is lost);
@@ -53,9 +53,15 @@ class TraceNet(nn.Module):
         if self.training:
             self.steps += 1
             self._record(x)
-            if self.fault != "none" and self.steps == self.at and os.environ.get("PROBE_NODE") == self.node:
+            if self.fault != "none" and self.steps == self.at and self._faults_here():
                 self._fault()
         return self.net(x)
+
+    def _faults_here(self) -> bool:
+        """This worker meets the fault: its node is ``node``, or ``node`` is ``"rank0"`` and it is rank 0."""
+        if self.node == "rank0":
+            return os.environ.get("RANK") == "0"
+        return os.environ.get("PROBE_NODE") == self.node
 
     def _record(self, x: torch.Tensor) -> None:
         line = {

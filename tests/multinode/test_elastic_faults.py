@@ -10,6 +10,10 @@
   the agreed iteration and exit 75; B's torchrun exits 1 (torch re-raises its SignalException
   and leaves the rendezvous open), and A's agent restarts its group alone from that checkpoint.
 
+- **rank 0's node lost, the store on a host of its own** (``unison store``): the other node
+  re-forms alone and finishes; with the store on node A's agent (torchrun's default), losing A
+  ends the job.
+
 A worker crash at the same world size (bitwise against an uninterrupted run) and a second job
 beside a first are in test_elastic_torchrun.py. The sample ids each rank trained on are traced
 by the model (fault_probe.TraceNet): the epoch's truth is every id of the dataset, once.
@@ -17,10 +21,14 @@ by the model (fault_probe.TraceNet): the epoch's truth is every id of the datase
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
-from elastic_faults import BATCH, EVERY, SIZE, TUNED, Outcome, agent_sigterm, node_joins, node_lost
+from _procs import kill_tree
+from elastic_faults import BATCH, EVERY, SIZE, TUNED, Outcome, agent_sigterm, host_lost, node_joins, node_lost
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TIMEOUT_S = 240
@@ -82,3 +90,47 @@ def test_sigterm_to_one_agent_saves_at_an_agreed_iteration_and_the_other_node_go
     assert out.resumed == [at], out.show()
     assert worlds(out.after()) == {("A", 1)}, out.show()
     trained_once(out, at)
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A rendezvous store served by ``unison store`` in a session of its own; ended by its PID."""
+    ready = tmp_path / "store.port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unison", "store", "--port", "0", "--ready", str(ready)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        yield int(ready.read_text())
+        assert proc.poll() is None, "the store must outlive the lost node"
+    finally:
+        kill_tree(proc)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_with_the_store_on_a_host_of_its_own_losing_rank_0s_node_leaves_a_job_that_finishes(tmp_path, store):
+    """The rendezvous store outlives the node of rank 0 (its agent and worker killed): the
+    other node re-forms the group alone and finishes the epoch from the newest checkpoint."""
+    at = 7
+    out, lost = host_lost(tmp_path, TUNED, store, who="rank0", at=at)
+    kept = ({"A", "B"} - {lost}).pop()
+    assert out.codes == {lost: -9, kept: 0}, out.show()
+    assert worlds(out.before()) == {("A", 2), ("B", 2)}, f"the group should form at 2 first\n{out.show()}"
+    newest = (at - 1) // EVERY * EVERY
+    assert out.resumed == [newest], out.show()
+    assert worlds(out.after()) == {(kept, 1)}, out.show()
+    trained_once(out, newest)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_with_the_store_on_node_a_losing_node_a_ends_the_job(tmp_path):
+    """What the store of its own is for: served by node A's agent (torchrun's default for the
+    host the endpoint names), the store goes with node A, and node B cannot re-form the group."""
+    out, lost = host_lost(tmp_path, TUNED, None, who="A", at=7)
+    assert lost == "A" and out.codes["A"] == -9, out.show()
+    assert out.codes["B"] not in (0, None), f"node B should fail without its rendezvous\n{out.show()}"
+    assert not out.after(), "no group should train after the store's host was lost"

@@ -82,6 +82,12 @@ def _doctor(args: argparse.Namespace) -> int:
     return run_doctor(master_port=args.master_port)
 
 
+def _store(args: argparse.Namespace) -> int:
+    from unison.cli.store import serve_store
+
+    return serve_store(args.port, ready=args.ready)
+
+
 def _plot(args: argparse.Namespace) -> int:
     from unison.cli.plot import plot_run
     from unison.cli.plot_compare import plot_compare
@@ -224,6 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the rendezvous port to check (default MASTER_PORT or 29500)",
     )
     doctor.set_defaults(handler=_doctor)
+
+    store = commands.add_parser(
+        "store",
+        help="serve torchrun's rendezvous store on a host that trains nothing, so that it outlives any node",
+        description="Serves the TCP store of torchrun's c10d rendezvous until SIGTERM or Ctrl-C. Start every "
+        "agent with --rdzv-endpoint=THISHOST:PORT --rdzv-conf=is_host=0: the job then survives the loss of "
+        "any training node, rank 0's included (docs/launching.md).",
+    )
+    store.add_argument(
+        "--port", type=int, default=29400, help="the port to serve on (default 29400; 0: a free one)"
+    )
+    store.add_argument("--ready", default=None, metavar="FILE", help="write the port to FILE once serving")
+    store.set_defaults(handler=_store)
 
     plot = commands.add_parser("plot", help="draw a run's training and validation curves to a PNG")
     plot.add_argument("run_dir", nargs="?", default=None, help="a run directory (runs/<name>/<timestamp>)")

@@ -249,7 +249,6 @@ class TestingConfig:
     enabled: bool = option(True, "evaluate the test set after training, when data.build returns one")
     batch_size: int | None = option(None, "per-rank batch size; default validation's per-rank batch")
     global_batch_size: int | None = option(None, "samples per step across all ranks; instead of batch_size")
-    global_batch_size: int | None = option(None, "samples per step across all ranks; instead of batch_size")
     use_best: bool = option(True, "load the best checkpoint by checkpoint.metric before testing")
     num_workers: int | None = option(None, "DataLoader worker processes; default validation.num_workers")
     pin_memory: bool | None = option(None, "pin host memory; default validation.pin_memory")
