@@ -1,0 +1,166 @@
+"""A killed replica group costs the others no step and no restart, and rejoins from a live peer.
+
+A real torchft lighthouse in the test process; two replica groups of one rank each, each its
+own process (``_replica_worker.py``), training a tiny model on fixed data. Group 1 is
+SIGKILLed at a fixed step while both groups share the quorum; group 0 must commit its next
+step within seconds, in the same process, with no step number and no batch of its own missing.
+Group 1, started again with other initial weights, must take weights and optimizer state from
+group 0 (no file read), and from then on both groups' weights and optimizer state are bitwise
+equal at every step both commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from _procs import kill_tree  # noqa: E402
+
+from unison.distributed import TrainSampler  # noqa: E402
+from unison.distributed.replica_group import Lighthouse  # noqa: E402
+
+WORKER = Path(__file__).with_name("_replica_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+KILL_AT = 6
+"""Group 1 is killed once it has committed this many steps in the shared quorum."""
+
+
+def _start(lighthouse: str, replica_id: int, out: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with open(out / f"output{replica_id}-{time.monotonic_ns()}.txt", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, str(WORKER), lighthouse, str(replica_id), str(out), *extra],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _lines(out: Path, replica_id: int) -> list[dict]:
+    path = out / f"group{replica_id}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _steps(out: Path, replica_id: int, pid: int | None = None) -> list[dict]:
+    return [x for x in _lines(out, replica_id) if "step" in x and (pid is None or x["pid"] == pid)]
+
+
+def _wait(condition, timeout: float, what: str, procs: list[subprocess.Popen], out: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            break
+        time.sleep(0.05)
+    outputs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(out.glob("output*.txt")))
+    pytest.fail(
+        f"{what}: not seen in {timeout:g} s (exited: {[p.args[3] for p in procs if p.poll() is not None]})\n{outputs}"
+    )
+
+
+def _shared_steps(out: Path, pid1: int) -> list[int]:
+    """Steps both groups committed with the same weights (group 1 as process ``pid1``)."""
+    zero = {x["step"]: x["weights"] for x in _steps(out, 0)}
+    return [x["step"] for x in _steps(out, 1, pid1) if zero.get(x["step"]) == x["weights"]]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_group_costs_no_step_and_rejoins_from_a_live_peer(tmp_path: Path) -> None:
+    procs: list[subprocess.Popen] = []
+    with Lighthouse(min_replicas=1) as lighthouse:
+        try:
+            group0 = _start(lighthouse.address, 0, tmp_path)
+            group1 = _start(lighthouse.address, 1, tmp_path)
+            procs += [group0, group1]
+            _wait(
+                lambda: len(_shared_steps(tmp_path, group1.pid)) >= KILL_AT,
+                120,
+                "both groups in one quorum",
+                procs,
+                tmp_path,
+            )
+
+            group1.send_signal(signal.SIGKILL)
+            killed_at = time.time()
+            group1.wait(timeout=10)
+            procs.remove(group1)
+            steps_at_kill = len(_steps(tmp_path, 0))
+            after = _wait(
+                lambda: [x for x in _steps(tmp_path, 0) if x["time"] > killed_at],
+                30,
+                "group 0's next commit",
+                procs,
+                tmp_path,
+            )
+            assert after[0]["time"] - killed_at < 10.0, (
+                f"group 0 committed {after[0]['time'] - killed_at:.1f} s after the kill"
+            )
+            assert after[0]["pid"] == group0.pid  # the same process: no restart
+            _wait(
+                lambda: len(_steps(tmp_path, 0)) >= steps_at_kill + 5,
+                30,
+                "group 0 training alone",
+                procs,
+                tmp_path,
+            )
+
+            rejoined = _start(lighthouse.address, 1, tmp_path, "--seed", "5")
+            procs.append(rejoined)
+            _wait(
+                lambda: len(_steps(tmp_path, 1, rejoined.pid)) >= 8, 120, "group 1 rejoining", procs, tmp_path
+            )
+        finally:
+            (tmp_path / "stop").touch()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+            kill_tree(*procs)
+    assert group0.returncode == 0 and rejoined.returncode == 0
+
+    zero = _steps(tmp_path, 0)
+    assert {x["pid"] for x in zero} == {group0.pid}
+    # No step lost: group 0's commits are numbered 1, 2, 3, ... and it read its share of the
+    # data in the sampler's order, each batch once: a failed try is retried on the same batch.
+    assert [x["step"] for x in zero] == list(range(1, len(zero) + 1))
+    sampler = TrainSampler(range(512), seed=7, rank=0, world_size=2)
+    seen = [i for x in zero for i in x["samples"]]
+    share = len(sampler)
+    for epoch, start in enumerate(range(0, len(seen), share)):
+        sampler.set_epoch(epoch)
+        assert seen[start : start + share] == list(sampler)[: len(seen) - start], f"epoch {epoch}"
+
+    # Live recovery: group 1 started with other weights, took group 0's at the quorum's step.
+    starts = [x for x in _lines(tmp_path, 1) if "start" in x]
+    assert starts[-1]["start"] == rejoined.pid
+    assert starts[-1]["weights"] != [x for x in _lines(tmp_path, 0) if "start" in x][0]["weights"]
+    again = _steps(tmp_path, 1, rejoined.pid)
+    assert again[0]["step"] > steps_at_kill  # it did not start over at step 1
+    by_step = {x["step"]: x for x in zero}
+    both = [x for x in again if x["step"] in by_step]
+    assert len(both) >= 5
+    for x in both:
+        assert (x["weights"], x["optimizer"]) == (
+            by_step[x["step"]]["weights"],
+            by_step[x["step"]]["optimizer"],
+        ), x["step"]
+    reads = [x for i in (0, 1) for x in _lines(tmp_path, i) if "disk_read" in x]
+    assert reads == [], reads
