@@ -122,6 +122,24 @@ class Lighthouse:
         self.shutdown()
 
 
+def _group_ddp() -> type:
+    from torchft.ddp import DistributedDataParallel
+
+    class GroupDDP(DistributedDataParallel):  # type: ignore[misc]
+        """torchft's DDP, with the bucket averaged inside the group before the quorum's average."""
+
+        @staticmethod
+        def _comm_hook(state: Any, bucket: Any) -> Any:
+            dist = torch.distributed
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                buffer = bucket.buffer()
+                dist.all_reduce(buffer)
+                buffer.div_(dist.get_world_size())
+            return DistributedDataParallel._comm_hook(state, bucket)
+
+    return GroupDDP
+
+
 class ReplicaGroup:
     """This process's rank in one replica group: the torchft Manager and what hangs on it.
 
@@ -183,12 +201,11 @@ class ReplicaGroup:
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """The model inside torchft's DDP: gradients averaged over the groups of each step's quorum.
 
-        Inside a group of several ranks, the same average covers them too (torchft's process group
-        spans every rank of every group of the quorum).
+        torchft's process group joins rank ``r`` of each group with rank ``r`` of the others; in a
+        group of several ranks, each bucket is first averaged over the group's own ranks (its
+        default process group), so every rank of every group ends with the same gradient.
         """
-        from torchft.ddp import DistributedDataParallel
-
-        return DistributedDataParallel(self.manager, model)
+        return _group_ddp()(self.manager, model)
 
     def track(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
         """Registers state a healing group receives from a live one under ``name`` (once per name)."""
