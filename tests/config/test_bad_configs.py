@@ -307,6 +307,49 @@ FILE_CASES = [
         "training.num_epochs",
         ("set twice", "max_epochs"),
     ),
+    # parallel.fault_tolerance: values no quorum runs with, settings groups cannot agree on
+    Bad(
+        "ft-lighthouse-no-scheme",
+        "parallel:\n  fault_tolerance:\n    lighthouse: lighthouse-host:29510  # <-- here\n",
+        "parallel.fault_tolerance.lighthouse",
+        ("http://host:port", "'lighthouse-host:29510'", "torchft_lighthouse"),
+    ),
+    Bad(
+        "ft-replica-id-out-of-range",
+        "parallel:\n  fault_tolerance:\n    lighthouse: http://h:29510\n    replica_groups: 2\n    replica_id: 2  # <-- here\n",
+        "parallel.fault_tolerance.replica_id",
+        ("0 .. replica_groups-1 = 1", "got 2"),
+    ),
+    Bad(
+        "ft-min-replicas-above-groups",
+        "parallel:\n  fault_tolerance:\n    lighthouse: http://h:29510\n    min_replicas: 3  # <-- here\n",
+        "parallel.fault_tolerance.min_replicas",
+        ("1 .. replica_groups = 2", "got 3"),
+    ),
+    Bad(
+        "ft-quorum-timeout-zero",
+        "parallel:\n  fault_tolerance:\n    lighthouse: http://h:29510\n    quorum_timeout: 0  # <-- here\n",
+        "parallel.fault_tolerance.quorum_timeout",
+        ("> 0",),
+    ),
+    Bad(
+        "ft-with-accumulation",
+        "training:\n  accumulation_steps: 2  # <-- here\nparallel:\n  fault_tolerance:\n    lighthouse: http://h:29510\n",
+        "training.accumulation_steps",
+        ("parallel.fault_tolerance", "one batch per committed step"),
+    ),
+    Bad(
+        "ft-with-fp16",
+        "training:\n  amp: fp16  # <-- here\nparallel:\n  fault_tolerance:\n    lighthouse: http://h:29510\n",
+        "training.amp",
+        ("parallel.fault_tolerance", "loss scaler"),
+    ),
+    Bad(
+        "ft-in-unison-run",
+        "parallel:\n  fault_tolerance:  # <-- here\n    lighthouse: http://h:29510\n",
+        "parallel.fault_tolerance",
+        ("create_replica_trainer", "ReplicaSettings"),
+    ),
 ]
 
 # -- the threat model (docs/configuration.md, "What a config can and cannot do") -------------------
@@ -366,7 +409,11 @@ THREAT_CASES = [
         "    out_features: !pyobject torch.utils.collect_env.run  # <-- here\n"
         "data:\n  build: !pyobject MODULE.build\n",
         "model.kwargs.out_features",
-        ("function torch.utils.collect_env.run", "inside model args and kwargs", "nothing that runs commands"),
+        (
+            "function torch.utils.collect_env.run",
+            "inside model args and kwargs",
+            "nothing that runs commands",
+        ),
         whole=True,
     ),
     Bad(

@@ -17,6 +17,7 @@ from unison.config.batch_sizes import check_batch_keys
 from unison.config.checks_base import in_case_of, matches, metric_direction, takes_float
 from unison.config.compat import apply_compat
 from unison.config.data_config import check_data
+from unison.config.fault_tolerance_config import check_fault_tolerance
 from unison.config.handlers_config import check_handlers
 from unison.config.loader import KeyPath, RawConfig
 from unison.config.model_config import check_model
@@ -111,6 +112,7 @@ def validate(raw: RawConfig) -> Config:
     check_handlers(config.handlers, raw)  # handlers: one of type or function each, events that read
     apply_compat(config, raw)  # criterion, early_stopping's type/args/kwargs, evaluator specs
     _check_values(config, raw)
+    check_fault_tolerance(raw, config.parallel.fault_tolerance, config.training, config.parallel)
     check_batch_keys(config, raw.origin)  # batch_size or global_batch_size, per section
     _check_training_extras(config, raw)
     _check_name(config, raw)

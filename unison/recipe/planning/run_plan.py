@@ -144,6 +144,14 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
             ``global_batch_size`` that does not divide over ``world_size`` ranks, a tracking
             store a config may not name, or an early-stopping handler that cannot be built.
     """
+    if config.parallel.fault_tolerance is not None:
+        raise config.origin.error(
+            ("parallel", "fault_tolerance"),
+            "unison run does not run replica groups yet: build the trainer with "
+            "unison.engine.quorum_step.create_replica_trainer and the section's values as "
+            "unison.distributed.replica_group.ReplicaSettings (docs/launching.md, 'Fault tolerance without a "
+            "restart'), or drop parallel.fault_tolerance to run with restart-based recovery",
+        )
     world = world_size if world_size is not None else get_world_size()
     sizes = batch_sizes(config, world)  # before resolving: a size that cannot divide fails first
     refs = _References.of(config)
