@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--pace", type=float, default=0.05, help="seconds each step waits (paces the run)")
+    parser.add_argument("--width", type=int, default=16, help="the hidden layer's width")
+    parser.add_argument("--no-digests", action="store_true", help="no weight digests (timing runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -64,7 +66,7 @@ def main() -> None:
     torch.load = watched_load
 
     torch.manual_seed(args.seed)
-    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(4, args.width), nn.Tanh(), nn.Linear(args.width, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     log.write(json.dumps({"start": os.getpid(), "weights": digest(list(model.parameters()))}) + "\n")
 
@@ -95,13 +97,15 @@ def main() -> None:
             "pid": os.getpid(),
             "time": time.time(),
             "samples": seen,
-            "weights": digest(list(model.parameters())),
-            "optimizer": digest(optimizer_tensors(optimizer)),
         }
+        if not args.no_digests:
+            line["weights"] = digest(list(model.parameters()))
+            line["optimizer"] = digest(optimizer_tensors(optimizer))
         log.write(json.dumps(line) + "\n")
         if (args.out / "stop").exists() or group.step >= args.steps:
             engine.terminate()
-        time.sleep(args.pace)
+        if args.pace:
+            time.sleep(args.pace)
 
     trainer.run(loader, max_epochs=1000)
     log.write(json.dumps({"end": os.getpid(), "failed_tries": trainer.process_function.failed_tries}) + "\n")

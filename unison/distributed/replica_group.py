@@ -125,11 +125,11 @@ class Lighthouse:
 def _group_ddp() -> type:
     from torchft.ddp import DistributedDataParallel
 
-    class GroupDDP(DistributedDataParallel):  # type: ignore[misc]
+    class GroupDDP(DistributedDataParallel):
         """torchft's DDP, with the bucket averaged inside the group before the quorum's average."""
 
         @staticmethod
-        def _comm_hook(state: Any, bucket: Any) -> Any:
+        def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses annotations but GradBucket
             dist = torch.distributed
             if dist.is_initialized() and dist.get_world_size() > 1:
                 buffer = bucket.buffer()
