@@ -86,11 +86,11 @@ def _stop(out: Path, procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def kill_and_rejoin(out: Path) -> dict[str, Any]:
+def kill_and_rejoin(out: Path, pace: float) -> dict[str, Any]:
     from unison.distributed.replica_group import Lighthouse
 
     with Lighthouse(min_replicas=1) as lighthouse:
-        procs = [_start(lighthouse.address, 0, out), _start(lighthouse.address, 1, out)]
+        procs = [_start(lighthouse.address, i, out, "--pace", str(pace)) for i in (0, 1)]
         try:
 
             def shared() -> bool:
@@ -106,18 +106,20 @@ def kill_and_rejoin(out: Path) -> dict[str, Any]:
             )
             _wait(lambda: len([x for x in _steps(out, 0) if x["time"] > killed]) >= 10, 60, "group 0 alone")
             started = time.time()
-            procs[1] = _start(lighthouse.address, 1, out, "--seed", "5")
+            procs[1] = _start(lighthouse.address, 1, out, "--seed", "5", "--pace", str(pace))
             first = _wait(lambda: _steps(out, 1, procs[1].pid), 120, "group 1 rejoining")[0]
             _wait(lambda: len(_steps(out, 1, procs[1].pid)) >= 5, 60, "group 1 training")
         finally:
             _stop(out, procs)
     zero = _steps(out, 0)
-    numbers = [x["step"] for x in zero]
+    numbers = [
+        x["step"] for x in zero
+    ]  # from group 0's first commit (later than 1 if it healed at its start)
     ends = [x for x in _lines(out, 0) if "end" in x]
     around = [x["time"] for x in zero if started - 1 <= x["time"] <= first["time"] + 1]
     return {
         "kill_to_next_commit_s": after[0]["time"] - killed,
-        "steps_lost": len(set(range(1, max(numbers) + 1)) - set(numbers)),
+        "steps_lost": len(set(range(numbers[0], numbers[-1] + 1)) - set(numbers)),
         "tries_redone": ends[0]["failed_tries"] if ends else None,
         "survivor_restarted": len({x["pid"] for x in zero}) != 1,
         "rejoin_start_to_first_commit_s": first["time"] - started,
@@ -184,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kills", type=int, default=None, help="kill and rejoin rounds (default 3; 1 with --quick)"
     )
+    parser.add_argument(
+        "--pace",
+        type=float,
+        default=0.0,
+        help="seconds each step waits in the kill rounds (0: the kill lands mid-step)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the report here, as JSON")
     args = parser.parse_args(argv)
     kills = args.kills if args.kills is not None else (1 if args.quick else 3)
@@ -194,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for i in range(kills):
         with tempfile.TemporaryDirectory() as tmp:
-            rounds.append(kill_and_rejoin(Path(tmp)))
+            rounds.append(kill_and_rejoin(Path(tmp), args.pace))
         print(f"kill round {i + 1}: {rounds[-1]}", flush=True)
     keys = list(rounds[0])
     C.print_table(

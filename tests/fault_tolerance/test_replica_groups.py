@@ -138,9 +138,10 @@ def test_a_killed_group_costs_no_step_and_rejoins_from_a_live_peer(tmp_path: Pat
 
     zero = _steps(tmp_path, 0)
     assert {x["pid"] for x in zero} == {group0.pid}
-    # No step lost: group 0's commits are numbered 1, 2, 3, ... and it read its share of the
+    # No step lost: group 0's commits are numbered without a gap, and it read its share of the
     # data in the sampler's order, each batch once: a failed try is retried on the same batch.
-    assert [x["step"] for x in zero] == list(range(1, len(zero) + 1))
+    first = zero[0]["step"]  # 1, or later where group 1 committed alone before group 0 joined (and healed it)
+    assert [x["step"] for x in zero] == list(range(first, first + len(zero)))
     sampler = TrainSampler(range(512), seed=7, rank=0, world_size=2)
     seen = [i for x in zero for i in x["samples"]]
     share = len(sampler)
