@@ -3,7 +3,8 @@
 It trains a tiny model on fixed data with :func:`create_replica_trainer` and appends one JSON
 line per committed step to ``OUT/group<ID>.jsonl``: the step, its pid, the time, the data it
 saw, and digests of the weights and of the optimizer's state. It stops when ``OUT/stop`` exists
-or after ``--steps`` commits. Any ``torch.load`` of a file is recorded as a ``disk_read`` line.
+or after ``--steps`` commits, and SIGKILLs itself inside its next step once ``OUT/kill<ID>``
+exists: after joining the step's quorum, before the gradient's all-reduce. Any ``torch.load`` of a file is recorded as a ``disk_read`` line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -85,6 +87,13 @@ def main() -> None:
 
     def prepare(batch, device, non_blocking):
         index, xb, yb = batch
+        if (
+            args.out / f"kill{args.replica_id}"
+        ).exists():  # in the step: after its quorum, before its all-reduce
+            log.write(
+                json.dumps({"killed": os.getpid(), "time": time.time(), "at_step": group.step + 1}) + "\n"
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
         seen[:] = index.tolist()
         return xb, yb
 

@@ -2,7 +2,8 @@
 
 A real torchft lighthouse in the test process; two replica groups of one rank each, each its
 own process (``_replica_worker.py``), training a tiny model on fixed data. Group 1 is
-SIGKILLed at a fixed step while both groups share the quorum; group 0 must commit its next
+SIGKILLed inside a step while both groups share the quorum (after the step's quorum, before its
+gradient all-reduce); group 0 must commit its next
 step within seconds, in the same process, with no step number and no batch of its own missing.
 Group 1, started again with other initial weights, must take weights and optimizer state from
 group 0 (no file read), and from then on both groups' weights and optimizer state are bitwise
@@ -79,6 +80,17 @@ def _shared_steps(out: Path, pid1: int) -> list[int]:
     return [x["step"] for x in _steps(out, 1, pid1) if zero.get(x["step"]) == x["weights"]]
 
 
+def _assert_read_in_order(steps: list[dict], replica_id: int) -> None:
+    """The group read its share (``TrainSampler`` with the group as the rank), epoch by epoch, each
+    batch once: a failed try is retried on the same batch, and no batch is skipped."""
+    sampler = TrainSampler(range(512), seed=7, rank=replica_id, world_size=2)
+    seen = [i for x in steps for i in x["samples"]]
+    share = len(sampler)
+    for epoch, start in enumerate(range(0, len(seen), share)):
+        sampler.set_epoch(epoch)
+        assert seen[start : start + share] == list(sampler)[: len(seen) - start], (replica_id, epoch)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -97,9 +109,12 @@ def test_a_killed_group_costs_no_step_and_rejoins_from_a_live_peer(tmp_path: Pat
                 tmp_path,
             )
 
-            group1.send_signal(signal.SIGKILL)
-            killed_at = time.time()
-            group1.wait(timeout=10)
+            (tmp_path / "kill1").touch()  # group 1 SIGKILLs itself inside its next step
+            group1.wait(timeout=30)
+            assert group1.returncode == -signal.SIGKILL
+            (tmp_path / "kill1").unlink()
+            (killed,) = [x for x in _lines(tmp_path, 1) if "killed" in x]
+            killed_at = killed["time"]
             procs.remove(group1)
             steps_at_kill = len(_steps(tmp_path, 0))
             after = _wait(
@@ -142,12 +157,11 @@ def test_a_killed_group_costs_no_step_and_rejoins_from_a_live_peer(tmp_path: Pat
     # data in the sampler's order, each batch once: a failed try is retried on the same batch.
     first = zero[0]["step"]  # 1, or later where group 1 committed alone before group 0 joined (and healed it)
     assert [x["step"] for x in zero] == list(range(first, first + len(zero)))
-    sampler = TrainSampler(range(512), seed=7, rank=0, world_size=2)
-    seen = [i for x in zero for i in x["samples"]]
-    share = len(sampler)
-    for epoch, start in enumerate(range(0, len(seen), share)):
-        sampler.set_epoch(epoch)
-        assert seen[start : start + share] == list(sampler)[: len(seen) - start], f"epoch {epoch}"
+    _assert_read_in_order(zero, replica_id=0)
+    # Each group its own share: group 1 read the other half, and started again it reads its
+    # share from its own start (the data position does not come with the weights).
+    _assert_read_in_order(_steps(tmp_path, 1, group1.pid), replica_id=1)
+    _assert_read_in_order(_steps(tmp_path, 1, rejoined.pid), replica_id=1)
 
     # Live recovery: group 1 started with other weights, took group 0's at the quorum's step.
     starts = [x for x in _lines(tmp_path, 1) if "start" in x]
@@ -163,5 +177,9 @@ def test_a_killed_group_costs_no_step_and_rejoins_from_a_live_peer(tmp_path: Pat
             by_step[x["step"]]["weights"],
             by_step[x["step"]]["optimizer"],
         ), x["step"]
+    # The step group 1 died in had its quorum with group 0: group 0's all-reduce failed, the try
+    # was not committed and was redone on the same batch (the data check above) without group 1.
+    (end,) = [x for x in _lines(tmp_path, 0) if "end" in x]
+    assert end["failed_tries"] >= 1
     reads = [x for i in (0, 1) for x in _lines(tmp_path, i) if "disk_read" in x]
     assert reads == [], reads

@@ -122,20 +122,33 @@ class Lighthouse:
         self.shutdown()
 
 
+def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
 def _group_ddp() -> type:
     from torchft.ddp import DistributedDataParallel
 
     class GroupDDP(DistributedDataParallel):
-        """torchft's DDP, with the bucket averaged inside the group before the quorum's average."""
+        """torchft's DDP, with the bucket averaged inside the group before the quorum's average,
+        and a failed cross-group all-reduce (a peer group died mid-step) ending the bucket instead of
+        the rank: torchft 0.2's own hook asserts on it, where the manager has the error already and
+        the step will not be committed."""
 
         @staticmethod
         def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses annotations but GradBucket
             dist = torch.distributed
+            buffer = bucket.buffer()
             if dist.is_initialized() and dist.get_world_size() > 1:
-                buffer = bucket.buffer()
                 dist.all_reduce(buffer)
                 buffer.div_(dist.get_world_size())
-            return DistributedDataParallel._comm_hook(state, bucket)
+            work = state.allreduce(buffer)
+            if not work.wait():
+                return _done(buffer)  # the manager recorded the error: this step is not committed
+            inner = getattr(work.get_future(), "_fut", None)
+            return inner if inner is not None else _done(buffer)
 
     return GroupDDP
 
