@@ -9,8 +9,10 @@ this process (heartbeat timeout 2 s, join timeout 1 s).
               skipped (steps lost), its tries that were not committed (each one a batch
               redone), and whether group 0 is still the same process
     rejoin    group 1 started again with other initial weights: the time from its start to
-              its first committed step (healed from group 0, over HTTP), and the longest
-              gap between group 0's commits while it joined
+              its first committed step (healed from group 0, over HTTP), the part of it after
+              the process had imported torch and unison and built its model (joining the
+              quorum, healing, the step), and the longest gap between group 0's commits
+              while it joined
     per step  the median time between committed steps of two groups (--steps steps each,
               no pacing), against a plain DDP loop on gloo with 2 ranks, the same model,
               optimizer and batches: the quorum's round trip to the lighthouse, the commit
@@ -111,6 +113,7 @@ def kill_and_rejoin(out: Path, pace: float) -> dict[str, Any]:
             _wait(lambda: len(_steps(out, 1, procs[1].pid)) >= 5, 60, "group 1 training")
         finally:
             _stop(out, procs)
+    ready = [x for x in _lines(out, 1) if "start" in x][-1]["time"]  # imports done, model built
     zero = _steps(out, 0)
     numbers = [
         x["step"] for x in zero
@@ -123,6 +126,7 @@ def kill_and_rejoin(out: Path, pace: float) -> dict[str, Any]:
         "tries_redone": ends[0]["failed_tries"] if ends else None,
         "survivor_restarted": len({x["pid"] for x in zero}) != 1,
         "rejoin_start_to_first_commit_s": first["time"] - started,
+        "rejoin_ready_to_first_commit_s": first["time"] - ready,
         "rejoined_at_step": first["step"],
         "survivor_longest_gap_during_rejoin_s": max(
             (b - a for a, b in zip(around, around[1:], strict=False)), default=0.0

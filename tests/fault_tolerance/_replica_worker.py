@@ -1,7 +1,7 @@
-"""One replica group of one rank, as its own process: ``python _replica_worker.py LIGHTHOUSE ID OUT``.
+"""One replica group, as its own process tree: ``python _replica_worker.py LIGHTHOUSE ID OUT [--ranks N]``.
 
 It trains a tiny model on fixed data with :func:`create_replica_trainer` and appends one JSON
-line per committed step to ``OUT/group<ID>.jsonl``: the step, its pid, the time, the data it
+line per committed step to ``OUT/group<ID>.jsonl`` (rank ``r > 0`` of a group: ``group<ID>-rank<r>.jsonl``): the step, its pid, the time, the data it
 saw, and digests of the weights and of the optimizer's state. It stops when ``OUT/stop`` exists
 or after ``--steps`` commits, and SIGKILLs itself inside its next step once ``OUT/kill<ID>``
 exists: after joining the step's quorum, before the gradient's all-reduce. Any ``torch.load`` of a file is recorded as a ``disk_read`` line.
@@ -49,15 +49,28 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.05, help="seconds each step waits (paces the run)")
     parser.add_argument("--width", type=int, default=16, help="the hidden layer's width")
     parser.add_argument("--no-digests", action="store_true", help="no weight digests (timing runs)")
+    parser.add_argument(
+        "--ranks", type=int, default=1, help="ranks of the group (spawned by unison's launch)"
+    )
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.ranks > 1:
+        from unison.distributed import launch
 
-    from unison.distributed import TrainSampler
+        launch(train, args, nproc_per_node=args.ranks, backend="gloo", timeout=60)
+    else:
+        train(args)
+    sys.exit(0)
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    from unison.distributed import TrainSampler, get_rank
     from unison.distributed.replica_group import ReplicaGroup, ReplicaSettings
     from unison.engine import Events
     from unison.engine.quorum_step import create_replica_trainer
 
-    log = open(args.out / f"group{args.replica_id}.jsonl", "a", buffering=1)  # noqa: SIM115
+    suffix = f"-rank{get_rank()}" if get_rank() else ""  # rank 0's file is the group's
+    log = open(args.out / f"group{args.replica_id}{suffix}.jsonl", "a", buffering=1)  # noqa: SIM115
     real_load = torch.load
 
     def watched_load(f, *a, **k):  # a checkpoint file read would show here
@@ -70,7 +83,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(4, args.width), nn.Tanh(), nn.Linear(args.width, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    log.write(json.dumps({"start": os.getpid(), "weights": digest(list(model.parameters()))}) + "\n")
+    start = {"start": os.getpid(), "time": time.time(), "weights": digest(list(model.parameters()))}
+    log.write(json.dumps(start) + "\n")
 
     settings = ReplicaSettings(
         lighthouse=args.lighthouse, replica_id=args.replica_id, replica_groups=args.groups, timeout_s=10
@@ -120,7 +134,6 @@ def main() -> None:
     log.write(json.dumps({"end": os.getpid(), "failed_tries": trainer.process_function.failed_tries}) + "\n")
     log.close()
     group.shutdown()
-    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -183,3 +183,38 @@ def test_a_killed_group_costs_no_step_and_rejoins_from_a_live_peer(tmp_path: Pat
     assert end["failed_tries"] >= 1
     reads = [x for i in (0, 1) for x in _lines(tmp_path, i) if "disk_read" in x]
     assert reads == [], reads
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_groups_of_two_ranks_hold_one_model_and_read_four_shares(tmp_path: Path) -> None:
+    """Two groups of two spawned ranks: each gradient is averaged over the group's ranks, then over
+    the quorum's groups, so all four ranks hold the same weights at every committed step."""
+    steps = 12
+    with Lighthouse(min_replicas=2) as lighthouse:  # both groups in every quorum
+        procs = [
+            _start(lighthouse.address, i, tmp_path, "--ranks", "2", "--steps", str(steps)) for i in (0, 1)
+        ]
+        try:
+            for proc in procs:
+                proc.wait(timeout=240)
+        finally:
+            kill_tree(*procs)
+    outputs = "\n".join(f.read_text()[-3000:] for f in sorted(tmp_path.glob("output*.txt")))
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    files = {(g, r): tmp_path / f"group{g}{'-rank1' if r else ''}.jsonl" for g in (0, 1) for r in (0, 1)}
+    logs = {
+        key: [json.loads(x) for x in path.read_text().splitlines() if '"step"' in x]
+        for key, path in files.items()
+    }
+    by_step: dict[int, set[str]] = {}
+    for lines in logs.values():
+        assert len(lines) >= steps - 1  # a group that joined one step late heals to the other's step
+        for x in lines:
+            by_step.setdefault(x["step"], set()).add(x["weights"] + x["optimizer"])
+    assert all(len(states) == 1 for states in by_step.values()), by_step
+    for (g, r), lines in logs.items():  # rank r of group g reads share 2g + r of 4
+        sampler = TrainSampler(range(512), seed=7, rank=2 * g + r, world_size=4)
+        seen = [i for x in lines for i in x["samples"]]
+        assert seen == list(sampler)[: len(seen)], (g, r)
