@@ -42,7 +42,7 @@ def test_docs_have_code() -> None:
     assert len(BLOCKS) >= 5
 
 
-OPTIONAL_IMPORTS = ("zarr", "torch_geometric")
+OPTIONAL_IMPORTS = ("zarr", "torch_geometric", "torchft")
 """Modules of extras a page's example may import: zarr 3 needs Python 3.11 or newer."""
 
 
