@@ -148,9 +148,10 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
         raise config.origin.error(
             ("parallel", "fault_tolerance"),
             "unison run does not run replica groups yet: build the trainer with "
-            "unison.engine.quorum_step.create_replica_trainer and the section's values as "
-            "unison.distributed.replica_group.ReplicaSettings (docs/launching.md, 'Fault tolerance without a "
-            "restart'), or drop parallel.fault_tolerance to run with restart-based recovery",
+            "unison.engine.quorum_step.create_replica_trainer, the group with the settings "
+            "unison.recipe.planning.replica_plan.replica_settings(config) reads from this section "
+            "(docs/launching.md, 'Fault tolerance without a restart'), or drop parallel.fault_tolerance to run "
+            "with restart-based recovery",
         )
     world = world_size if world_size is not None else get_world_size()
     sizes = batch_sizes(config, world)  # before resolving: a size that cannot divide fails first
