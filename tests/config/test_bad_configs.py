@@ -348,7 +348,7 @@ FILE_CASES = [
         "ft-in-unison-run",
         "parallel:\n  fault_tolerance:  # <-- here\n    lighthouse: http://h:29510\n",
         "parallel.fault_tolerance",
-        ("create_replica_trainer", "ReplicaSettings"),
+        ("create_replica_trainer", "replica_settings(config)"),
     ),
 ]
 
