@@ -231,9 +231,12 @@ def test_merge_keys_are_not_duplicates(tmp_path):
     ],
 )
 def test_the_mode_follows_the_watched_metric(body, checkpoint_mode, es_mode, tmp_path):
+    """The plan derives the modes; validation writes none into the config (a mode left out stays out)."""
     config = load_config(_config(tmp_path, body))
-    assert config.checkpoint.mode == checkpoint_mode
-    assert config.early_stopping.mode == es_mode
+    assert (config.checkpoint.mode, config.early_stopping.mode) == (None, None)
+    watched = plan(config).watched
+    assert watched.mode == checkpoint_mode
+    assert watched.stop_mode == (es_mode or checkpoint_mode)
 
 
 # -- 1 and 8: what the slots accept, built before spawn ---------------------------------------

@@ -13,6 +13,7 @@ import torch
 import unison.recipe.planning.resolved
 from unison.config import Config, ConfigError, PyObjectRef, load_config, load_yaml, schema_reference, validate
 from unison.config.schema import REQUIRED, _hints, item_section, section_in
+from unison.config.watched import watched_of
 
 DATA = Path(__file__).parent / "data"
 MINIMAL = (
@@ -30,9 +31,10 @@ def test_a_minimal_config_takes_every_default():
     for f in dataclasses.fields(Config):
         if f.name not in ("model", "data", "checkpoint"):
             assert getattr(config, f.name) == getattr(default, f.name), f.name
-    # the watched metric is the training loss (no validation.metrics): lower is better
-    assert config.checkpoint.mode == "min"
-    assert dataclasses.replace(config.checkpoint, mode="max") == default.checkpoint
+    # the watched metric is the training loss (no validation.metrics): the plan derives min; the
+    # config keeps the mode as written (left out)
+    assert config.checkpoint.mode is None and watched_of(config).mode == "min"
+    assert config.checkpoint == default.checkpoint
     assert config.model.type.path == "torch.nn.Linear"
     assert config.training.optimizer_type.path == "torch.optim.AdamW"
     assert config.training.loss.path == "torch.nn.functional.cross_entropy"

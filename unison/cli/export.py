@@ -125,9 +125,10 @@ def ranking_mode(run: Path, mode: str | None) -> str:
     config = run / "config.yaml"
     if config.is_file():
         from unison.config import ConfigError, load_config
+        from unison.config.watched import watched_of
 
         try:
-            return str(load_config(config).checkpoint.mode)
+            return watched_of(load_config(config)).mode
         except (ConfigError, OSError) as err:
             _log.warning(
                 "Could not read checkpoint.mode from %s (%s); taking higher scores as better.", config, err

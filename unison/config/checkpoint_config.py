@@ -29,10 +29,10 @@ class CheckpointConfig:
     keep_last: int | None = _key(2, "newest checkpoints to keep")
     keep_best: int = _key(1, "best checkpoints (by metric) to keep as well")
     metric: str | None = _key(None, "validation metric ranking checkpoints; default the first metric")
-    mode: Literal["max", "min"] = _key(
-        "max",
-        "whether a higher or lower metric is better; when left out, min for a loss-like metric "
-        "(loss, *_loss, mse, mae, perplexity ...), else max",
+    mode: Literal["max", "min"] | None = _key(
+        None,
+        "whether a higher or lower metric is better; null: min for a loss-like metric "
+        "(loss, *_loss, mse, mae, perplexity ...), else max (the run's plan derives it)",
     )
     async_save: bool = _key(False, "write in a background thread")
     preemption: bool = _key(True, "on SIGTERM/SIGUSR1 save at an agreed iteration and exit 75")

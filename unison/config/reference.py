@@ -115,7 +115,9 @@ def reference_markdown() -> str:
         "- **Which checkpoint is best:** when `checkpoint.mode` is left out, a loss-like watched",
         "  metric (`loss`, `*_loss`, `mse`, `mae`, `perplexity` ...; `loss` is watched when",
         "  `validation.metrics` is empty) is minimised, others maximised. A mode that contradicts",
-        "  the metric's name (`mode: max` on a loss, `mode: min` on an accuracy) is refused.",
+        "  the metric's name (`mode: max` on a loss, `mode: min` on an accuracy) is refused. A",
+        "  mode left out stays out of the config (and of the run's saved `config.yaml`): the",
+        "  run's plan derives it.",
     ]
     return "\n".join(lines) + "\n"
 

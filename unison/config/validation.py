@@ -136,28 +136,17 @@ def _check_name(config: Config, raw: RawConfig) -> None:
 
 
 def _check_modes(config: Config, raw: RawConfig) -> None:
-    """Fills ``checkpoint.mode`` from the watched metric's name when left out, and refuses a mode
-    that contradicts the name (``mode: max`` on a loss keeps the worst checkpoint)."""
-    metrics = watched_of(config)  # the metric names only: the modes are filled here
-    watched, es_watched, es = metrics.metric, metrics.stop_metric, config.early_stopping
-    for section, metric, explicit in (
-        ("checkpoint", watched, raw.origin.given("checkpoint", "mode")),
-        ("early_stopping", es_watched, es.mode is not None),
-    ):
+    """Refuses a mode that contradicts its metric's name (``mode: max`` on a loss keeps the worst
+    checkpoint). A mode left out stays out: the plan derives it (:func:`watched_of`)."""
+    metrics = watched_of(config)
+    for section, metric in (("checkpoint", metrics.metric), ("early_stopping", metrics.stop_metric)):
+        mode = getattr(config, section).mode
         direction = metric_direction(metric)
-        holder = config.checkpoint if section == "checkpoint" else es
-        if not explicit:
-            if section == "checkpoint":
-                config.checkpoint.mode = direction or "max"
-            elif es.metric is not None and es.metric != watched:
-                es.mode = direction or "max"
-            continue
-        if direction is not None and holder.mode != direction:
-            path = (section, "mode")
+        if mode is not None and direction is not None and mode != direction:
             better = "lower" if direction == "min" else "higher"
             raise raw.origin.error(
-                path,
-                f"mode {holder.mode!r} contradicts the watched metric {metric!r}, for which {better} is better: "
+                (section, "mode"),
+                f"mode {mode!r} contradicts the watched metric {metric!r}, for which {better} is better: "
                 f"'best' would keep the worst model. Set `mode: {direction}` (or leave mode out)",
             )
 

@@ -2,10 +2,12 @@
 
 Checkpoint ranking and a ``ReduceLROnPlateau`` scheduler watch ``checkpoint.metric`` (left
 out: the first of ``validation.metrics``, or ``loss`` without any), ranked by
-``checkpoint.mode``; early stopping watches ``early_stopping.metric`` and ``.mode``, each
-defaulting to the checkpoint's; ``tuning.metric`` defaults to the checkpoint's metric, and
-its direction to the checkpoint's mode. The run's plan derives it once
-(``unison.recipe.plan``); the tuning checks read the same rule.
+``checkpoint.mode`` (left out: ``min`` for a loss-like name, else ``max``); early stopping
+watches ``early_stopping.metric`` and ``.mode``, each defaulting to the checkpoint's (another
+metric's mode left out follows its name the same way); ``tuning.metric`` defaults to the
+checkpoint's metric, and its direction to the checkpoint's mode. Validation refuses a mode
+that contradicts its metric's name and writes nothing; the run's plan derives the modes once
+(``RunPlan.watched``); the tuning checks read the same rule.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
+from unison.config.checks_base import metric_direction
 from unison.config.schema import Config
 
 Mode = Literal["max", "min"]
@@ -41,9 +44,13 @@ def watched_of(config: Config, names: Sequence[str] = ()) -> Watched:
         >>> c.early_stopping.mode = "min"
         >>> watched_of(c)
         Watched(metric='accuracy', mode='max', stop_metric='loss', stop_mode='min')
+        >>> watched_of(Config())  # no metrics: the loss, lower is better
+        Watched(metric='loss', mode='min', stop_metric='loss', stop_mode='min')
     """
     names = list(names) or [str(name) for name in config.validation.metrics] or ["loss"]
     metric = config.checkpoint.metric or names[0]
-    mode = cast(Mode, config.checkpoint.mode)
+    mode = cast(Mode, config.checkpoint.mode or metric_direction(metric) or "max")
     es = config.early_stopping
-    return Watched(metric, mode, es.metric or metric, cast(Mode, es.mode or mode))
+    stop_metric = es.metric or metric
+    stop_mode = es.mode or (mode if stop_metric == metric else metric_direction(stop_metric) or "max")
+    return Watched(metric, mode, stop_metric, cast(Mode, stop_mode))

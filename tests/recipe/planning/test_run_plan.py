@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import unison.metrics
 import unison.recipe.planning.early_stop
 from unison.config import load_config
 from unison.recipe import RunPlan, plan
@@ -120,3 +121,21 @@ def test_a_changed_checkpoint_mode_moves_early_stopping_with_it(tmp_path: Path) 
     config = load_config(_config_file(tmp_path), ["early_stopping.metric=loss", "early_stopping.mode=min"])
     w = plan(config).watched
     assert (w.metric, w.mode, w.stop_metric, w.stop_mode) == ("accuracy", "max", "loss", "min")
+
+
+def test_the_resume_base_and_the_loss_rule_are_planned_once(tmp_path: Path) -> None:
+    """The learning rate a resume compares with the checkpoint's, at the planned world size, and the
+    metrics each evaluation builds (a ``Loss`` without ``loss_fn`` gets the training loss) are plan
+    values: the build reads them, never the config."""
+    config = load_config(
+        _config_file(tmp_path),
+        ["training.lr=0.1", "training.lr_scaling=linear", "training.optimizer_kwargs={weight_decay: 0.5}"],
+    )
+    p = plan(config, world_size=2)
+    assert p.resume.lr == pytest.approx(0.2)  # 0.1 at one rank, linear in the world size
+    assert p.resume.optimizer_kwargs == {"weight_decay": 0.5} and p.resume.scheduler_kwargs == {}
+    validation = p.metrics["validation"]
+    assert sorted(validation) == ["accuracy", "loss"]
+    cls, kwargs = validation["loss"]
+    assert cls is unison.metrics.Loss and kwargs["loss_fn"] is p.resolved.loss
+    assert sorted(p.metrics["testing"]) == ["accuracy", "loss"]

@@ -53,7 +53,7 @@ from unison.recipe.build.user_handlers import build_user_handlers
 from unison.recipe.planning.batch import batch_options
 from unison.recipe.planning.early_stop import make_early_stopping
 from unison.recipe.planning.lr_plan import attach_lr_warmup, scaled_optimizer_kwargs, scaled_scheduler_kwargs
-from unison.recipe.planning.resolved import make_metrics
+from unison.recipe.planning.resolved import build_metrics
 from unison.recipe.planning.run_plan import RunPlan
 from unison.utils import get_logger, manual_seed
 from unison.utils.run_files import real_folder
@@ -222,7 +222,7 @@ def build_evaluator(plan: RunPlan, model: nn.Module) -> tuple[Engine, str]:
     Raises:
         ConfigError: ``checkpoint.metric`` names no validation metric.
     """
-    metrics = make_metrics(plan.resolved)
+    metrics = build_metrics(plan.metrics["validation"])
     evaluator = create_evaluator(
         model, metrics, amp=plan.amp, **batch_options(plan.resolved.batches, "validation")
     )

@@ -27,7 +27,7 @@ from unison.recipe.build.eval_loaders import eval_loader
 from unison.recipe.build.parts import RunParts, scalar_metrics
 from unison.recipe.build.tracking import log_test_metrics
 from unison.recipe.planning.batch import batch_options
-from unison.recipe.planning.resolved import make_metrics
+from unison.recipe.planning.resolved import build_metrics
 from unison.recipe.planning.run_plan import RunPlan
 from unison.utils import get_logger
 from unison.utils.run_files import open_file, write_text
@@ -120,7 +120,7 @@ def evaluate_test_set(plan: RunPlan, parts: RunParts) -> dict[str, float]:
             load_best_weights(plan, model, parts.ema, parts.trainer, path)
             _log.info("testing the best checkpoint %s", path)
     batches = plan.resolved.batches
-    metrics = make_metrics(plan.resolved, "testing")  # testing.tester.criterion, when given
+    metrics = build_metrics(plan.metrics["testing"])  # testing.tester.criterion, when given
     test_loader = eval_loader(plan.loaders.testing, parts.datasets.test)
     tester = create_evaluator(
         evaluated_model(plan, model, parts.ema), metrics, amp=plan.amp, **batch_options(batches, "testing")

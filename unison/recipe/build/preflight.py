@@ -22,7 +22,6 @@ from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
 from unison.recipe.build.tracking_wandb import check_wandb
 from unison.recipe.planning.ac_check import check_activation_checkpointing
-from unison.recipe.planning.batch import with_loss
 from unison.recipe.planning.references import _References
 from unison.recipe.planning.resolved import Resolved
 from unison.recipe.planning.run_plan import RunPlan
@@ -64,8 +63,7 @@ def preflight(plan: RunPlan, *, trains_here: bool = False) -> None:
     if model is not None:
         _check_shard_rule(plan.model.fsdp, model, refs)
     check_activation_checkpointing(config, model, refs)
-    for name, (cls, kwargs) in resolved.metrics.items():
-        kwargs = with_loss(cls, kwargs, resolved.loss)
+    for name, (cls, kwargs) in plan.metrics["validation"].items():
         try:
             cls(**kwargs)
         except Exception as err:

@@ -86,7 +86,9 @@ def resolve(config: Config) -> Resolved:
 def _watched(config: Config, refs: _References, found: dict[str, Any]) -> tuple[()]:
     """The metric that checkpoints and early stopping watch is one the validation reports."""
     metrics = found["metrics"]
-    own_loss = "criterion" in config.validation.validator  # QuantumGrav's: the validation loss, always reported
+    own_loss = (
+        "criterion" in config.validation.validator
+    )  # QuantumGrav's: the validation loss, always reported
     _check_watched_metrics(config, [*metrics, *(["loss"] if own_loss or not metrics else [])], refs)
     return ()
 
@@ -110,17 +112,36 @@ FAMILIES: tuple[tuple[tuple[str, ...], Resolver], ...] = (
 fills: the first reference refused stops the pass, so the order decides which error a config meets."""
 
 
-def make_metrics(resolved: Resolved, section: str = "validation") -> dict[str, Any]:
-    """Fresh metric objects for an evaluation of ``section`` (``validation`` or ``testing``); a
-    ``Loss`` without ``loss_fn`` uses the section's criterion, else the training loss. A section
-    with its own criterion (QuantumGrav's ``validator.criterion`` / ``tester.criterion``) reports
-    it as ``loss`` beside the metrics named, unless one of them is a ``Loss`` already."""
+MetricSpec = tuple[type, dict[str, Any]]
+"""A metric an evaluation builds: its class and keyword arguments, the loss rule applied."""
+
+
+def metric_specs(resolved: Resolved, section: str = "validation") -> dict[str, MetricSpec]:
+    """The metrics of an evaluation of ``section`` (``validation`` or ``testing``), the loss rule
+    applied: a ``Loss`` without ``loss_fn`` uses the section's criterion, else the training loss. A
+    section with its own criterion (QuantumGrav's ``validator.criterion`` / ``tester.criterion``)
+    reports it as ``loss`` beside the metrics named, unless one of them is a ``Loss`` already;
+    without metrics, the loss alone. The plan computes it once per section (``RunPlan.metrics``)."""
     own = resolved.batches.losses.get(section)
     loss = own or resolved.loss
-    metrics = {name: cls(**with_loss(cls, kwargs, loss)) for name, (cls, kwargs) in resolved.metrics.items()}
-    if own is not None and "loss" not in metrics and not any(isinstance(m, Loss) for m in metrics.values()):
-        metrics["loss"] = Loss(own)
-    return metrics or {"loss": Loss(loss)}
+    specs = {name: (cls, with_loss(cls, kwargs, loss)) for name, (cls, kwargs) in resolved.metrics.items()}
+    if (
+        own is not None
+        and "loss" not in specs
+        and not any(issubclass(cls, Loss) for cls, _ in specs.values())
+    ):
+        specs["loss"] = (Loss, {"loss_fn": own})
+    return specs or {"loss": (Loss, {"loss_fn": loss})}
+
+
+def build_metrics(specs: dict[str, MetricSpec]) -> dict[str, Any]:
+    """Fresh metric objects of ``specs`` (what :func:`metric_specs` planned), one per name."""
+    return {name: cls(**kwargs) for name, (cls, kwargs) in specs.items()}
+
+
+def make_metrics(resolved: Resolved, section: str = "validation") -> dict[str, Any]:
+    """Fresh metric objects for an evaluation of ``section``: :func:`metric_specs`, built."""
+    return build_metrics(metric_specs(resolved, section))
 
 
 def scaled_lr(base: float, rule: str, world_size: int) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from unison.config import Config
+from unison.config import Config, to_plain
 from unison.config.batch_sizes import batch_sizes
 from unison.config.watched import Watched, watched_of
 from unison.distributed import detect_launcher, get_world_size
@@ -30,7 +30,8 @@ from unison.recipe.planning.handlers_plan import UserHandler, handlers_plan
 from unison.recipe.planning.loader_plan import LoaderPlans, loader_plans
 from unison.recipe.planning.lr_plan import LRPlan, lr_plan
 from unison.recipe.planning.references import _References
-from unison.recipe.planning.resolved import Resolved, resolve
+from unison.recipe.planning.resolved import MetricSpec, Resolved, metric_specs, resolve
+from unison.recipe.planning.resume_base import ResumeBase, resume_base
 from unison.recipe.planning.step_plans import (
     CheckpointPlan,
     ControlPlan,
@@ -81,6 +82,11 @@ class RunPlan:
             it asks (a parameter named ``world_size``).
         handlers: the user's own handlers (``handlers``), resolved and checked
             (:mod:`unison.recipe.build.user_handlers`).
+        resume: what a resume compares with the checkpoint's: this config's base learning rate at
+            ``world_size`` ranks, its optimizer and scheduler keyword arguments
+            (:mod:`unison.recipe.planning.resume_base`).
+        metrics: the metrics each evaluation builds (``validation``, ``testing``), the loss rule
+            applied (:func:`~unison.recipe.planning.resolved.metric_specs`).
     """
 
     config: Config
@@ -104,6 +110,8 @@ class RunPlan:
     root: Path
     root_key: str
     ema_evaluated: bool
+    resume: ResumeBase
+    metrics: dict[str, dict[str, MetricSpec]]
     world_size: int = 1
     handlers: tuple[UserHandler, ...] = ()
 
@@ -184,6 +192,8 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
         root=root,
         root_key=root_key,
         ema_evaluated=t.ema is not None and bool(t.ema.evaluate),
+        resume=resume_base(to_plain(t), resolved, world),
+        metrics={section: metric_specs(resolved, section) for section in ("validation", "testing")},
         world_size=world,
         handlers=handlers_plan(config, refs),
     )
