@@ -1,10 +1,16 @@
-"""Only the plan reads a Config: outside unison/config/ and unison/recipe/planning/, at most a few
-functions take one (the entry points that are handed a config, and the last readers left)."""
+"""Only the plan reads a Config: the plan holds none, and outside unison/config/ and
+unison/recipe/planning/ at most a few functions take one (the entry points that are handed a
+config, and the last readers left)."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import typing
 from pathlib import Path
+
+from unison.config import Config
+from unison.recipe import RunPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 MOST = 6
@@ -40,3 +46,14 @@ def test_few_functions_outside_the_plan_take_a_config() -> None:
         f"{len(takers)} functions outside {' and '.join(READERS)} take a Config (at most {MOST}); give them "
         "the plan's values instead:\n" + "\n".join(takers)
     )
+
+
+def test_the_plan_holds_no_config() -> None:
+    """What runs after the plan reads its values: no field of RunPlan is (or holds) a Config."""
+    hints = typing.get_type_hints(RunPlan)
+    holding = [
+        f.name
+        for f in dataclasses.fields(RunPlan)
+        if Config in {hints[f.name], *typing.get_args(hints[f.name])} or f.name == "config"
+    ]
+    assert holding == [], f"RunPlan holds a Config in {holding}: give the plan the values its readers need"

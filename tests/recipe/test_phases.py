@@ -93,11 +93,12 @@ def test_a_rank_given_a_plan_does_not_plan_again(tmp_path: Path, monkeypatch: py
     path = tmp_path / "config.yaml"
     path.write_text(CONFIG.format(root=tmp_path / "runs"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    planned = phases.plan(unison.config.load_config(path))
+    config = unison.config.load_config(path)
+    planned = phases.plan(config)
     calls = _counted_plans(monkeypatch)
     seen: list[Any] = []
     monkeypatch.setattr(phases, "_in_run_folder", lambda p, resume, attach: seen.append(p) or {})
     phases.train_from_config(planned)
-    phases.train_from_config(planned.config)
+    phases.train_from_config(config)
     assert seen[0] is planned and isinstance(seen[1], RunPlan)
     assert calls == [os.getpid()]  # only the rank given a config planned

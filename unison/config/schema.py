@@ -322,7 +322,9 @@ class EarlyStoppingConfig:
 @dataclass
 class HooksConfig:
     after_training: PyObjectRef | None = option(
-        None, "fn(context) called on every rank after training and testing", slot="hook"
+        None,
+        "fn(context) called on every rank after training and testing; context holds config (the config as plain data, URL credentials masked), run_dir, model, optimizer, trainer, evaluator, datasets and results",
+        slot="hook",
     )
 
 

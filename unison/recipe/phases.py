@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.checkpoint.lock import hold_folder
-from unison.config import Config, dump_config, load_config
+from unison.config import Config, load_config
 from unison.config.main_script import script, use_main
 from unison.distributed import (
     barrier,
@@ -68,7 +68,6 @@ from unison.recipe.planning.run_plan import RunPlan, launch_world_size, plan
 from unison.utils import get_logger
 from unison.utils.logging import RunLogHandler, console_level
 from unison.utils.run_files import real_folder, write_text
-from unison.utils.secrets import redact_url
 from unison.utils.startup import mark
 
 _log = get_logger("unison.recipe.run")  # the run's logger, shared by the modules of a run
@@ -144,9 +143,7 @@ def _run_dir(plan: RunPlan, resume: str | None) -> tuple[Path, str | None]:
             run_dir = new_run_folder(root, stamp) if job is None else new_job_run(root, stamp, job)
             choice = (str(run_dir), None)  # made now: never shared
             if resume == "auto":
-                _log.info(
-                    "resume=auto: no earlier run of %r under %s; starting fresh.", plan.config.name, root
-                )
+                _log.info("resume=auto: no earlier run of %r under %s; starting fresh.", plan.name, root)
     choice = broadcast_object(choice)
     if isinstance(choice, str):
         raise ResumeError(choice)
@@ -193,10 +190,8 @@ def train_from_config(
     """
     if main is not None:
         use_main(main)  # a spawned rank: the launching process's script
-    given = config.config if isinstance(config, RunPlan) else config
-    level = (
-        None if given.log_level is None else logging.getLevelName(given.log_level)
-    )  # log_level, every rank
+    given = config.log_level
+    level = None if given is None else logging.getLevelName(given)  # log_level, every rank
     with console_level(logging.ERROR if quiet else level):
         # A process plans once: the plan it was given, or (a spawned rank) its own of the same config.
         planned = config if isinstance(config, RunPlan) else plan(config)
@@ -205,15 +200,14 @@ def train_from_config(
 
 def _in_run_folder(planned: RunPlan, resume: str | None, attach: Attach | None) -> dict[str, Any]:
     """:func:`train_from_config` inside the run folder it picks and holds, logging to its files."""
-    config = planned.config
     mark("rank_plan")  # UNISON_STARTUP_TRACE (unison.utils.startup): a line per phase, when set
     run_dir, resume_from = _run_dir(planned, resume)
     with hold_folder(run_dir):  # one job per run folder (unison.checkpoint.lock): refused on every rank
         if get_rank() == 0:
             write_text(run_dir / RUN_MARKER, "", "a")  # no file here follows a link (unison.utils.run_files)
             if resume_from is not None:
-                record_changes(config, run_dir, planned.resolved.scheduler_type)
-            write_text(run_dir / "config.yaml", redact_url(dump_config(config)))  # URL credentials masked
+                record_changes(planned, run_dir)
+            write_text(run_dir / "config.yaml", planned.record_yaml)  # URL credentials masked
         barrier()  # the folder exists before any rank writes into it
         log_file = _file_logging(run_dir)
         mark("run_folder")
@@ -222,7 +216,8 @@ def _in_run_folder(planned: RunPlan, resume: str | None, attach: Attach | None) 
         except SystemExit as stop:
             if stop.code == EXIT_PREEMPTED and get_rank() == 0:  # saved at an agreed iteration
                 _log.warning(
-                    "preempted; to continue this run: %s", resume_command(config.origin, run_dir, script())
+                    "preempted; to continue this run: %s",
+                    resume_command(planned.refs.origin, run_dir, script()),
                 )
             raise
         finally:
@@ -347,7 +342,7 @@ def run(
             "leave --nproc out under torchrun or srun."
         )
     nproc_per_node = (
-        None if launcher.kind != "none" else nproc if nproc is not None else config.parallel.nproc_per_node
+        None if launcher.kind != "none" else nproc if nproc is not None else planned.launch.nproc_per_node
     )
     # Fail before spawning: kwargs, the device, the output folder, and the model on meta unless this
     # process trains next (a tensor the user's code keeps from that build would reach training).
@@ -358,17 +353,18 @@ def run(
         refuse_unsafe(found[0], ResumeError)  # a run folder with links where unison writes: before any rank
         # A change no checkpoint can follow fails here, not in a rank; so does a schedule or a
         # stream of another shape than the checkpoint's.
-        check_resume(config, found[0], planned.resolved.scheduler_type)
+        check_resume(planned, found[0])
         world = launcher.world_size if launcher.kind != "none" else nproc_per_node or 1
         check_resume_shape(planned, found[0], found[1], world)
     if launcher.kind == "none":
         check_port(planned)  # a busy port fails here, not after the ranks started
         refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
     mark("checks")
-    return launch_config(planned, resume, nproc_per_node)[0]
+    return launch_config(config, planned, resume, nproc_per_node)[0]
 
 
 def launch_config(
+    config: Config,
     planned: RunPlan,
     resume: str | None,
     nproc_per_node: int | None,
@@ -381,13 +377,13 @@ def launch_config(
     ``quiet``: the ranks print errors only (their log files keep everything).
 
     A rank in this process (``nproc_per_node`` None: torchrun, srun, one process) trains from
-    ``planned``; a spawned rank gets the config and plans it once: the plan holds the classes of
+    ``planned``, the plan of ``config``; a spawned rank gets ``config`` and plans it once: the plan holds the classes of
     the user's modules and ``--main`` script, which a spawned process can unpickle only after it has
     imported them, and the launch unpickles a rank's arguments before the rank sets anything up."""
-    p = planned.config.parallel
+    p = planned.launch
     return launch(
         train_from_config,
-        planned if nproc_per_node is None else planned.config,
+        planned if nproc_per_node is None else config,
         resume,
         attach,
         quiet,
@@ -396,6 +392,6 @@ def launch_config(
         backend=p.backend,
         timeout=p.timeout,
         master_addr=p.master_addr,
-        master_port=None if p.master_port is None else int(p.master_port),
+        master_port=p.master_port,
         start_method=start_method,
     )

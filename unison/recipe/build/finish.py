@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from unison.config import Config
 from unison.distributed import broadcast_object, get_rank
 from unison.engine import create_evaluator
 from unison.engine.predict import predict
@@ -40,7 +39,7 @@ _log = get_logger("unison.recipe.run")  # the run's logger
 class RunContext:
     """What a run built, handed to hooks (``hooks.after_training``) and returned by :func:`run`."""
 
-    config: Config
+    config: dict[str, Any]
     run_dir: Path
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -69,7 +68,7 @@ def finish_run(plan: RunPlan, parts: RunParts, run_dir: Path, results: dict[str,
         if written is not None:
             results["predictions"] = str(written)
     context = RunContext(
-        plan.config,  # the hook's own view of the run: the config as given
+        plan.record,  # the hook's own view of the run: the config as given, as plain data
         run_dir,
         parts.model,
         parts.optimizer,

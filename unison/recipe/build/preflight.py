@@ -1,9 +1,10 @@
 """Checking the run in the launching process, before any rank is spawned.
 
-:func:`preflight` takes the run's plan (:func:`~unison.recipe.plan`) and builds what
-it can without memory or data: the model on the ``meta`` device, its optimizer and
-scheduler, the validation metrics; and checks ``training.device`` against this machine
-and that the output folder can be written.
+:func:`preflight` takes the run's plan (:func:`~unison.recipe.plan`), never the config (what
+the config alone decides, the plan checked), and checks what needs this machine or the built
+model: it builds what it can without memory or data (the model on the ``meta`` device, its
+optimizer and scheduler, the validation metrics) and checks ``training.device`` against this
+machine and that the output folder can be written.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ from unison.config.usercode import describe
 from unison.distributed.env import port_is_free
 from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
-from unison.recipe.build.tracking_wandb import check_wandb
 from unison.recipe.planning.ac_check import check_activation_checkpointing
 from unison.recipe.planning.references import _References
 from unison.recipe.planning.resolved import Resolved
 from unison.recipe.planning.run_plan import RunPlan
-from unison.recipe.planning.tracking_store import check_mlflow
 from unison.utils import get_logger
 
 _log = get_logger("unison.recipe.build.preflight")
@@ -52,17 +51,15 @@ def preflight(plan: RunPlan, *, trains_here: bool = False) -> None:
     Raises:
         ConfigError: naming the file, line and key of the first problem.
     """
-    config, resolved, refs = plan.config, plan.resolved, plan.refs
-    _check_device(config.training.device, refs)
+    resolved, refs = plan.resolved, plan.refs
+    _check_device(plan.device, refs)
     _check_output_root(plan, refs)
     _check_find_unused(plan.model.find_unused_parameters, refs)
-    check_mlflow(config)  # logging.mlflow: installed, names given, every at sync points (the store: planned)
-    check_wandb(config)  # logging.wandb: installed, names given, every at sync points
     model = None if trains_here else _meta_model(resolved, refs)
     _meta_optimizer(plan, model, refs)  # without the meta model: on a stand-in parameter of the CPU
     if model is not None:
         _check_shard_rule(plan.model.fsdp, model, refs)
-    check_activation_checkpointing(config, model, refs)
+    check_activation_checkpointing(plan.model, model, refs)
     for name, (cls, kwargs) in plan.metrics["validation"].items():
         try:
             cls(**kwargs)
@@ -222,12 +219,10 @@ def check_port(plan: RunPlan) -> None:
 
     Under torchrun or srun the launcher owns the rendezvous: this is not called there.
     """
-    parallel = plan.config.parallel
-    port = parallel.master_port
+    port, host = plan.launch.master_port, plan.launch.master_addr
     if port is None:
         return
-    host = parallel.master_addr
-    if not port_is_free(int(port), host):
+    if not port_is_free(port, host):
         raise plan.refs.error(
             "parallel.master_port",
             f"{port} is in use on {host} (another job, or a leftover process): leave master_port out "

@@ -32,7 +32,7 @@ from unison.recipe.planning.run_plan import RunPlan
 
 def _where(plan: RunPlan, *key: str) -> str:
     """``file:line`` (or ``--set ...``) of ``key``, or ``default`` when the config does not write it."""
-    origin = plan.config.origin
+    origin = plan.refs.origin
     if not origin.given(*key):
         return "default"
     line = origin.line_of(key)
@@ -50,8 +50,8 @@ def train_shuffle(plan: RunPlan, train: Any) -> bool | None:
     shuffle = plan.loaders.training.shuffle
     if not isinstance(train, IterableDataset):
         return shuffle
-    if shuffle and plan.config.origin.given("training", "shuffle"):
-        raise plan.config.origin.error(
+    if shuffle and plan.refs.origin.given("training", "shuffle"):
+        raise plan.refs.origin.error(
             ("training", "shuffle"),
             f"true, but data.build returned a stream ({type_name(train)}) for training, and a stream shuffles "
             "itself: it has no indices to reorder. Remove training.shuffle (the source decides the order), and "
@@ -70,7 +70,7 @@ def check_stream_sharding(plan: RunPlan, train: Any, world_size: int) -> None:
         return
     sharding = stream_sharding(train, world_size)
     if not sharding.by_rank:
-        raise plan.config.origin.error(
+        raise plan.refs.origin.error(
             ("data", "build"),
             f"returned a training stream, {type(train).__module__}.{type(train).__qualname__}, that does not "
             f"split by rank while {world_size} ranks run, so every rank would train on the same samples. Fix in "
@@ -107,7 +107,7 @@ def check_mid_epoch_saves(plan: RunPlan, train_loader: Any) -> None:
         causes.append(f"checkpoint.preemption: true ({_where(plan, 'checkpoint', 'preemption')})")
     settings = (("every_iters", ck.every_iters), ("every_seconds", ck.every_seconds), ("preemption", True))
     key = next(("checkpoint", name) for name, value in settings if value is not None)
-    raise plan.config.origin.error(
+    raise plan.refs.origin.error(
         key,
         f"checkpoints are saved inside an epoch ({', '.join(causes)}), and the training data from data.build, a "
         f"{position.source}, cannot tell where it stands: a resume would replay part of the epoch and never "
@@ -119,15 +119,5 @@ def check_mid_epoch_saves(plan: RunPlan, train_loader: Any) -> None:
 def empty_training_data(plan: RunPlan, err: EmptyDataError) -> ConfigError:
     """The error of a trainer whose data yielded no batch in an epoch on any rank, at the key
     that names the data (``data.stream.files`` with its reader, ``data.build``, ``data.files``)."""
-    data = plan.config.data
-    stream = data.stream
-    if stream is not None and stream.files is not None:
-        key: tuple[str, ...] = ("data", "stream", "files")
-        fix = f"name files that hold training samples, which data.stream.reader ({stream.reader}) yields"
-    elif stream is not None:
-        key, fix = ("data", "stream", "hf_dataset"), "give a split that has rows"
-    elif data.build is not None:
-        key, fix = ("data", "build"), "return training data that yields samples"
-    else:
-        key, fix = ("data", "files"), "name files that hold training samples"
-    return plan.config.origin.error(key, f"{err} Here: {fix}.")
+    key, fix = plan.data_key  # planned: the key that names the training data
+    return plan.refs.origin.error(key, f"{err} Here: {fix}.")

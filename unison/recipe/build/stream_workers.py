@@ -25,7 +25,7 @@ def check_stream_workers(plan: RunPlan, train: Any) -> None:
     workers = plan.loaders.training.num_workers
     if workers <= 0 or not isinstance(train, IterableDataset) or splits_by_worker(train):
         return
-    raise plan.config.origin.error(
+    raise plan.refs.origin.error(
         ("training", "num_workers"),
         f"{workers}, and the training stream, {public_module(type(train).__module__)}.{type(train).__qualname__}, "
         "does not say "

@@ -1,6 +1,6 @@
 """``logging.wandb`` in a run and a sweep: the check before spawning, the logger, the trials' keys.
 
-- :func:`check_wandb`, in the launching process before any rank starts: W&B is installed,
+- :func:`~unison.recipe.planning.wandb_plan.check_wandb` (the plan's check): W&B is installed,
   the names given are not empty, ``every`` has sync points to use;
 - :func:`attach_wandb`, on every rank: a :class:`~unison.handlers.wandb.WandbLogger` with the
   plan's settings (:mod:`unison.recipe.planning.wandb_plan`), writing under ``<run>/wandb`` and
@@ -15,35 +15,15 @@ import dataclasses
 import json
 from pathlib import Path
 
-from unison.config import Config, ConfigError
+from unison.config import Config
 from unison.handlers.wandb import WandbLogger
 from unison.handlers.wandb_writer import Checkpoint
 from unison.recipe.build.parts import RunParts
-from unison.recipe.planning.references import _References
 from unison.recipe.planning.run_plan import RunPlan
-from unison.recipe.planning.tracking_store import check_tracker
+from unison.recipe.planning.wandb_plan import check_wandb as check_wandb
 
-EXTRA = "pip install 'unison[wandb]'"
 RUN_FILE = "wandb-run.json"
 """In a run folder: the W&B run it writes to (id, project, entity), continued on resume."""
-
-
-def _error(config: Config, key: str, message: str) -> ConfigError:
-    return _References.of(config).error(key, message)
-
-
-def check_wandb(config: Config) -> None:
-    """With ``logging.wandb`` set: :func:`~unison.recipe.planning.tracking_store.check_tracker`, and every
-    tag is a non-empty string.
-
-    Raises:
-        ConfigError: naming the key (file and line), the value and the fix.
-    """
-    missing = f"Weights & Biases is not installed here: {EXTRA}"
-    w = check_tracker(config, "wandb", "wandb", missing, ("project", "entity", "name", "group"))
-    for n, tag in enumerate([] if w is None else w.tags):
-        if not isinstance(tag, str) or not tag.strip():
-            raise _error(config, f"logging.wandb.tags.{n}", f"tag {tag!r} must be a non-empty string")
 
 
 def newest_checkpoint(parts: RunParts) -> Checkpoint | None:

@@ -9,28 +9,29 @@ from __future__ import annotations
 
 from torch import nn
 
-from unison.config import Config
 from unison.distributed.activation_ckpt import ac_spec, checkpointed_blocks
 from unison.distributed.fsdp import FSDPOptions
 from unison.recipe.planning.references import _References
+from unison.recipe.planning.step_plans import ModelPlan
 
 KEY = "parallel.activation_checkpointing"
 
 
-def check_activation_checkpointing(config: Config, model: nn.Module | None, refs: _References) -> None:
-    """The rule's value, and (when the model could be built on the meta device) that it chooses blocks.
+def check_activation_checkpointing(plan: ModelPlan, model: nn.Module | None, refs: _References) -> None:
+    """The rule's value (``plan``: the model's plan), and (when the model could be built on the meta
+    device) that it chooses blocks.
 
     Raises:
         ConfigError: at ``parallel.activation_checkpointing``, naming the value and the model's classes.
     """
-    value = config.parallel.activation_checkpointing
+    value = plan.activation_checkpointing
     try:
-        rule = ac_spec(value, KEY)
+        rule = ac_spec(list(value) if isinstance(value, tuple) else value, KEY)  # as written, in messages
         if rule is None or model is None:
             return
         fsdp = None
-        if config.parallel.strategy == "fsdp":
-            shard = config.parallel.fsdp.shard
+        if plan.fsdp is not None:
+            shard = plan.fsdp["shard"]
             fsdp = FSDPOptions(shard=shard if shard == "auto" or not isinstance(shard, str) else (shard,))
         checkpointed_blocks(model, rule, fsdp, KEY)
     except ValueError as err:

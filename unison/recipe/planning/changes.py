@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from unison.config import Config, load_config, to_plain
+from unison.config import Config, Origin, load_config, to_plain
+from unison.recipe.planning.run_plan import RunPlan
 from unison.recipe.planning.scheduler_resume import PREFIX, how_applied, refusal
 from unison.utils import get_logger
 from unison.utils.run_files import write_text
@@ -55,8 +56,9 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def config_changes(old: Config, new: Config) -> list[Change]:
-    """Every key (as a dotted path) whose value differs between two configs, in key order.
+def config_changes(old: Config | dict[str, Any], new: Config | dict[str, Any]) -> list[Change]:
+    """Every key (as a dotted path) whose value differs between two configs (or their records), in
+    key order.
 
     Example:
         >>> old, new = Config(), Config()
@@ -78,10 +80,12 @@ def _blocks(change: Change) -> bool:
     return any(change.key == k or change.key.startswith(k + ".") for k in NOT_RESUMABLE)
 
 
-def check_resume(config: Config, run_dir: Path, scheduler_type: Any = None) -> list[Change]:
-    """The changes since the run saved in ``run_dir``; refuses those no checkpoint can follow.
+def check_resume(plan: RunPlan, run_dir: Path) -> list[Change]:
+    """The changes of ``plan``'s config since the run saved in ``run_dir``; refuses those no
+    checkpoint can follow.
 
-    Reads ``run_dir/config.yaml`` (what that run trained with). Nothing is imported or
+    Reads ``run_dir/config.yaml`` (what that run trained with) and compares it with the plan's
+    record. Nothing is imported or
     called: the saved config is only compared. A key of ``training.scheduler_kwargs`` is
     applied over the scheduler's saved state or refused, as ``scheduler_type`` (the resolved
     ``training.scheduler_type``) decides (:mod:`unison.recipe.planning.scheduler_resume`).
@@ -92,13 +96,14 @@ def check_resume(config: Config, run_dir: Path, scheduler_type: Any = None) -> l
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         return []
+    scheduler_type, origin = plan.resolved.scheduler_type, plan.refs.origin
     changes = [
-        _scheduler_change(c, scheduler_type, config) for c in config_changes(load_config(saved), config)
+        _scheduler_change(c, scheduler_type, origin) for c in config_changes(load_config(saved), plan.record)
     ]
     blocking = [c for c in changes if _blocks(c)]
     if blocking:
         listed = "; ".join(str(c) for c in blocking)
-        raise config.origin.error(
+        raise origin.error(
             tuple(blocking[0].key.split(".")),
             f"cannot resume the run in {run_dir} with this config: {listed}. The checkpoint holds weights, "
             "optimizer state and a data position made with the saved values. Put them back (see "
@@ -107,14 +112,14 @@ def check_resume(config: Config, run_dir: Path, scheduler_type: Any = None) -> l
     return changes
 
 
-def _scheduler_change(change: Change, scheduler_type: Any, config: Config) -> Change:
+def _scheduler_change(change: Change, scheduler_type: Any, origin: Origin) -> Change:
     """``change`` with how it is applied, when it is a scheduler's keyword; refused when it cannot be."""
     if not change.key.startswith(PREFIX) or scheduler_type is None:
         return change
     name = change.key[len(PREFIX) :].split(".")[0]
     how = how_applied(name, change.old, change.new, scheduler_type)
     if how is None:
-        raise config.origin.error(
+        raise origin.error(
             tuple(change.key.split(".")), refusal(name, change.old, change.new, scheduler_type)
         )
     return replace(change, applied=how)
@@ -128,9 +133,9 @@ def record(run_dir: Path, changes: list[Change]) -> None:
     write_text(run_dir / CHANGES_FILE, json.dumps(line, default=str) + "\n", "a")  # never through a link
 
 
-def record_changes(config: Config, run_dir: Path, scheduler_type: Any) -> None:
+def record_changes(plan: RunPlan, run_dir: Path) -> None:
     """Rank 0: logs and records what changed since the saved run (refusals happened before spawn)."""
-    changes = check_resume(config, run_dir, scheduler_type)
+    changes = check_resume(plan, run_dir)
     for change in changes:
         _log.warning("changed on resume: %s", change)
     if changes:

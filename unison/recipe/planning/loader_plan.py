@@ -109,3 +109,19 @@ def loader_plans(
         s_prefetch if s_workers > 0 else None, collate.get("testing"),
     )  # fmt: skip
     return LoaderPlans(training, validation, testing)
+
+
+def training_data_key(config: Config) -> tuple[tuple[str, ...], str]:
+    """The key that names the training data (``data.stream.files`` with its reader,
+    ``data.stream.hf_dataset``, ``data.build``, ``data.files``), and the fix of data that yields no
+    batch: what a trainer's empty epoch is reported at."""
+    data = config.data
+    stream = data.stream
+    if stream is not None and stream.files is not None:
+        fix = f"name files that hold training samples, which data.stream.reader ({stream.reader}) yields"
+        return ("data", "stream", "files"), fix
+    if stream is not None:
+        return ("data", "stream", "hf_dataset"), "give a split that has rows"
+    if data.build is not None:
+        return ("data", "build"), "return training data that yields samples"
+    return ("data", "files"), "name files that hold training samples"

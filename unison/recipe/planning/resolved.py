@@ -59,7 +59,7 @@ class Resolved:
     """Collate, batch preparation, model calls and evaluation criteria (:mod:`unison.recipe.planning.batch`)."""
 
 
-def resolve(config: Config) -> Resolved:
+def resolve(config: Config, refs: _References | None = None) -> Resolved:
     """Imports every ``!pyobject`` of ``config``, checks its slot, and binds its kwargs.
 
     Modules beside the config are imported by file path (``sys.path`` is left alone);
@@ -73,7 +73,7 @@ def resolve(config: Config) -> Resolved:
             kwargs that do not fit the signature they will be called with, or kwargs given for
             an object the config does not build (:func:`~unison.recipe.planning.dead_keys.unowned`).
     """
-    refs = _References.of(config)
+    refs = refs if refs is not None else _References.of(config)  # the plan passes its own
     dead = unowned(config)  # scheduler_kwargs without scheduler_type: read by nothing
     if dead is not None:
         raise refs.error(*dead)

@@ -9,9 +9,13 @@ checkpoint, logging and the test phase (:mod:`unison.recipe.planning.step_plans`
 no process, no file, no model. :func:`~unison.recipe.build.preflight.preflight` checks the plan before any rank is
 spawned; each rank builds its run from it (:func:`~unison.recipe.build.assemble.build_run`).
 
-The plan holds the objects a config names (classes of the user's modules, imported by file
-path), which do not travel between processes: a spawned rank receives the config and plans
-again, which gives the same plan (the pass reads the config and the user's modules only).
+The plan is closed: it holds the values the run reads, the origin of every key for errors
+(``refs``), the config's redacted record and its name, and no :class:`~unison.config.Config`;
+nothing after the plan reads a config. It holds the objects a config names (classes of the
+user's modules, imported by file path), which do not travel between processes: a spawned rank
+receives the config and plans once, which gives the same plan (the pass reads the config and
+the user's modules only); a process that planned (torchrun's rank, a run of one process) trains
+from its plan.
 """
 
 from __future__ import annotations
@@ -20,14 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from unison.config import Config, to_plain
+from unison.config import Config, dump_config, to_plain
 from unison.config.batch_sizes import batch_sizes
 from unison.config.watched import Watched, watched_of
 from unison.distributed import detect_launcher, get_world_size
 from unison.recipe.planning.accepted import AcceptedKeys, accepted_keys, compile_options
+from unison.recipe.planning.config_record import config_record
 from unison.recipe.planning.early_stop import EarlyStoppingPlan, early_stopping_plan
 from unison.recipe.planning.handlers_plan import UserHandler, handlers_plan
-from unison.recipe.planning.loader_plan import LoaderPlans, loader_plans
+from unison.recipe.planning.loader_plan import LoaderPlans, loader_plans, training_data_key
 from unison.recipe.planning.lr_plan import LRPlan, lr_plan
 from unison.recipe.planning.references import _References
 from unison.recipe.planning.resolved import MetricSpec, Resolved, metric_specs, resolve
@@ -36,17 +41,21 @@ from unison.recipe.planning.step_plans import (
     CheckpointPlan,
     ControlPlan,
     FinishPlan,
+    LaunchPlan,
     LoggingPlan,
     ModelPlan,
     TrainerPlan,
     checkpoint_plan,
     control_plan,
     finish_plan,
+    launch_plan,
     logging_plan,
     model_plan,
     trainer_plan,
 )
-from unison.recipe.planning.tracking_store import root_setting, store
+from unison.recipe.planning.tracking_store import check_mlflow, root_setting, store
+from unison.recipe.planning.wandb_plan import check_wandb
+from unison.utils.secrets import redact_url
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,16 @@ class RunPlan:
     """A config, what it names, and every value a run derives from it, each computed once.
 
     Attributes:
-        config: the validated config (its origin names the file and line of every key).
-        refs: how its references resolve, and the file and line of each key for errors: built once.
+        name: the config's ``name`` (its runs go to ``<root>/<name>``).
+        refs: how its references resolve, and the file and line of each key for errors (its
+            ``origin``): built once, here.
+        record: the config as plain data, URL credentials masked: what a resume compares with the
+            saved run's, and what ``hooks.after_training`` is given.
+        record_yaml: the same as the YAML a run folder's ``config.yaml`` holds.
+        log_level: ``log_level`` (every rank's console), None for the default.
+        device: ``training.device``, None: each rank takes its own.
+        launch: how the ranks start (``parallel``'s backend, timeout, rendezvous, ranks per node).
+        data_key: the key that names the training data and the fix, where an empty epoch is reported.
         resolved: the objects it names, imported and checked.
         watched: the metric checkpoints rank by, the one early stopping follows, and their modes
             (also what ``tuning.metric`` defaults to).
@@ -89,8 +106,14 @@ class RunPlan:
             applied (:func:`~unison.recipe.planning.resolved.metric_specs`).
     """
 
-    config: Config
+    name: str
     refs: _References
+    record: dict[str, Any]
+    record_yaml: str
+    log_level: str | None
+    device: str | None
+    launch: LaunchPlan
+    data_key: tuple[tuple[str, ...], str]
     resolved: Resolved
     watched: Watched
     amp: Literal["bf16", "fp16"] | None
@@ -118,7 +141,7 @@ class RunPlan:
     @property
     def run_root(self) -> Path:
         """The folder this config's runs go to: ``<root>/<name>``."""
-        return self.root / self.config.name
+        return self.root / self.name
 
 
 def amp_dtype(config: Config) -> Literal["bf16", "fp16"] | None:
@@ -163,16 +186,24 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
         )
     world = world_size if world_size is not None else get_world_size()
     sizes = batch_sizes(config, world)  # before resolving: a size that cannot divide fails first
-    refs = _References.of(config)
-    resolved = resolved if resolved is not None else resolve(config)
+    refs = _References.of(config)  # the one locator of the run: every check and error takes it from the plan
+    resolved = resolved if resolved is not None else resolve(config, refs)
+    check_mlflow(config)  # logging.mlflow: installed, names given, every at sync points
+    check_wandb(config)  # logging.wandb: the same, and its tags
     t = config.training
     loaders = loader_plans(config, resolved.batches.collate, sizes)
     watched = watched_of(config, list(resolved.metrics))
     root_key, root = root_setting(config)
     lr = {"lr": t.lr} if t.lr is not None else {}
     return RunPlan(
-        config=config,
+        name=config.name,
         refs=refs,
+        record=config_record(config),
+        record_yaml=redact_url(dump_config(config)),
+        log_level=config.log_level,
+        device=t.device,
+        launch=launch_plan(config),
+        data_key=training_data_key(config),
         resolved=resolved,
         watched=watched,
         amp=amp_dtype(config),

@@ -9,6 +9,7 @@ never the config:
 - :class:`ControlPlan`: the guards that stop or watch a run, and the average of the weights;
 - :class:`CheckpointPlan`: the checkpoint handler and preemption (``checkpoint``);
 - :class:`LoggingPlan`: TensorBoard, HParams, the profiler, the progress bar, MLflow, W&B (``logging``);
+- :class:`LaunchPlan`: how the ranks start (``parallel``);
 - :class:`FinishPlan`: what the run does after training (``testing``, ``predict``).
 """
 
@@ -142,6 +143,18 @@ class LoggingPlan:
 
 
 @dataclass(frozen=True)
+class LaunchPlan:
+    """How the ranks start (``parallel``): the backend, the process group's timeout, the rendezvous
+    address and port (a local spawn's), and the ranks per node the config asks for."""
+
+    backend: str | None
+    timeout: float
+    master_addr: str
+    master_port: int | None
+    nproc_per_node: int | None
+
+
+@dataclass(frozen=True)
 class FinishPlan:
     """After training: whether the test set is evaluated (and with the best checkpoint's weights),
     whether predictions are written (``predict.enabled``), and their batch size."""
@@ -227,6 +240,13 @@ def logging_plan(config: Config) -> LoggingPlan:
         mlflow=mlflow,
         wandb=wandb_plan(config),
     )
+
+
+def launch_plan(config: Config) -> LaunchPlan:
+    """``config``'s :class:`LaunchPlan`."""
+    p = config.parallel
+    port = None if p.master_port is None else int(p.master_port)
+    return LaunchPlan(p.backend, p.timeout, p.master_addr, port, p.nproc_per_node)
 
 
 def finish_plan(config: Config, sizes: BatchSizes | None = None) -> FinishPlan:

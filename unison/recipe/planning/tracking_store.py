@@ -27,7 +27,6 @@ from urllib.parse import urlsplit
 
 from unison.config import Config, ConfigError
 from unison.handlers.mlflow_store import artifacts_beside
-from unison.recipe.planning.references import _References
 from unison.utils.confine import ConfinementError, confined_path
 from unison.utils.secrets import MASK, redact_url
 
@@ -37,7 +36,7 @@ URL_SCHEMES = ("http", "https", "databricks", "databricks-uc", "postgresql", "my
 
 
 def _error(config: Config, key: str, message: str) -> ConfigError:
-    return _References.of(config).error(key, message)
+    return config.origin.error(tuple(key.split(".")), message)
 
 
 def check_tracking(config: Config) -> None:

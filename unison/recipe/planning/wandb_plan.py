@@ -2,6 +2,8 @@
 
 :func:`wandb_plan` is what :func:`~unison.recipe.planning.step_plans.logging_plan` computes for
 ``logging.wandb``; :mod:`unison.recipe.build.tracking_wandb` builds the logger from it.
+:func:`check_wandb` is the plan's check of the section (W&B installed, names given, ``every``
+at sync points, its tags).
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from unison.config import Config
+from unison.config import Config, ConfigError
 from unison.handlers.wandb import Mode
 from unison.recipe.planning.config_record import config_record
+from unison.recipe.planning.tracking_store import check_tracker
 
 PYOBJECT = "!pyobject "
+EXTRA = "pip install 'unison[wandb]'"
 
 
 @dataclass(frozen=True)
@@ -73,3 +77,21 @@ def wandb_plan(config: Config) -> WandbPlan | None:
         log_checkpoints=w.log_checkpoints,
         config=flat_config(config),
     )
+
+
+def _error(config: Config, key: str, message: str) -> ConfigError:
+    return config.origin.error(tuple(key.split(".")), message)
+
+
+def check_wandb(config: Config) -> None:
+    """With ``logging.wandb`` set: :func:`~unison.recipe.planning.tracking_store.check_tracker`, and every
+    tag is a non-empty string.
+
+    Raises:
+        ConfigError: naming the key (file and line), the value and the fix.
+    """
+    missing = f"Weights & Biases is not installed here: {EXTRA}"
+    w = check_tracker(config, "wandb", "wandb", missing, ("project", "entity", "name", "group"))
+    for n, tag in enumerate([] if w is None else w.tags):
+        if not isinstance(tag, str) or not tag.strip():
+            raise _error(config, f"logging.wandb.tags.{n}", f"tag {tag!r} must be a non-empty string")

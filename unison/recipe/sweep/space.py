@@ -13,7 +13,7 @@ import difflib
 import inspect
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -125,9 +125,11 @@ class SweepPlan:
     study_name: str
     metric: str
     direction: str
-    space: dict[str, dict[str, Any]] = field(default_factory=dict)
-    root: Path = Path(".")
+    space: dict[str, dict[str, Any]]
+    root: Path
     """The output root (``training.path`` or ``logging.root``), absolute: a study's file is inside it."""
+    refs: _References
+    """The config's locator for errors: the run's plan's (built once)."""
 
 
 def check_space(plan: SweepPlan, trains_here: bool = False) -> None:
@@ -176,10 +178,9 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str], nproc: int | 
             "tuning:\n  search_space:\n    training.lr: {type: float, low: 1.0e-4, high: 1.0e-1, log: true}\n"
             "(see docs/tuning.md)",
         )
-    refs = _References.of(config)  # the sweep's own keys, before the run's plan
-    optuna_object(t, refs, "sampler")
-    optuna_object(t, refs, "pruner")
     run = plan_run(config)
+    optuna_object(t, run.refs, "sampler")  # the run's locator, for the sweep's own keys too
+    optuna_object(t, run.refs, "pruner")
     trains_here = (nproc if nproc is not None else config.parallel.nproc_per_node) is None
     preflight(run, trains_here=trains_here)
     study_name = t.study_name or config.name
@@ -188,7 +189,7 @@ def plan_sweep(path: str | os.PathLike[str], overrides: list[str], nproc: int | 
     storage = (t.storage or "").strip() or f"sqlite:///{folder.resolve() / 'study.db'}"
     plan = SweepPlan(
         str(path), list(overrides), config, folder, storage, study_name, t.metric, str(t.direction),
-        {str(k): v for k, v in t.search_space.items()}, root,
+        {str(k): v for k, v in t.search_space.items()}, root, run.refs,
     )  # fmt: skip
     check_space(plan, trains_here)
     return plan

@@ -52,7 +52,6 @@ from unison.distributed import detect_launcher
 from unison.recipe.build.preflight import check_port, preflight
 from unison.recipe.build.tracking_wandb import wandb_trial_overrides
 from unison.recipe.phases import launch_config
-from unison.recipe.planning.references import _References
 from unison.recipe.planning.run_plan import launch_world_size
 from unison.recipe.planning.run_plan import plan as plan_run
 from unison.recipe.sweep.best import run_command, write_best
@@ -126,7 +125,7 @@ def _why(err: BaseException) -> str:
 def open_study(plan: SweepPlan) -> Any:
     """Creates or loads the study of ``plan``; its direction must be the config's."""
     optuna = import_optuna()
-    t, refs = plan.config.tuning, _References.of(plan.config)
+    t, refs = plan.config.tuning, plan.refs
     sampler, pruner = optuna_object(t, refs, "sampler"), optuna_object(t, refs, "pruner")
     try:
         with optuna_quiet():  # the sweep says what it found in its own line
@@ -220,7 +219,9 @@ def run_trial(
                 check_port(planned)
             attach = AttachPruning(plan.metric, server.judge(config.parallel.timeout))
             # The fork server imports torch once for all trials; the ranks print errors only.
-            results = launch_config(planned, None, nproc, attach, start_method="forkserver", quiet=True)
+            results = launch_config(
+                config, planned, None, nproc, attach, start_method="forkserver", quiet=True
+            )
         record["reported"] = dict(server.reported)
         _judge(trial, plan, server.pruned_at, results, record)
     except BaseException as err:
