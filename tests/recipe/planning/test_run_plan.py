@@ -139,3 +139,21 @@ def test_the_resume_base_and_the_loss_rule_are_planned_once(tmp_path: Path) -> N
     cls, kwargs = validation["loss"]
     assert cls is unison.metrics.Loss and kwargs["loss_fn"] is p.resolved.loss
     assert sorted(p.metrics["testing"]) == ["accuracy", "loss"]
+
+
+def test_the_plan_builds_its_locator_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ``_References`` per plan: resolving, the trackers' checks, early stopping and the user's
+    handlers take the plan's, and the run after it reads ``RunPlan.refs``."""
+    from unison.recipe.planning.references import _References
+
+    built: list[object] = []
+    of = _References.of.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type, config: object) -> object:
+        built.append(config)
+        return of(cls, config)
+
+    monkeypatch.setattr(_References, "of", classmethod(counted))
+    config = load_config(_config_file(tmp_path), ["logging.mlflow={}"])
+    p = plan(config)
+    assert len(built) == 1 and p.refs.origin is config.origin

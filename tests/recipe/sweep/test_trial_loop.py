@@ -41,6 +41,7 @@ class FakeLaunch:
 
     def __call__(
         self,
+        config: Any,
         planned: Any,
         resume: Any,
         nproc: Any,

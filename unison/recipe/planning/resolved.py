@@ -73,7 +73,7 @@ def resolve(config: Config, refs: _References | None = None) -> Resolved:
             kwargs that do not fit the signature they will be called with, or kwargs given for
             an object the config does not build (:func:`~unison.recipe.planning.dead_keys.unowned`).
     """
-    refs = refs if refs is not None else _References.of(config)  # the plan passes its own
+    refs = refs if refs is not None else _References.of(config)  # a plan passes its own (built once there)
     dead = unowned(config)  # scheduler_kwargs without scheduler_type: read by nothing
     if dead is not None:
         raise refs.error(*dead)

@@ -55,7 +55,7 @@ def best_values(params: dict[str, Any], plan: SweepPlan) -> dict[str, Any]:
             )
             continue
         if not _drawable(value, spec):
-            raise plan.config.origin.error(
+            raise plan.refs.origin.error(
                 ("tuning", "search_space", key),
                 f"the study's best trial holds {key} = {value!r}, which this search space cannot draw ({spec}); "
                 "was the study made with another config? Give another tuning.study_name for this search space",

@@ -141,7 +141,7 @@ def check_space(plan: SweepPlan, trains_here: bool = False) -> None:
     for key, spec in plan.space.items():
         why = changes_nothing(plan.config, key)
         if why is not None:
-            raise plan.config.origin.error(
+            raise plan.refs.origin.error(
                 ("tuning", "search_space", key),
                 f"{key} changes nothing: {why}; every trial would train alike. Set what it needs, or "
                 "remove it from the search space",
@@ -151,7 +151,7 @@ def check_space(plan: SweepPlan, trains_here: bool = False) -> None:
                 drawn = load_config(plan.path, [*plan.overrides, *as_overrides({key: value})])
                 preflight(plan_run(drawn), trains_here=trains_here)
             except ConfigError as err:
-                raise plan.config.origin.error(
+                raise plan.refs.origin.error(
                     ("tuning", "search_space", key),
                     f"the search space can draw {key} = {value!r}, and a run refuses that config: {err}. Narrow "
                     "the range (or the choices) to values the run takes",

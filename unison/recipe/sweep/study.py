@@ -138,19 +138,19 @@ def open_study(plan: SweepPlan) -> Any:
                 load_if_exists=t.load_if_exists,
             )
     except optuna.exceptions.DuplicatedStudyError:
-        raise plan.config.origin.error(
+        raise plan.refs.origin.error(
             ("tuning", "load_if_exists"),
             f"the storage {shown_storage(plan.storage)} holds a study named {plan.study_name!r} already; set load_if_exists: "
             "true to continue it, or give another tuning.study_name",
         ) from None
     except Exception as err:  # a missing driver, an unreachable server, a file that is no database
-        raise plan.config.origin.error(
+        raise plan.refs.origin.error(
             ("tuning", "storage"),
             f"cannot open the storage {shown_storage(plan.storage)}: {type(err).__name__}: {err}",
         ) from None
     found = study.direction.name.lower()
     if found != plan.direction:
-        raise plan.config.origin.error(
+        raise plan.refs.origin.error(
             ("tuning", "direction"),
             f"the study {plan.study_name!r} in {shown_storage(plan.storage)} was made to {found}; this config says "
             f"{plan.direction}. Give another tuning.study_name for a new study",
