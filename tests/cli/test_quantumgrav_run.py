@@ -20,7 +20,8 @@ import torch
 from _cli_parts import config, datasets, parts_of, planned, resolved
 from _procs import run_in_session
 
-import unison.recipe.build.assemble
+import unison.recipe.build.guards
+import unison.recipe.build.model_steps
 from unison.config import load_config
 from unison.distributed.env import find_free_port
 from unison.handlers import EarlyStopping
@@ -117,7 +118,7 @@ def test_output_device_reaches_ddp_on_a_gpu_rank(monkeypatch: pytest.MonkeyPatch
     seen: dict = {}
     monkeypatch.setattr("unison.recipe.planning.step_plans.rank_device", lambda: torch.device("cuda", 1))
     monkeypatch.setattr(
-        unison.recipe.build.assemble, "prepare_model", lambda model, **kwargs: seen.update(kwargs) or model
+        unison.recipe.build.model_steps, "prepare_model", lambda model, **kwargs: seen.update(kwargs) or model
     )
     c = config()
     c.parallel.output_device = 1
@@ -148,7 +149,6 @@ def test_keys_that_are_not_needed_here_are_reported_once_each(caplog: pytest.Log
     assert [r.levelno for r in caplog.records] == [logging.INFO] * 4 + [logging.WARNING]
 
 
-
 def test_a_validators_criterion_is_used_and_its_monitors_are_named_as_not_run() -> None:
     """criterion and apply_model become the section's loss and model call: never called "not needed"."""
     c = config()
@@ -162,6 +162,7 @@ def test_a_validators_criterion_is_used_and_its_monitors_are_named_as_not_run() 
     assert len(lines) == 3 and not any("criterion" in m or "apply_model" in m for m in messages)
     assert [level for level, _ in lines] == [logging.INFO, logging.WARNING, logging.WARNING]
 
+
 # -- early_stopping: {type, args, kwargs} --------------------------------------------------------
 
 
@@ -169,9 +170,9 @@ def test_default_early_stopping_with_kwargs_stops_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list = []
-    make = unison.recipe.build.assemble.make_early_stopping
+    make = unison.recipe.build.guards.make_early_stopping
     monkeypatch.setattr(
-        unison.recipe.build.assemble, "make_early_stopping", lambda *a: made.append(make(*a)) or made[-1]
+        unison.recipe.build.guards, "make_early_stopping", lambda *a: made.append(make(*a)) or made[-1]
     )
     c = load_config(
         BLOCK, ["data.build=!pyobject torch.utils.data.random_split", "early_stopping.kwargs={patience: 1}"]

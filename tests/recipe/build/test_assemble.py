@@ -8,7 +8,6 @@ spawned on 2 ranks, are in tests/cli/test_cli.py and tests/recipes/.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,8 @@ from unison.recipe.build.assemble import (
     build_optimizer,
     build_run,
     build_trainer,
-    checkpoint_objects,
 )
+from unison.recipe.build.checkpointing import checkpoint_objects
 from unison.recipe.build.finish import evaluate_test_set
 
 # -- data --------------------------------------------------------------------------------------
@@ -211,17 +210,11 @@ def test_the_scheduler_steps_per_epoch_or_per_optimizer_update(
 # -- the plan alone ------------------------------------------------------------------------------
 
 
-class _NoConfig:
-    """Stands for a plan's config: any attribute read fails, naming the attribute."""
-
-    def __getattr__(self, name: str) -> None:
-        raise AssertionError(f"a build step read the config (.{name}) instead of the plan")
-
-
 def test_a_run_builds_trains_and_tests_from_the_plan_alone(tmp_path: Path) -> None:
-    """Every build step and attacher, and the test split, read the plan, never its config: with every
-    handler the config can turn on (checkpoint, early stopping, EMA, TensorBoard and its HParams, the
-    watchdog, the time limit), a plan whose config fails on any read still builds, trains and tests."""
+    """Every build step and attacher, and the test split, read the plan (which holds no config:
+    tests/recipe/test_config_takers.py): with every handler the config can turn on (checkpoint, early
+    stopping, EMA, TensorBoard and its HParams, the watchdog, the time limit), the plan builds, trains
+    and tests."""
     c = config(tmp_path)
     c.training.max_epochs = 2
     c.training.ema = EMAConfig(decay=0.5)
@@ -230,8 +223,7 @@ def test_a_run_builds_trains_and_tests_from_the_plan_alone(tmp_path: Path) -> No
     c.early_stopping.patience = 3
     c.logging.tensorboard = True
     c.testing.batch_size = 5
-    whole = planned(c)
-    alone = dataclasses.replace(whole, config=_NoConfig())
+    alone = planned(c)
     parts = build_run(alone, tmp_path, world_size=1)
     parts.trainer.run(parts.train_loader, max_epochs=alone.trainer.max_epochs)
     assert [row["epoch"] for row in parts.history] == [1, 2]

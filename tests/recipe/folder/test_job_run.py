@@ -14,7 +14,7 @@ import pytest
 
 from unison.distributed.job import JobIdentity
 from unison.recipe.folder.job_run import JOB_RECORD, JobRunError, find_job_run
-from unison.recipe.phases import _run_dir
+from unison.recipe.folder.run_choice import choose_run_dir
 
 WORKER = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "0"}
 
@@ -48,53 +48,56 @@ def _checkpointed(run_dir: Path) -> None:
 
 def test_a_restarted_group_resumes_its_jobs_run_without_a_flag(tmp_path, worker):
     worker("job-a")
-    first, resume = _run_dir(_plan(tmp_path), None)
+    first, resume = choose_run_dir(_plan(tmp_path).run_root, None)
     assert resume is None and first.name.endswith("-job-job-a")
     assert json.loads((first / JOB_RECORD).read_text()) == {"job_id": "job-a", "launcher": "torchrun"}
     worker("job-a", restart=1)
-    assert _run_dir(_plan(tmp_path), None) == (first, "auto")
+    assert choose_run_dir(_plan(tmp_path).run_root, None) == (first, "auto")
     worker("job-a", restart=0)  # the count is no witness: a node joining does not raise it
-    assert _run_dir(_plan(tmp_path), None) == (first, "auto")
+    assert choose_run_dir(_plan(tmp_path).run_root, None) == (first, "auto")
 
 
 def test_a_new_job_starts_fresh_even_beside_a_checkpointed_run(tmp_path, worker):
     worker("job-a")
-    first, _ = _run_dir(_plan(tmp_path), None)
+    first, _ = choose_run_dir(_plan(tmp_path).run_root, None)
     _checkpointed(first)
     worker("job-b")
-    second, resume = _run_dir(_plan(tmp_path), None)
+    second, resume = choose_run_dir(_plan(tmp_path).run_root, None)
     assert resume is None and second != first and second.name.endswith("-job-job-b")
     assert find_job_run(tmp_path / "tiny", _identity("job-a")) == first
 
 
 def test_resume_given_keeps_its_meaning(tmp_path, worker):
     worker("job-a")
-    first, _ = _run_dir(_plan(tmp_path), None)
+    first, _ = choose_run_dir(_plan(tmp_path).run_root, None)
     _checkpointed(first)
     worker("job-b")
-    assert _run_dir(_plan(tmp_path), "auto") == (first, "auto")  # the newest run of the name, as ever
+    assert choose_run_dir(_plan(tmp_path).run_root, "auto") == (
+        first,
+        "auto",
+    )  # the newest run of the name, as ever
 
 
 def test_two_folders_claiming_one_job_are_an_error_naming_both(tmp_path, worker):
     worker("job-a")
-    first, _ = _run_dir(_plan(tmp_path), None)
+    first, _ = choose_run_dir(_plan(tmp_path).run_root, None)
     copy = first.parent / "copied"
     copy.mkdir()
     (copy / JOB_RECORD).write_text((first / JOB_RECORD).read_text())
     with pytest.raises(JobRunError, match="job 'job-a'") as err:
-        _run_dir(_plan(tmp_path), None)
+        choose_run_dir(_plan(tmp_path).run_root, None)
     assert str(first) in str(err.value) and str(copy) in str(err.value) and "--rdzv-id" in str(err.value)
 
 
 @pytest.mark.parametrize("run_id", [None, "none"])
 def test_without_a_job_id_each_start_is_a_fresh_run(tmp_path, worker, caplog, run_id):
     worker(run_id)
-    first, resume = _run_dir(_plan(tmp_path), None)
+    first, resume = choose_run_dir(_plan(tmp_path).run_root, None)
     _checkpointed(first)
     assert resume is None and not (first / JOB_RECORD).exists()
     caplog.clear()  # what the first start told, where an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="unison"):
-        second, resume = _run_dir(_plan(tmp_path), None)
+        second, resume = choose_run_dir(_plan(tmp_path).run_root, None)
     assert resume is None and second != first
     told = [r.getMessage() for r in caplog.records if "--rdzv-id" in r.getMessage()]
     assert len(told) == (1 if run_id == "none" else 0), told
@@ -136,7 +139,7 @@ def test_a_fifo_named_job_json_claims_nothing_and_does_not_block(tmp_path, worke
     os.mkfifo(fifo)
     assert _returns_within(lambda: find_job_run(root, _identity("job-a")), fifo) == [None]
     worker("job-a")
-    [(run_dir, resume)] = _returns_within(lambda: _run_dir(_plan(tmp_path), None), fifo)
+    [(run_dir, resume)] = _returns_within(lambda: choose_run_dir(_plan(tmp_path).run_root, None), fifo)
     assert resume is None and run_dir.name.endswith("-job-job-a")
 
 
@@ -153,15 +156,18 @@ def test_linked_or_large_job_records_claim_nothing(tmp_path):
 
 def test_a_new_job_reusing_a_finished_jobs_id_is_warned_how_to_start_fresh(tmp_path, worker, caplog):
     worker("job-a")
-    first, _ = _run_dir(_plan(tmp_path), None)
+    first, _ = choose_run_dir(_plan(tmp_path).run_root, None)
     _checkpointed(first)
     with caplog.at_level(logging.INFO, logger="unison"):
-        assert _run_dir(_plan(tmp_path), None) == (first, "auto")  # a restart of a running job: no warning
+        assert choose_run_dir(_plan(tmp_path).run_root, None) == (
+            first,
+            "auto",
+        )  # a restart of a running job: no warning
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     (first / "metrics.json").write_text("{}\n")  # the job ran to its end
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="unison"):
-        assert _run_dir(_plan(tmp_path), None) == (first, "auto")
+        assert choose_run_dir(_plan(tmp_path).run_root, None) == (first, "auto")
     [told] = [r for r in caplog.records if r.levelno >= logging.WARNING]
     text = told.getMessage()
     assert "'job-a'" in text and str(first) in text and "--rdzv-id" in text and "fresh" in text

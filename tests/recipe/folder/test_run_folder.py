@@ -17,6 +17,7 @@ from unison.recipe.build.history import HISTORY_FILE, RunHistory
 from unison.recipe.build.tracking import RUN_FILE as MLFLOW_RUN_FILE
 from unison.recipe.build.tracking_wandb import RUN_FILE as WANDB_RUN_FILE
 from unison.recipe.folder.job_run import JOB_RECORD
+from unison.recipe.folder.run_choice import file_logging
 from unison.recipe.folder.run_folder import RUN_FILES, RUN_FOLDERS, RUN_MARKER, refuse_unsafe
 from unison.recipe.planning.changes import CHANGES_FILE, Change, record
 from unison.utils.run_files import RunFileError
@@ -63,11 +64,11 @@ def test_the_run_log_is_never_appended_through_a_link(run_dir, victim) -> None:
     (run_dir / "logs").mkdir()
     (run_dir / "logs" / "rank0.log").symlink_to(victim)
     with pytest.raises(RunFileError, match="rank0.log is a symbolic link") as err:
-        runner._file_logging(run_dir)
+        file_logging(run_dir)
     assert f"(rm '{run_dir / 'logs' / 'rank0.log'}')" in str(err.value)  # the fix, quoted: ';' is no command
     assert not any(isinstance(h, logging.FileHandler) for h in logging.getLogger("unison").handlers)
     (run_dir / "logs" / "rank0.log").unlink()
-    handler = runner._file_logging(run_dir)
+    handler = file_logging(run_dir)
     try:
         logging.getLogger("unison").warning("in %s", run_dir)
     finally:

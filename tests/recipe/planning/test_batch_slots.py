@@ -17,7 +17,8 @@ from torch_geometric.nn.conv import SAGEConv  # noqa: E402
 from unison.config import ConfigError, load_config  # noqa: E402
 from unison.engine import AutoCall, ModelCall, WholeBatch  # noqa: E402
 from unison.metrics import BatchLoss  # noqa: E402
-from unison.recipe.build.assemble import Datasets, build_evaluator, build_loaders, build_trainer  # noqa: E402
+from unison.recipe.build.assemble import build_evaluator, build_loaders, build_trainer  # noqa: E402
+from unison.recipe.build.parts import Datasets  # noqa: E402
 from unison.recipe.planning.resolved import make_metrics, resolve  # noqa: E402
 from unison.recipe.planning.run_plan import plan  # noqa: E402
 

@@ -47,6 +47,7 @@ class RunParts:
         checkpoint: the checkpoint handler, None when ``checkpoint.enabled`` is false.
         ema: the average of the weights (``training.ema``), or None (:mod:`unison.recipe.build.ema_weights`).
         handlers: the user's handlers with a state, by checkpoint name (:mod:`unison.recipe.build.user_handlers`).
+        early_stopping: the early-stopping handler (``early_stopping.patience``), or None.
     """
 
     datasets: Datasets
@@ -62,6 +63,7 @@ class RunParts:
     checkpoint: Checkpoint | None = None
     ema: EMA | None = None
     handlers: dict[str, Any] = field(default_factory=dict)
+    early_stopping: Any = None
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:

@@ -83,7 +83,7 @@ def find_job_run(run_root: Path, job: JobIdentity) -> Path | None:
 
 
 def job_previous_run(run_root: Path, job: JobIdentity, *, explain: bool = False) -> tuple[Path, str] | None:
-    """What :func:`~unison.recipe.phases.previous_run` gives for a job: its run folder and
+    """What :func:`~unison.recipe.folder.run_choice.previous_run` gives for a job: its run folder and
     ``"auto"`` (its newest complete checkpoint), or None when the job has no run yet.
 
     ``explain``: when that run has finished (it holds ``metrics.json``), say at WARNING that this

@@ -72,7 +72,7 @@ def new_run_folder(root: Path, stamp: str) -> Path:
 
 def refuse_if_held(found: tuple[Path, str] | None, error: type[Exception]) -> None:
     """Raises ``error`` (with the holder named) when another process holds the run folder of
-    ``found`` (what :func:`~unison.recipe.phases.previous_run` found; None: a fresh run) now.
+    ``found`` (what :func:`~unison.recipe.folder.run_choice.previous_run` found; None: a fresh run) now.
 
     Called before unison spawns the ranks (never under torchrun or srun, whose ranks would
     probe at once), so a run that cannot get its folder fails before any rank starts. The

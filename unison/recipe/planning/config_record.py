@@ -2,7 +2,8 @@
 
 - :func:`hparams_of`: flat ``section.key`` settings for TensorBoard's HParams dashboard;
 - :func:`params_of`: the same as MLflow parameters (text values);
-- :func:`config_record`: the plain copy a checkpoint stores, URL credentials masked.
+- :func:`config_record`: the plain copy a checkpoint stores, URL credentials masked;
+- :func:`config_yaml`: the YAML a run folder's ``config.yaml`` holds, URL credentials masked.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from unison.config import Config, PyObjectRef, to_plain
+import yaml
+
+from unison.config import Config, PyObjectRef, dump_config, to_plain
 from unison.handlers.hparams import HParamValue
-from unison.utils.secrets import redact
+from unison.utils.secrets import redact, redact_url
 
 LEFT_OUT = ("tuning",)
 """Sections not written as hparams: ``tuning`` describes a sweep, the same for all its trials."""
@@ -86,3 +89,14 @@ def config_record(config: Config) -> dict[str, Any]:
     record = redact(to_plain(config))
     assert isinstance(record, dict)
     return record
+
+
+def config_yaml(config: Config) -> str | None:
+    """The config as the YAML a run folder's ``config.yaml`` holds, URL credentials masked; None
+    for a config built in Python that holds an object instead of a reference (YAML cannot write
+    it: such a config builds a run's parts, and :func:`~unison.recipe.phases.train_from_config`
+    refuses it)."""
+    try:
+        return redact_url(dump_config(config))
+    except yaml.YAMLError:
+        return None

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from unison.config import Config, dump_config, to_plain
+from unison.config import Config, to_plain
 from unison.config.batch_sizes import batch_sizes
 from unison.config.watched import Watched, watched_of
 from unison.distributed import detect_launcher, get_world_size
 from unison.recipe.planning.accepted import AcceptedKeys, accepted_keys, compile_options
-from unison.recipe.planning.config_record import config_record
+from unison.recipe.planning.config_record import config_record, config_yaml
 from unison.recipe.planning.early_stop import EarlyStoppingPlan, early_stopping_plan
 from unison.recipe.planning.handlers_plan import UserHandler, handlers_plan
 from unison.recipe.planning.loader_plan import LoaderPlans, loader_plans, training_data_key
@@ -55,7 +55,6 @@ from unison.recipe.planning.step_plans import (
 )
 from unison.recipe.planning.tracking_store import check_mlflow, root_setting, store
 from unison.recipe.planning.wandb_plan import check_wandb
-from unison.utils.secrets import redact_url
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,8 @@ class RunPlan:
             ``origin``): built once, here.
         record: the config as plain data, URL credentials masked: what a resume compares with the
             saved run's, and what ``hooks.after_training`` is given.
-        record_yaml: the same as the YAML a run folder's ``config.yaml`` holds.
+        record_yaml: the same as the YAML a run folder's ``config.yaml`` holds (None: the config holds
+            an object YAML cannot write, one built in Python, which builds parts but is not run).
         log_level: ``log_level`` (every rank's console), None for the default.
         device: ``training.device``, None: each rank takes its own.
         launch: how the ranks start (``parallel``'s backend, timeout, rendezvous, ranks per node).
@@ -109,7 +109,7 @@ class RunPlan:
     name: str
     refs: _References
     record: dict[str, Any]
-    record_yaml: str
+    record_yaml: str | None
     log_level: str | None
     device: str | None
     launch: LaunchPlan
@@ -199,7 +199,7 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
         name=config.name,
         refs=refs,
         record=config_record(config),
-        record_yaml=redact_url(dump_config(config)),
+        record_yaml=config_yaml(config),
         log_level=config.log_level,
         device=t.device,
         launch=launch_plan(config),

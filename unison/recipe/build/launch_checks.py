@@ -1,0 +1,47 @@
+"""The checks of a run in the launching process, after its plan and before any rank starts.
+
+:func:`check_before_spawning` takes the plan and checks what only this machine and the run
+folders can tell: the plan's :func:`~unison.recipe.build.preflight.preflight` (the device, the
+output folder, the model on ``meta``), the run a ``--resume`` continues (no links where unison
+writes, no change a checkpoint cannot follow, the schedule's and the data stream's shapes), a
+rendezvous port that is free, and a run folder no other job holds. Each fails here, before
+spawning, not in a rank.
+"""
+
+from __future__ import annotations
+
+from unison.distributed import detect_launcher
+from unison.recipe.build.preflight import check_port, preflight
+from unison.recipe.build.resume_shape import check_resume_shape
+from unison.recipe.folder.job_run import job_previous_run, run_job
+from unison.recipe.folder.run_choice import ResumeError, previous_run
+from unison.recipe.folder.run_folder import refuse_if_held, refuse_unsafe
+from unison.recipe.planning.changes import check_resume
+from unison.recipe.planning.run_plan import RunPlan
+
+
+def check_before_spawning(planned: RunPlan, resume: str | None, nproc_per_node: int | None) -> None:
+    """Checks ``planned`` in the launching process (``nproc_per_node`` None: this process trains
+    next, as torchrun's or srun's rank or a run of one process).
+
+    Raises:
+        ConfigError: naming the key (file and line) of the first problem.
+        ResumeError: a ``resume`` that names no run to continue, or one another job holds.
+    """
+    launcher = detect_launcher()
+    # the model on meta unless this process trains next (a tensor the user's code keeps from that
+    # build would reach training)
+    preflight(planned, trains_here=nproc_per_node is None)
+    job = run_job(resume, explain=False)  # torchrun with an id: every rank checks the job's run
+    root = planned.run_root
+    found = previous_run(root, resume) if job is None else job_previous_run(root, job)
+    if found is not None:
+        refuse_unsafe(found[0], ResumeError)  # a run folder with links where unison writes: before any rank
+        # A change no checkpoint can follow fails here, not in a rank; so does a schedule or a
+        # stream of another shape than the checkpoint's.
+        check_resume(planned, found[0])
+        world = launcher.world_size if launcher.kind != "none" else nproc_per_node or 1
+        check_resume_shape(planned, found[0], found[1], world)
+    if launcher.kind == "none":
+        check_port(planned)  # a busy port fails here, not after the ranks started
+        refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
