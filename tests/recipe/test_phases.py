@@ -102,3 +102,31 @@ def test_a_rank_given_a_plan_does_not_plan_again(tmp_path: Path, monkeypatch: py
     phases.train_from_config(config)
     assert seen[0] is planned and isinstance(seen[1], RunPlan)
     assert calls == [os.getpid()]  # only the rank given a config planned
+
+
+def _calls(fn: Any) -> list[str]:
+    """The names ``fn`` calls, in the order its source writes them."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    calls.sort(key=lambda n: (n.lineno, n.col_offset))
+    return [n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "") for n in calls]
+
+
+def _in_order(names: list[str], expected: list[str]) -> bool:
+    found = iter(names)
+    return all(name in found for name in expected)
+
+
+def test_the_run_reads_as_its_phases() -> None:
+    """run() and a rank's _train are short scripts that call the phases in order: read, plan, check
+    before spawning, launch; build, resume, fit, collect, test."""
+    run_calls, rank_calls = _calls(phases.run), _calls(phases._train)
+    assert _in_order(run_calls, ["load_config", "plan", "check_before_spawning", "launch_config"]), run_calls
+    assert _in_order(rank_calls, ["build_run", "apply_on_resume", "fit", "collect_results", "finish_run"]), (
+        rank_calls
+    )
+    assert len(run_calls) <= 14 and len(rank_calls) <= 16, (len(run_calls), len(rank_calls))

@@ -232,3 +232,34 @@ def test_a_run_builds_trains_and_tests_from_the_plan_alone(tmp_path: Path) -> No
     test = evaluate_test_set(alone, parts)
     assert set(test) == {"accuracy", "loss"}
     assert list((tmp_path / "tb").glob("events.*"))
+
+
+# -- one attacher per concern --------------------------------------------------------------------
+
+
+def test_each_concern_is_one_attacher_taken_in_order(tmp_path: Path) -> None:
+    """The build attaches one concern per function, in a fixed order (the checkpoint after every
+    handler with a state); each can be called on its own, and attaches that concern only."""
+    from unison.recipe.build.assemble import ATTACHERS, build_parts
+    from unison.recipe.build.checkpointing import attach_checkpoint
+
+    assert [a.__name__ for a in ATTACHERS] == [
+        "attach_validation",
+        "attach_scheduler",
+        "attach_early_stopping",
+        "attach_guards",
+        "attach_checkpoint",
+        "attach_tensorboard",
+        "attach_hparams",
+        "attach_profiler",
+        "attach_tracking",
+        "attach_wandb",
+        "attach_progress",
+    ]
+    c = config(tmp_path)
+    c.early_stopping.patience = 2
+    p = planned(c)
+    parts = build_parts(p, 1)
+    attach_checkpoint(p, parts, tmp_path)  # alone: early stopping was not attached, so it is not held
+    assert parts.checkpoint is not None and list(parts.checkpoint.to_save) == ["model", "optimizer"]
+    assert parts.early_stopping is None and parts.history == []
