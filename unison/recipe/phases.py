@@ -4,7 +4,7 @@ In the launching process, :func:`run`::
 
     config  = load_config(path, overrides)          # read and validated (unison.config)
     planned = plan(config, world_size)              # a closed RunPlan, once (planning/)
-    check_before_spawning(planned, resume, ...)     # what only this machine can tell (build/launch_checks)
+    check_before_spawning(planned, resume, ...)     # what only this machine can tell (build/before_spawn)
     launch_config(config, planned, ...)             # spawn the ranks, or be the rank (torchrun, srun)
 
 On every rank, :func:`train_from_config`::
@@ -36,12 +36,12 @@ from unison.distributed.spawn import start_fork_server
 from unison.engine.empty_epochs import EmptyDataError
 from unison.handlers import EXIT_PREEMPTED
 from unison.recipe.build.assemble import build_run
+from unison.recipe.build.before_spawn import check_before_spawning
 from unison.recipe.build.finish import RunContext as RunContext
 from unison.recipe.build.finish import evaluate_test_set as evaluate_test_set
 from unison.recipe.build.finish import finish_run, skip_test_phase
 from unison.recipe.build.finish import write_predictions as write_predictions
 from unison.recipe.build.history import RunHistory
-from unison.recipe.build.launch_checks import check_before_spawning
 from unison.recipe.build.meta_guard import meta_tensors_named
 from unison.recipe.build.parts import RunParts, scalar_metrics
 from unison.recipe.build.resume_values import apply_on_resume
