@@ -48,6 +48,8 @@ from unison.recipe.build.resume_values import apply_on_resume
 from unison.recipe.build.stream_data import empty_training_data
 from unison.recipe.folder.run_choice import ResumeError as ResumeError
 from unison.recipe.folder.run_choice import choose_run_dir, file_logging
+from unison.recipe.folder.run_choice import is_run_dir as is_run_dir
+from unison.recipe.folder.run_choice import previous_run as previous_run
 from unison.recipe.folder.run_folder import RUN_MARKER, resume_command
 from unison.recipe.planning.accepted import report_accepted
 from unison.recipe.planning.changes import record_changes
