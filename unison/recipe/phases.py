@@ -225,7 +225,7 @@ def _open_run_folder(planned: RunPlan, run_dir: Path, resume_from: str | None) -
     if get_rank() == 0:
         write_text(run_dir / RUN_MARKER, "", "a")  # no file here follows a link (unison.utils.run_files)
         if resume_from is not None:
-            record_changes(planned, run_dir)
+            record_changes(planned.record, planned.refs.origin, run_dir, planned.resolved.scheduler_type)
         if planned.record_yaml is None:
             raise ValueError(
                 "this config holds an object where a reference belongs (a config built in Python), and a "

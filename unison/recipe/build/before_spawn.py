@@ -39,7 +39,7 @@ def check_before_spawning(planned: RunPlan, resume: str | None, nproc_per_node: 
         refuse_unsafe(found[0], ResumeError)  # a run folder with links where unison writes: before any rank
         # A change no checkpoint can follow fails here, not in a rank; so does a schedule or a
         # stream of another shape than the checkpoint's.
-        check_resume(planned, found[0])
+        check_resume(planned.record, planned.refs.origin, found[0], planned.resolved.scheduler_type)
         world = launcher.world_size if launcher.kind != "none" else nproc_per_node or 1
         check_resume_shape(planned, found[0], found[1], world)
     if launcher.kind == "none":

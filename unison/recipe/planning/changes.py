@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from unison.config import Config, Origin, load_config, to_plain
-from unison.recipe.planning.run_plan import RunPlan
 from unison.recipe.planning.scheduler_resume import PREFIX, how_applied, refusal
 from unison.utils import get_logger
 from unison.utils.run_files import write_text
@@ -80,12 +79,14 @@ def _blocks(change: Change) -> bool:
     return any(change.key == k or change.key.startswith(k + ".") for k in NOT_RESUMABLE)
 
 
-def check_resume(plan: RunPlan, run_dir: Path) -> list[Change]:
-    """The changes of ``plan``'s config since the run saved in ``run_dir``; refuses those no
-    checkpoint can follow.
+def check_resume(
+    record: dict[str, Any], origin: Origin, run_dir: Path, scheduler_type: Any = None
+) -> list[Change]:
+    """The changes of a config since the run saved in ``run_dir``; refuses those no checkpoint can
+    follow. ``record`` and ``origin``: the config's redacted record and origin (the plan's
+    ``record`` and ``refs.origin``); ``scheduler_type``: the resolved ``training.scheduler_type``.
 
-    Reads ``run_dir/config.yaml`` (what that run trained with) and compares it with the plan's
-    record. Nothing is imported or
+    Reads ``run_dir/config.yaml`` (what that run trained with) and compares it with ``record``. Nothing is imported or
     called: the saved config is only compared. A key of ``training.scheduler_kwargs`` is
     applied over the scheduler's saved state or refused, as ``scheduler_type`` (the resolved
     ``training.scheduler_type``) decides (:mod:`unison.recipe.planning.scheduler_resume`).
@@ -96,9 +97,8 @@ def check_resume(plan: RunPlan, run_dir: Path) -> list[Change]:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         return []
-    scheduler_type, origin = plan.resolved.scheduler_type, plan.refs.origin
     changes = [
-        _scheduler_change(c, scheduler_type, origin) for c in config_changes(load_config(saved), plan.record)
+        _scheduler_change(c, scheduler_type, origin) for c in config_changes(load_config(saved), record)
     ]
     blocking = [c for c in changes if _blocks(c)]
     if blocking:
@@ -133,9 +133,10 @@ def record(run_dir: Path, changes: list[Change]) -> None:
     write_text(run_dir / CHANGES_FILE, json.dumps(line, default=str) + "\n", "a")  # never through a link
 
 
-def record_changes(plan: RunPlan, run_dir: Path) -> None:
-    """Rank 0: logs and records what changed since the saved run (refusals happened before spawn)."""
-    changes = check_resume(plan, run_dir)
+def record_changes(plain: dict[str, Any], origin: Origin, run_dir: Path, scheduler_type: Any) -> None:
+    """Rank 0: logs and records what changed since the saved run (refusals happened before spawn);
+    ``plain``: the config's redacted record (the plan's ``record``)."""
+    changes = check_resume(plain, origin, run_dir, scheduler_type)
     for change in changes:
         _log.warning("changed on resume: %s", change)
     if changes:

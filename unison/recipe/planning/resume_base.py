@@ -15,7 +15,6 @@ from typing import Any
 
 from unison.handlers.lr_scaling import scale_lr
 from unison.recipe.planning.lr_plan import default_lr, plan_of, sets_lr_itself
-from unison.recipe.planning.resolved import Resolved
 from unison.recipe.planning.scheduler_resume import RESCALED, torch_scheduler
 
 
@@ -30,8 +29,9 @@ class ResumeBase:
     scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def resume_base(training: Mapping[str, Any], resolved: Resolved, world_size: int) -> ResumeBase:
-    """The :class:`ResumeBase` of ``training`` (a section as plain data) at ``world_size`` ranks."""
+def resume_base(training: Mapping[str, Any], resolved: Any, world_size: int) -> ResumeBase:
+    """The :class:`ResumeBase` of ``training`` (a section as plain data) at ``world_size`` ranks;
+    ``resolved``: what the plan resolved (its optimizer's type and arguments, its scheduler's type)."""
     kwargs = dict(training.get("optimizer_kwargs") or {})
     lr = training.get("lr")
     if lr is None:
@@ -44,7 +44,7 @@ def resume_base(training: Mapping[str, Any], resolved: Resolved, world_size: int
     return ResumeBase(base, kwargs, dict(training.get("scheduler_kwargs") or {}))
 
 
-def _own_lr(training: Mapping[str, Any], resolved: Resolved, scale: float) -> float:
+def _own_lr(training: Mapping[str, Any], resolved: Any, scale: float) -> float:
     """The rate of a scheduler that sets it itself, as a training section gives it: ``OneCycleLR``'s
     ``max_lr`` times the scale (every rate of its schedule moves with it); the scale alone for
     another (``CyclicLR``: a change of its rates is refused before the ranks start)."""
