@@ -31,8 +31,6 @@ REASONS: dict[str, str] = {
     "unison/distributed/spawn.py": "the local spawn from start to end: its port, its fork server, each "
     "rank's entry and the one error that names the rank whose failure started it all; signals, the "
     "rank's set-up and the launcher's checks are modules of their own",
-    "unison/recipe/phases.py": "the run's phases in order, from the config to the results; planning, "
-    "building, run folders and the sweep are packages of their own",
 }
 """Module -> why it is one idea at its size. Remove an entry once the module is back under REVIEW."""
 

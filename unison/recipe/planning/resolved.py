@@ -125,11 +125,7 @@ def metric_specs(resolved: Resolved, section: str = "validation") -> dict[str, M
     own = resolved.batches.losses.get(section)
     loss = own or resolved.loss
     specs = {name: (cls, with_loss(cls, kwargs, loss)) for name, (cls, kwargs) in resolved.metrics.items()}
-    if (
-        own is not None
-        and "loss" not in specs
-        and not any(issubclass(cls, Loss) for cls, _ in specs.values())
-    ):
+    if own is not None and "loss" not in specs and not any(issubclass(c, Loss) for c, _ in specs.values()):
         specs["loss"] = (Loss, {"loss_fn": own})
     return specs or {"loss": (Loss, {"loss_fn": loss})}
 
