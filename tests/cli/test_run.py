@@ -98,7 +98,7 @@ def test_a_finished_run_resumed_with_more_epochs_goes_on_from_its_end(tmp_path: 
 
 
 def test_run_folders_are_ordered_as_made_not_as_text(tmp_path: Path) -> None:
-    from unison.recipe.phases import _run_order
+    from unison.recipe.folder.run_choice import _run_order
 
     names = ["20261123-101500", "20261123-101500-2", "20261123-101500-10", "20261123-101501"]
     manifests = [tmp_path / name / "checkpoints" / "manifest.json" for name in reversed(names)]
