@@ -129,4 +129,4 @@ def test_the_run_reads_as_its_phases() -> None:
     assert _in_order(rank_calls, ["build_run", "apply_on_resume", "fit", "collect_results", "finish_run"]), (
         rank_calls
     )
-    assert len(run_calls) <= 14 and len(rank_calls) <= 16, (len(run_calls), len(rank_calls))
+    assert len(run_calls) <= 16 and len(rank_calls) <= 16, (len(run_calls), len(rank_calls))
