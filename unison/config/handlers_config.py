@@ -62,8 +62,10 @@ class HandlerConfig:
     )
     args: list[Any] = _key([], "positional arguments (after the engine, for a function)")
     kwargs: dict[str, Any] = _key({}, "keyword arguments")
-    to: Literal["trainer", "validation"] = _key(
-        "trainer", "the engine: the trainer, or validation's evaluator"
+    to: Literal["trainer", "validation", "testing"] = _key(
+        "trainer",
+        "the engine: the trainer, validation's evaluator, or the test phase's evaluator (built after "
+        "training; its handlers attach to it then, in the order written)",
     )
     order: Literal["after", "before"] = _key(
         "after",

@@ -18,10 +18,12 @@ import torch
 from torch.utils.data import TensorDataset
 
 
-def build(seed, n=16):
+def build(seed, n=16, test=False):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=gen)
     y = (x[:, 0] > 0).long()
+    if test:
+        return TensorDataset(x[:8], y[:8]), TensorDataset(x[8:12], y[8:12]), TensorDataset(x[12:], y[12:])
     return TensorDataset(x[:8], y[:8]), TensorDataset(x[8:], y[8:])
 """
 
@@ -74,6 +76,10 @@ def seen_by_validation(engine):
 
 class NotAHandler:
     pass
+
+
+def seen_by_testing(engine, tag):
+    ORDER.append((tag, engine.state.iteration, sorted(engine.state.metrics)))
 
 
 def record_order(engine):
@@ -165,6 +171,16 @@ def _line(path: Path, text: str) -> int:
             "UPDATE_COMPLETED",
             "the trainer's",
         ),
+        (
+            "handlers:\n  - function: !pyobject hcode.record_order\n    event: UPDATE_COMPLETED\n    to: testing\n",
+            "UPDATE_COMPLETED",
+            "the trainer's (testing's evaluator makes no updates)",
+        ),
+        (
+            "handlers:\n  - function: !pyobject hcode.record_order\n    event: COMPLETED\n    to: tester\n",
+            "to: tester",
+            "testing",
+        ),
         ("handlers:\n  - function: !pyobject os.system\n    event: STARTED\n", "os.system", "refused"),
     ],
 )
@@ -204,3 +220,29 @@ handlers:
     again = run(path, nproc=1, overrides=["training.max_epochs=3"], resume=str(checkpoint))
     assert again["iterations"] == 6
     assert json.loads((tmp_path / "out.json").read_text())["count"] == 16  # 14 resumed, 2 more
+
+
+def test_a_handler_can_follow_the_test_phase_evaluator(tmp_path: Path) -> None:
+    """``to: testing`` attaches to the evaluator the test phase builds after training: it sees the
+    test set's iterations and metrics, once; neither the trainer nor validation calls it."""
+    handlers = """\
+handlers:
+  - function: !pyobject hcode.seen_by_testing
+    event: COMPLETED
+    args: [test]
+    to: testing
+  - function: !pyobject hcode.seen_by_testing
+    event: EPOCH_COMPLETED
+    args: [validation]
+    to: validation
+  - function: !pyobject hcode.record_order
+    event: COMPLETED
+    to: testing
+"""
+    path = _write(tmp_path, handlers)
+    result = run(path, nproc=1, overrides=["data.kwargs={test: true}"])
+    order = [tuple(x) for x in json.loads((tmp_path / "out.order").read_text())]
+    tests = [entry for entry in order if entry[0] == "test"]
+    assert tests == [("test", 1, ["loss"])], order  # 4 test samples: one batch of 4, once
+    assert sum(entry[0] == "validation" for entry in order) == 2  # validation's own, each epoch
+    assert result["test"]["loss"] > 0

@@ -65,7 +65,7 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
     """
     parts = build_parts(plan, world_size)
     users = build_user_handlers(plan.handlers, parts)  # handlers: built in order, `order: before` attached
-    parts.handlers = users.to_save
+    parts.handlers, parts.attach_to_tester = users.to_save, users.attach_to_tester
     for attach in ATTACHERS:
         attach(plan, parts, run_dir)
     users.attach_after()  # handlers with `order: after` (the default), after unison's own

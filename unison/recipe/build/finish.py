@@ -124,6 +124,8 @@ def evaluate_test_set(plan: RunPlan, parts: RunParts) -> dict[str, float]:
     tester = create_evaluator(
         evaluated_model(plan, model, parts.ema), metrics, amp=plan.amp, **batch_options(batches, "testing")
     )
+    if parts.attach_to_tester is not None:
+        parts.attach_to_tester(tester)  # handlers: items with `to: testing`
     values = scalar_metrics(tester.run(test_loader).metrics)
     _log.info("test: %s", "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
     return values

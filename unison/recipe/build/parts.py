@@ -7,6 +7,7 @@ resume applies), so none of them imports the steps that make them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ class RunParts:
         checkpoint: the checkpoint handler, None when ``checkpoint.enabled`` is false.
         ema: the average of the weights (``training.ema``), or None (:mod:`unison.recipe.build.ema_weights`).
         handlers: the user's handlers with a state, by checkpoint name (:mod:`unison.recipe.build.user_handlers`).
+        attach_to_tester: attaches the user's ``to: testing`` handlers to the test phase's evaluator.
         early_stopping: the early-stopping handler (``early_stopping.patience``), or None.
     """
 
@@ -64,6 +66,7 @@ class RunParts:
     ema: EMA | None = None
     handlers: dict[str, Any] = field(default_factory=dict)
     early_stopping: Any = None
+    attach_to_tester: Callable[[Engine], None] | None = None
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:

@@ -5,7 +5,8 @@ class, or a function of the user's modules), reads its event and checks that its
 bind, before any rank starts: every problem is refused at the item's key, with its file and
 line. :func:`build_user_handlers` builds them on each rank, in the order written, and attaches
 those with ``order: before`` at once; :meth:`UserHandlers.attach_after` attaches the others
-once unison's own handlers are attached. A handler object with ``state_dict()`` and
+once unison's own handlers are attached, and :meth:`UserHandlers.attach_to_tester` those with
+``to: testing`` to the test phase's evaluator when the test phase builds it. A handler object with ``state_dict()`` and
 ``load_state_dict()`` is saved in every checkpoint and put back on resume, as
 ``handlers:<ClassName>``; with ``per_rank_state = True`` each rank's own
 (:mod:`unison.checkpoint.per_rank`).
@@ -44,16 +45,27 @@ class UserHandlers:
         return named
 
     def attach(self, order: str) -> None:
-        """Attaches the handlers of ``order`` (``"before"`` or ``"after"`` unison's own), in the order written."""
+        """Attaches the handlers of ``order`` (``"before"`` or ``"after"`` unison's own), in the order
+        written; those of the test phase wait for its evaluator (:meth:`attach_to_tester`)."""
         for planned, obj, engine in self.built:
-            if planned.order != order:
+            if planned.order != order or planned.to == "testing":
                 continue
-            if planned.event is None:
-                obj.attach(engine)
-            elif planned.is_class:
-                engine.add_event_handler(fired(*planned.event), obj)
-            else:
-                engine.add_event_handler(fired(*planned.event), obj, *planned.args, **planned.kwargs)
+            self._attach(planned, obj, engine)
+
+    def attach_to_tester(self, tester: Engine) -> None:
+        """Attaches the handlers with ``to: testing`` to the test phase's evaluator, in the order written."""
+        for planned, obj, _ in self.built:
+            if planned.to == "testing":
+                self._attach(planned, obj, tester)
+
+    @staticmethod
+    def _attach(planned: UserHandler, obj: Any, engine: Engine) -> None:
+        if planned.event is None:
+            obj.attach(engine)
+        elif planned.is_class:
+            engine.add_event_handler(fired(*planned.event), obj)
+        else:
+            engine.add_event_handler(fired(*planned.event), obj, *planned.args, **planned.kwargs)
 
     def attach_after(self) -> None:
         """Attaches the handlers with ``order: after``: call once unison's own handlers are attached."""
@@ -74,7 +86,7 @@ def build_user_handlers(handlers: tuple[UserHandler, ...], parts: RunParts) -> U
         "optimizer": parts.optimizer,
     }
     for planned in handlers:
-        engine = parts.evaluator if planned.to == "validation" else parts.trainer
+        engine = parts.evaluator if planned.to == "validation" else parts.trainer  # testing's: later
         obj = planned.target
         if planned.is_class:
             given = {name: supply[name] for name in planned.injected}

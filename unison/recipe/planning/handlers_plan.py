@@ -33,7 +33,7 @@ class UserHandler:
         kwargs: the keyword arguments, references resolved.
         injected: the parameters of the class that get unison's objects (trainer, evaluator, model, optimizer).
         event: the event name and its filter (``("ITERATION_COMPLETED", {"every": 10})``); None: attach(engine).
-        to: ``"trainer"`` or ``"validation"``.
+        to: ``"trainer"``, ``"validation"`` or ``"testing"`` (the test phase's evaluator).
         order: ``"before"`` or ``"after"`` unison's own handlers.
     """
 
@@ -55,8 +55,8 @@ def _event(name: str, filters: dict[str, int], to: str, refs: _References, key: 
     members = [*Events.__members__, *UpdateEvents.__members__]
     if name not in members:
         raise refs.error(key, f"{name!r} is no event of the engine; events: {', '.join(members)}")
-    if to == "validation" and name in UpdateEvents.__members__:
-        raise refs.error(key, f"{name} is the trainer's (validation's evaluator makes no updates)")
+    if to != "trainer" and name in UpdateEvents.__members__:
+        raise refs.error(key, f"{name} is the trainer's ({to}'s evaluator makes no updates)")
     try:
         fired(name, filters)
     except ValueError as err:
