@@ -114,6 +114,7 @@ def one_run(
         keep_last=1,
         async_save=mode == "async",
     )
+    checkpoint.attach()  # as a run attaches it: an async one reserves its copy after the first iteration
     started: list[float] = []
 
     @trainer.on(Events.ITERATION_COMPLETED(once=steps // 2))

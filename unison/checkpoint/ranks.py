@@ -89,17 +89,22 @@ def summed_over_ranks(per_rank: list[list[list[float]] | None]) -> list[list[flo
 
 
 def agreed_verdict(
-    state: dict[str, Any] | None, problem: Exception | None, shards: Mapping[str, Any] | None
+    state: dict[str, Any] | None,
+    problem: Exception | None,
+    shards: Mapping[str, Any] | None,
+    *,
+    finite: bool = True,
 ) -> tuple[dict[str, Any] | None, Verdict | None]:
     """Collective: rank 0 checks what it collected (``verify.vet``), every rank the weights of its
-    own shards (when the checkpoint is sharded); every rank gets rank 0's verdict.
+    own shards (when the checkpoint is sharded); every rank gets rank 0's verdict. With
+    ``finite=False`` rank 0 leaves its state's weights unchecked (its writer checks its copy).
 
     Returns:
         The state with plain values (rank 0; None elsewhere), and None or the reason not
         to write it, the same on every rank.
     """
     bad_shards = gather_on_first(first_non_finite(local_view(shards))) if shards is not None else None
-    state, verdict = vet(state, problem)
+    state, verdict = vet(state, problem, finite=finite)
     bad = next((b for b in bad_shards or [] if b), None)
     if verdict is None and bad is not None:
         verdict = Verdict("not finite", bad)

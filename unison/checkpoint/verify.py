@@ -10,7 +10,7 @@ an infinity in the weights, so that a diverged run never replaces its last good 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import PurePath
 from typing import Any, NamedTuple
 
@@ -150,13 +150,15 @@ _REFUSALS: dict[str, type[Exception]] = {"NotPlainError": NotPlainError, "Positi
 
 
 def vet(
-    state: dict[str, Any] | None, problem: Exception | None
+    state: dict[str, Any] | None, problem: Exception | None, *, finite: bool = True
 ) -> tuple[dict[str, Any] | None, Verdict | None]:
     """Checks a collected checkpoint: plain values (converted), then finite weights.
 
     Args:
         state: the checkpoint (rank 0), or None (other ranks: nothing to check).
         problem: an error met while collecting, to share.
+        finite: check that the weights are finite; False where the writer checks its copy
+            instead (:func:`finite_check`, an asynchronous save).
 
     Returns:
         The state with plain values, and None or the reason not to write it.
@@ -169,8 +171,19 @@ def vet(
         state = plain_payload(state)
     except NotPlainError as err:
         return None, Verdict("NotPlainError", str(err))
-    bad = first_non_finite(state["objects"])
+    bad = first_non_finite(state["objects"]) if finite else None
     return state, None if bad is None else Verdict("not finite", bad)
+
+
+def finite_check(manifest: Manifest, iteration: int) -> Callable[[dict[str, Any]], str | None]:
+    """The check an asynchronous save's writer runs on its copy of the state, in its thread: the
+    warning of :func:`skip_message` when a weight is not finite (nothing is written then), or None."""
+
+    def check(state: dict[str, Any]) -> str | None:
+        bad = first_non_finite(state["objects"])
+        return None if bad is None else skip_message(Verdict("not finite", bad), manifest, iteration)
+
+    return check
 
 
 def raise_refusal(verdict: Verdict) -> None:

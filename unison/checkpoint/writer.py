@@ -2,8 +2,9 @@
 
 No engine and no ranks: it takes a state dict, a path and an :class:`Entry`, on the one
 process that writes (rank 0). With ``async_save`` the state is first copied to CPU memory
-(reusing the previous copy's buffers) and written by a background thread; at most one
-write is in flight.
+(into buffers kept from save to save, :class:`~unison.checkpoint.snapshot.Snapshot`) and
+written by a background thread, which first runs the save's ``check`` on the copy; at most
+one write is in flight.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import errno
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ from unison.checkpoint.io import atomic_save
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.retention import retain
 from unison.checkpoint.sharded_files import remove
-from unison.checkpoint.state import to_cpu_copy
+from unison.checkpoint.snapshot import Snapshot
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -67,7 +68,9 @@ class CheckpointWriter:
         """Files written, in order."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._snapshot: Any = None
+        self.snapshot = Snapshot()
+        """The CPU buffers an asynchronous write copies the state into, kept between saves."""
+        self._reserving: threading.Thread | None = None
 
     @property
     def folder(self) -> Path:
@@ -78,21 +81,51 @@ class CheckpointWriter:
         """Whether an asynchronous write has started and not been waited for."""
         return self._thread is not None
 
-    def write(self, state: dict[str, Any], path: Path, entry: Entry) -> None:
+    def write(
+        self,
+        state: dict[str, Any],
+        path: Path,
+        entry: Entry,
+        *,
+        check: Callable[[dict[str, Any]], str | None] | None = None,
+    ) -> None:
         """Writes ``state`` to ``path`` and records ``entry``; in the background with ``async_save``.
 
-        Waits first for a write still in flight (re-raising its error).
+        Waits first for a write still in flight (re-raising its error). ``check`` runs on what
+        is written (the copy, in the writer's thread, with ``async_save``) before anything is:
+        a message it returns is logged as a warning and nothing is written or recorded.
         """
         self.wait()
         if not self.async_save:
-            self._write(state, path, entry)
+            self._write(state, path, entry, check)
             return
         # The previous write has finished (wait() above): its buffers are free to reuse.
-        self._snapshot = to_cpu_copy(state, reuse=self._snapshot)
+        if self._reserving is not None:
+            self._reserving.join()
+        copy = self.snapshot.take(state)
         self._thread = threading.Thread(
-            target=self._write, args=(self._snapshot, path, entry), name="unison-ckpt", daemon=False
+            target=self._write, args=(copy, path, entry, check), name="unison-ckpt", daemon=False
         )
         self._thread.start()
+
+    def reserve(self, state: Any) -> None:
+        """Allocates the copy's buffers for a state shaped like ``state`` in a background thread
+        (only its shapes are read there), so that the first asynchronous save only copies
+        (:meth:`Snapshot.reserve <unison.checkpoint.snapshot.Snapshot.reserve>`); once. The next
+        asynchronous write waits for it. Nothing when writes are synchronous."""
+        if not self.async_save or self._reserving is not None:
+            return
+        shapes = _shapes(state)
+
+        def run() -> None:
+            try:
+                self.snapshot.reserve(shapes)
+            except (RuntimeError, MemoryError) as err:  # the first save allocates its copy itself
+                self.snapshot.release()
+                _log.warning("Could not reserve the CPU copy of an asynchronous checkpoint: %s", err)
+
+        self._reserving = threading.Thread(target=run, name="unison-ckpt", daemon=True)
+        self._reserving.start()
 
     def wait(self) -> None:
         """Blocks until an asynchronous write has finished; re-raises its error."""
@@ -126,8 +159,18 @@ class CheckpointWriter:
         self.saved.append(path)
         _log.info("Saved sharded checkpoint %s", path)
 
-    def _write(self, state: dict[str, Any], path: Path, entry: Entry) -> None:
+    def _write(
+        self,
+        state: dict[str, Any],
+        path: Path,
+        entry: Entry,
+        check: Callable[[dict[str, Any]], str | None] | None = None,
+    ) -> None:
         try:
+            refusal = check(state) if check is not None else None
+            if refusal is not None:
+                _log.warning(refusal)
+                return
             self._save(state, path)
             entry.saved_at = time.time()
             entry.size = path.stat().st_size
@@ -158,6 +201,20 @@ class CheckpointWriter:
         self.manifest.write()  # durable before anything is deleted
         for name in plan.delete:
             remove(file_in(self.folder, name, source=str(self.manifest.path)))  # a file or a sharded folder
+
+
+def _shapes(state: Any) -> Any:
+    """``state`` with each tensor replaced by an empty one of its shape, dtype and device (meta
+    device for a CPU one): what :meth:`CheckpointWriter.reserve` reads in its thread."""
+    if isinstance(state, torch.Tensor):
+        device = "meta" if state.device.type == "cpu" else state.device
+        return torch.empty((), dtype=state.dtype, device=device).expand(state.shape)
+    if isinstance(state, Mapping):
+        return {k: _shapes(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        items = [_shapes(v) for v in state]
+        return items if isinstance(state, list) else tuple(items)
+    return state
 
 
 def _disk_full_cause(err: BaseException) -> OSError | None:

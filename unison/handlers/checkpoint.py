@@ -43,7 +43,7 @@ from unison.checkpoint.state import (
     rng_of_rank,
     world_size_note,
 )
-from unison.checkpoint.verify import to_plain
+from unison.checkpoint.verify import finite_check, to_plain
 from unison.checkpoint.vetting import vetted
 from unison.checkpoint.writer import CheckpointWriter
 from unison.distributed.primitives import get_rank, get_world_size
@@ -82,7 +82,8 @@ class Checkpoint:
     (:class:`~unison.checkpoint.writer.CheckpointWriter`). Rotation keeps the newest
     ``keep_last`` (by save sequence) and the best ``keep_best`` by ``metric``, deleting
     others only once the new file is recorded. With ``async_save=True`` training blocks
-    only while the state is copied to CPU memory.
+    only while the state is copied to CPU memory, into buffers allocated after the first
+    iteration and kept between saves; the copy is checked and written in a background thread.
 
     **Resume**: :meth:`resume` (``"auto"``: the newest complete checkpoint, falling back
     to older ones with a warning when a file is damaged; or a path) loads the states on
@@ -202,9 +203,20 @@ class Checkpoint:
                     self.every_iters,
                     k,
                 )
+        if self.writer.async_save:  # the copy's buffers, once the optimizer's state exists
+            trainer.add_event_handler(Events.ITERATION_COMPLETED, self._reserve_copy)
         on_close(trainer, self._on_end)
         if self.timed is not None:
             self.timed.attach(trainer)  # after STARTED's handlers above: the clock starts with the run
+
+    def _reserve_copy(self, engine: Engine) -> None:
+        """Once, after the first iteration: rank 0's writer allocates the buffers of its asynchronous
+        copy in its thread (:meth:`CheckpointWriter.reserve`), so that the first save only copies."""
+        engine.remove_event_handler(self._reserve_copy, Events.ITERATION_COMPLETED)
+        objects = self._objects(engine)
+        if get_rank() == 0 and not sharded_names(objects) and not self.writer.in_flight:
+            rng = [capture_rng()] * get_world_size()  # every rank's generators: the same shapes
+            self.writer.reserve({"rng": rng, "objects": object_states(objects)})
 
     def _iteration_trigger(self, engine: Engine) -> None:
         if self.every_iters is not None and engine.state.iteration % self.every_iters == 0:
@@ -300,7 +312,8 @@ class Checkpoint:
 
         Returns None on other ranks, and when the weights hold a NaN or an infinity: such a
         checkpoint is never written (a warning names the first bad tensor), so the last good
-        one stays the newest.
+        one stays the newest. With ``async_save`` the writer's thread checks its copy: the path
+        is returned, and the file is not written.
 
         Raises:
             NotPlainError: on every rank, when a state holds a value that
@@ -321,7 +334,10 @@ class Checkpoint:
             state, problem = (self.collect(engine, sharded=names) if names else self.collect(engine)), None
         except PositionUnknown as err:  # rank 0 only, after the collective: shared below
             state, problem = None, err
-        state, write = vetted(state, problem, shards, self.manifest, self.trainer.state.iteration)
+        # An asynchronous file save leaves the finite check to the writer's thread, on its copy.
+        deferred = self.writer.async_save and shards is None
+        iteration = self.trainer.state.iteration
+        state, write = vetted(state, problem, shards, self.manifest, iteration, finite=not deferred)
         self._last_saved_iteration = engine.state.iteration
         if not write:
             return None
@@ -339,7 +355,9 @@ class Checkpoint:
             return None
         else:
             path = self.folder / entry.file
-            self.writer.write(state, path, entry)
+            self.writer.write(
+                state, path, entry, check=finite_check(self.manifest, iteration) if deferred else None
+            )
         if path is not None:
             self.stall_seconds.append(time.perf_counter() - start)
         return path
