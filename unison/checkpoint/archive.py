@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
 from unison.checkpoint.checkpoint_error import CheckpointError
+from unison.checkpoint.crc import range_crcs
+from unison.checkpoint.snapshot import default_threads
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -20,7 +21,9 @@ _log = get_logger(__name__)
 def archive_complete(path: str | os.PathLike[str]) -> bool:
     """Whether the file ``path`` is a whole ``torch.save`` archive; no tensor is built.
 
-    Every member's CRC-32 is checked. A member whose recorded CRC is zero although it holds
+    Every member's CRC-32 is checked, in one pass over the file: blocks of its records are
+    read and checksummed by several threads at once (:func:`unison.checkpoint.crc.range_crcs`),
+    the kernel told the file is read in order. A member whose recorded CRC is zero although it holds
     data was written with ``torch.serialization.set_crc32_options(False)``: its CRC was not
     recorded, so the archive's structure is checked instead (the central directory reads,
     every record's local header is where the directory says, and its stored size fits the
@@ -32,12 +35,17 @@ def archive_complete(path: str | os.PathLike[str]) -> bool:
             size = os.fstat(raw.fileno()).st_size
             _read_ahead(raw.fileno(), 0, 0, getattr(os, "POSIX_FADV_SEQUENTIAL", 0))
             unrecorded = [info for info in archive.infolist() if info.CRC == 0 and info.file_size > 0]
-            block = memoryview(bytearray(_BLOCK))
+            checked: list[tuple[int, int]] = []
+            expected: list[int] = []
             for info in sorted(archive.infolist(), key=lambda info: info.header_offset):  # in file order
-                if not _record_fits(raw, info, size):
+                start = _record_start(raw, info, size)
+                if start is None:
                     return False
-                if info not in unrecorded and not _crc_matches(raw, info, block):
-                    return False
+                if info not in unrecorded:
+                    checked.append((start, info.compress_size))
+                    expected.append(info.CRC)
+            if range_crcs(raw.fileno(), checked, default_threads()) != expected:
+                return False
     except (OSError, zipfile.BadZipFile, EOFError, ValueError):
         return False
     if unrecorded:
@@ -49,12 +57,6 @@ def archive_complete(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-_BLOCK = 8 << 20
-"""Bytes read per call while checking CRC-32s (8 MiB)."""
-_AHEAD = 64 << 20
-"""Bytes the kernel is asked to read ahead of the block being checked (64 MiB)."""
-
-
 def _read_ahead(fd: int, offset: int, length: int, advice: int) -> None:
     """``posix_fadvise`` where there is one: the disk reads ahead while the CRC-32s are computed."""
     if advice and hasattr(os, "posix_fadvise"):
@@ -64,45 +66,21 @@ def _read_ahead(fd: int, offset: int, length: int, advice: int) -> None:
             pass
 
 
-def _crc_matches(raw: Any, info: zipfile.ZipInfo, block: memoryview) -> bool:
-    """Whether the stored record of ``info`` has the CRC-32 the central directory records.
-
-    Read in large blocks straight from the file (where :func:`_record_fits` left it, at the
-    record's data), the disk asked to read ahead of the block being checked: reading and
-    checking overlap, and ``zlib.crc32`` releases the GIL on large blocks.
-    """
-    left, crc = info.compress_size, 0
-    offset = raw.tell()
-    ahead = offset
-    while left > 0:
-        if ahead - offset < _AHEAD // 2 and ahead < offset + left:
-            _read_ahead(raw.fileno(), ahead, _AHEAD, getattr(os, "POSIX_FADV_WILLNEED", 0))
-            ahead += _AHEAD
-        n = raw.readinto(block[: min(left, len(block))])
-        if not n:
-            return False
-        crc = zlib.crc32(block[:n], crc)
-        left -= n
-        offset += n
-    return crc == info.CRC
-
-
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip local file header: signature, 22 bytes, file name length, extra field length."""
 
 
-def _record_fits(raw: BinaryIO, info: zipfile.ZipInfo, size: int) -> bool:
-    """Whether the record of ``info`` has its local header where the directory says, is stored
-    uncompressed, and fits the file; the file is left at the record's data."""
+def _record_start(raw: BinaryIO, info: zipfile.ZipInfo, size: int) -> int | None:
+    """Where the data of ``info``'s record starts, when its local header is where the directory
+    says, it is stored uncompressed and it fits the file; else None."""
     raw.seek(info.header_offset)
     header = raw.read(_LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size:
-        return False
+        return None
     signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
     start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-    raw.seek(start)
     stored = info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
-    return signature == b"PK\x03\x04" and stored and start + info.compress_size <= size
+    return start if signature == b"PK\x03\x04" and stored and start + info.compress_size <= size else None
 
 
 def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:

@@ -1,0 +1,58 @@
+"""CRC-32s of a file's ranges, read and computed in blocks by several threads, combined exactly."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import zlib
+
+import pytest
+
+import unison.checkpoint.crc as crc_module
+from unison.checkpoint.crc import blocks, range_crcs, shift
+
+
+@pytest.mark.parametrize(
+    "first, second", [(0, 5), (7, 0), (1, 1), (1000, 4096), (3, 1 << 20), (1 << 16, 12345)]
+)
+def test_a_shifted_crc_combines_with_the_next_bytes_crc_as_zlib_computes_the_whole(first, second):
+    rng = random.Random(first * 31 + second)
+    a, b = rng.randbytes(first), rng.randbytes(second)
+    assert shift(zlib.crc32(a), len(b)) ^ zlib.crc32(b) == zlib.crc32(a + b)
+
+
+def test_a_range_is_cut_into_a_short_first_block_then_whole_blocks(monkeypatch):
+    monkeypatch.setattr(crc_module, "BLOCK", 10)
+    assert list(blocks(100, 35)) == [(100, 5), (105, 10), (115, 10), (125, 10)]
+    assert list(blocks(0, 20)) == [(0, 10), (10, 10)]
+    assert list(blocks(3, 0)) == []
+
+
+def test_each_range_gets_its_crc_from_blocks_checksummed_by_several_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(crc_module, "BLOCK", 4096)
+    data = random.Random(0).randbytes(200_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    ranges = [(0, 0), (10, 3), (17, 4096), (5000, 150_000), (199_990, 10), (199_000, 2000)]  # the last: cut
+    names: set[str] = set()
+    real = zlib.crc32
+    together = threading.Barrier(2, timeout=30)  # the first two blocks are checksummed at the same time
+    calls: list[int] = []
+
+    def spy(*args):
+        names.add(threading.current_thread().name)
+        calls.append(1)
+        if len(calls) <= 2:
+            together.wait()
+        return real(*args)
+
+    monkeypatch.setattr(crc_module.zlib, "crc32", spy)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crcs = range_crcs(fd, ranges, threads=4)
+    finally:
+        os.close(fd)
+    assert crcs[:-1] == [real(data[o : o + n]) for o, n in ranges[:-1]]
+    assert crcs[-1] is None, "a range the file ends inside has no CRC"
+    assert len(names) >= 2 and all(n.startswith("unison-crc") for n in names), names
