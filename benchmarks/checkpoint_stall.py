@@ -17,9 +17,10 @@ steps plus the save), and for async the median time from save() until the file w
 durable. "async/sync" is the median over rounds of the paired ratio of stalls.
 
 Two reference rows break the async stall down: copying the model's tensors into fresh CPU
-tensors (what ``to_cpu_copy`` does at each async save: new allocations, whose pages fault
-in as they are written), and into buffers allocated once and reused (the floor a
-snapshot kept between saves would reach).
+tensors (new allocations, whose pages fault in as they are written), and into the kept
+buffers of a ``Snapshot`` (what an async save does: the Checkpoint, attached as a run
+attaches it, reserves them after the first iteration and copies into them, large tensors
+by several threads).
 
 Targets: async stall <= 10% of sync; every save and every resume at >= 0.8x the disk.
 
@@ -44,7 +45,9 @@ and fsyncs it (``_disk.py``), and the report sets each save's MB/s against that 
 "x disk" is the save's median MB/s over the disk's median MB/s, each over the same number
 of rounds: 1.0 would be a save that costs nothing but its bytes.
 
-``--large`` checkpoints a model of about 1 GB (16 x Linear(4096, 4096)) instead.
+``--large`` checkpoints a model of about 1 GB (16 x Linear(4096, 4096)) instead;
+``--size-mb N`` a model of about N MB (Linear(2048, 2048) layers below 512 MB, Linear(4096,
+4096) layers from there: ``--size-mb 1024`` is 15 x Linear(4096, 4096), 1007 MB).
 
 On a GPU (``--device cuda``, the default where torch sees one) the model, its optimizer
 and the batches live on the GPU: a save copies the state to CPU memory first (the async
@@ -57,6 +60,7 @@ own. The reference copies go into CPU tensors.
     python benchmarks/checkpoint_stall.py --repeats 9 --json stall.json --dir /scratch/ckpt
     python benchmarks/checkpoint_stall.py --width 512 --layers 2 --repeats 1 --steps 2   # seconds
     python benchmarks/checkpoint_stall.py --large --repeats 3                # ~1 GB checkpoints
+    python benchmarks/checkpoint_stall.py --size-mb 1024 --repeats 3         # the same, by size
 """
 
 from __future__ import annotations
@@ -82,6 +86,17 @@ DISK_TARGET = 0.8
 """A save's or a resume's MB/s over the disk's, at least."""
 LARGE = (4096, 16)
 """``--large``: width and layers of a ~1 GB model."""
+
+
+def sized(megabytes: float) -> tuple[int, int]:
+    """Width and layers of a model of about ``megabytes`` MB of float32 weights and biases.
+
+    Example:
+        >>> sized(100), sized(1024)
+        ((2048, 6), (4096, 15))
+    """
+    width = 4096 if megabytes >= 512 else 2048
+    return width, max(1, round(megabytes * 1e6 / ((width * width + width) * 4)))
 
 
 def build(width: int, layers: int, seed: int = 0) -> Any:
@@ -195,8 +210,9 @@ def throughput_rows(
     return out
 
 
-def copy_timings(model: Any, reused: dict[str, Any], device: Any = "cpu") -> dict[str, float]:
-    """Seconds to copy the model's tensors into fresh CPU tensors, and into ``reused`` ones."""
+def copy_timings(model: Any, snapshot: Any, device: Any = "cpu") -> dict[str, float]:
+    """Seconds to copy the model's tensors into fresh CPU tensors, and into ``snapshot``'s kept
+    buffers (what an async save does: ``unison.checkpoint.snapshot.Snapshot``)."""
     from unison.checkpoint.state import to_cpu_copy
 
     state = model.state_dict()
@@ -204,8 +220,7 @@ def copy_timings(model: Any, reused: dict[str, Any], device: Any = "cpu") -> dic
     start = time.perf_counter()
     fresh = to_cpu_copy(state)
     middle = time.perf_counter()
-    for name, tensor in state.items():
-        reused[name].copy_(tensor)
+    snapshot.take(state)
     end = time.perf_counter()
     del fresh
     return {"fresh_s": middle - start, "reused_s": end - middle}
@@ -222,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layers", type=int, default=None, help="Linear layers (default 6: ~100 MB of float32)"
     )
     parser.add_argument("--large", action="store_true", help="a ~1 GB model: 16 x Linear(4096, 4096)")
+    parser.add_argument("--size-mb", type=float, default=None, help="a model of about this many MB")
     parser.add_argument(
         "--steps", type=int, default=6, help="training iterations per run, the save halfway (default 6)"
     )
@@ -237,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     args = parser.parse_args(argv)
-    width, layers = LARGE if args.large else (2048, 6)
+    width, layers = LARGE if args.large else sized(args.size_mb) if args.size_mb else (2048, 6)
     args.width = args.width or width
     args.layers = args.layers or layers
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
@@ -265,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="unison-stall-", dir=args.dir))
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     copies: list[dict[str, float]] = []
-    reused = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    from unison.checkpoint.snapshot import Snapshot
+
+    reused = Snapshot()
+    reused.take(model.state_dict())  # its buffers, allocated once
     disk: list[float] = []
     reads: list[float] = []
     resumes: list[float] = []

@@ -57,3 +57,11 @@ def test_the_report_sets_each_save_against_the_disk(tmp_path):
         assert row["save_mb_s"] > 0 and row["disk_mb_s"] > 0
         assert abs(row["x_disk"] - row["save_mb_s"] / row["disk_mb_s"]) < 1e-9
     assert report["results"]["sync"]["stall_ms_median"] > 0  # the stall report is unchanged
+
+
+def test_size_mb_picks_a_model_of_about_that_size():
+    stall = _module("checkpoint_stall")
+    for megabytes in (100, 1024, 300, 4096):
+        width, layers = stall.sized(megabytes)
+        assert abs((width * width + width) * 4 * layers / 1e6 - megabytes) / megabytes < 0.1
+    assert stall.sized(1024) == (4096, 15) and stall.sized(100) == (2048, 6)

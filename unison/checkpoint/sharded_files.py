@@ -6,9 +6,12 @@ and the checking before a load (:mod:`unison.checkpoint.sharded_check`).
 
 from __future__ import annotations
 
+import os
 import shutil
-import zlib
 from pathlib import Path
+
+from unison.checkpoint.crc import range_crcs
+from unison.checkpoint.snapshot import default_threads
 
 SUFFIX = ".dcp"
 """The name ending of a sharded checkpoint folder."""
@@ -17,14 +20,18 @@ CHECKSUMS = "checksums.json"
 
 
 def file_checksum(path: Path) -> tuple[int, int]:
-    """``(size, crc32)`` of a file, read in 8 MiB blocks into one buffer (``zlib.crc32`` releases the
-    GIL on them: the ranks' and the writer thread's checks run side by side)."""
-    crc, size = 0, 0
-    block = memoryview(bytearray(8 << 20))
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(block):
-            crc = zlib.crc32(block[:n], crc)
-            size += n
+    """``(size, crc32)`` of a file, its 8 MiB blocks read and checksummed by several threads at once
+    (:func:`unison.checkpoint.crc.range_crcs`)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        (crc,) = range_crcs(fd, [(0, size)], default_threads())
+    finally:
+        os.close(fd)
+    if crc is None:  # the file shrank while it was read
+        raise OSError(f"{path} ended before its {size} bytes were read")
     return size, crc
 
 
