@@ -105,14 +105,19 @@ def range_crcs(fd: int, ranges: Sequence[tuple[int, int]], threads: int) -> list
             read += n
         return zlib.crc32(view)
 
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="unison-crc") as pool:
-        if len(tasks) > len(ranges):  # some block follows another: its map is built while the first are read
-            pool.submit(_zeros, BLOCK)
-        for (i, _, length), value in zip(tasks, pool.map(crc, tasks), strict=True):
+    def combine(values: Iterator[int | None]) -> list[int | None]:
+        for (i, _, length), value in zip(tasks, values, strict=True):
             so_far = crcs[i]
             if value is None or so_far is None:
                 crcs[i] = None
             else:  # every block after a range's first is BLOCK bytes long: one map carries them all
                 crcs[i] = shift(so_far, length) ^ value if begun[i] else value
             begun[i] = True
-    return crcs
+        return crcs
+
+    if threads <= 1 or len(tasks) <= 1:  # nothing to overlap: no threads to start
+        return combine(map(crc, tasks))
+    with ThreadPoolExecutor(threads, thread_name_prefix="unison-crc") as pool:
+        if len(tasks) > len(ranges):  # some block follows another: its map is built while the first are read
+            pool.submit(_zeros, BLOCK)
+        return combine(pool.map(crc, tasks))
