@@ -1,6 +1,6 @@
 """A checkpoint file's CRC-32s are checked in one pass over its bytes, every record's (a flipped
-byte anywhere, the pickle included, is caught), and a resume reads the file once, to check it:
-its load maps what that read left in the page cache instead of reading it again."""
+byte anywhere, the pickle included, is caught), and a resume reads the file once to check it
+and once to load it: not a second time to check it again."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _bytes_read() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts reads through /proc/self/io (Linux)")
-def test_a_resume_reads_the_checkpoint_once_to_check_it_and_loads_what_it_read(tmp_path):
+def test_a_resume_reads_the_checkpoint_once_to_check_it_and_once_to_load_it(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(1000, 2000)  # 8 MB: reads of anything else are small beside it
     engine = Engine(lambda engine, batch: None, sync_every=None)
@@ -79,16 +79,4 @@ def test_a_resume_reads_the_checkpoint_once_to_check_it_and_loads_what_it_read(t
     assert resumed.resume("auto") == path
     read = _bytes_read() - before
     assert torch.equal(fresh.weight, model.weight)
-    assert size <= read < 1.5 * size, f"read {read / size:.2f}x the file"
-
-
-@pytest.mark.skipif(
-    not os.path.exists("/proc/self/maps"), reason="reads the mappings from /proc/self/maps (Linux)"
-)
-def test_a_loaded_checkpoint_keeps_nothing_of_its_file_mapped(tmp_path):
-    state = {"w": torch.randn(3, 1000), "t": torch.randn(40, 30).t(), "i": torch.arange(7), "n": 3}
-    path = atomic_save(state, tmp_path / "c.pt")
-    loaded = load_checkpoint(path)
-    assert str(path) not in Path("/proc/self/maps").read_text(), "a loaded tensor still maps the file"
-    assert all(torch.equal(loaded[k], state[k]) for k in ("w", "t", "i")) and loaded["n"] == 3
-    assert all(type(loaded[k]) is torch.Tensor for k in ("w", "t", "i"))
+    assert 2 * size <= read < 2.5 * size, f"read {read / size:.2f}x the file"

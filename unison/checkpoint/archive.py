@@ -12,7 +12,7 @@ import torch
 
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.crc import range_crcs
-from unison.checkpoint.snapshot import default_threads, in_memory
+from unison.checkpoint.snapshot import default_threads
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -87,10 +87,6 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
     """Loads a checkpoint file onto the CPU with ``torch.load(weights_only=True)``; its CRC-32s
     are checked first unless this process has just ``checked`` them (:func:`archive_complete`).
 
-    The file is mapped (``mmap=True``), not read again: the check read it into the page cache,
-    and several threads copy its tensors out into new memory (:func:`~unison.checkpoint.snapshot.in_memory`);
-    every tensor comes back contiguous and a plain ``torch.Tensor``.
-
     Raises:
         CheckpointError: naming the file, when it is missing, truncated, corrupt, or
             holds objects that ``weights_only`` refuses; with what to do.
@@ -108,9 +104,7 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
             "checkpoint (resume='auto' skips it by itself)."
         )
     try:
-        # Mapped, not read: the check above left the file in the page cache, from which several
-        # threads copy the tensors out (the mapping is gone once the loaded state is dropped).
-        state = in_memory(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, zip errors...
         if not archive_complete(file):
             raise CheckpointError(

@@ -76,14 +76,6 @@ class Snapshot:
         self._copy = None
 
 
-def in_memory(state: Any, threads: int | None = None) -> Any:
-    """``state`` with every tensor copied into new CPU memory by several threads: a state that
-    ``torch.load(mmap=True)`` mapped from a file, made independent of the file (nothing then
-    holds the mapping, and the file's space is freed when the file is deleted).
-    A tensor comes back contiguous and a plain ``torch.Tensor``."""
-    return Snapshot(threads).take(state)
-
-
 def _fits(buffer: Any, tensor: torch.Tensor) -> bool:
     return (
         isinstance(buffer, torch.Tensor)
@@ -104,8 +96,6 @@ def _mirror(obj: Any, previous: Any, pairs: list[tuple[torch.Tensor, torch.Tenso
     """The structure of ``obj`` with a buffer for each tensor (``previous``'s where it fits);
     each (buffer, tensor) goes to ``pairs``."""
     if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided or obj.is_quantized:  # rare: copied whole, by torch
-            return obj.detach().to("cpu", copy=True)
         buffer = previous if _fits(previous, obj) else _buffer(obj)
         pairs.append((buffer, obj.detach()))
         return buffer
