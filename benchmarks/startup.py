@@ -100,6 +100,7 @@ def run_once(name: str, folder: Path, round_index: int) -> dict[str, float]:
     paths = [str(CONFIG.parent), str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # ranks on the CPU, as the raw script's: on a GPU machine too
     with open(trace, "w") as fh:
         fh.write(f"launch {time.time():.6f} {os.getpid()} -\n")
     result = subprocess.run(

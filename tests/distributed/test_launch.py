@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 from _dist_workers import (
     fail_on_rank_one_while_rank_zero_waits,
@@ -430,3 +431,18 @@ def test_nproc_inside_an_sbatch_script_ignores_slurms_placement(monkeypatch):
     assert all(r["slurm_job"] == "4243" for r in results), "the ranks lost SLURM_JOB_ID (requeueing needs it)"
     assert any("ignoring SLURM's task placement" in m and "SLURM_NTASKS=4" in m for m in records), records
     assert os.environ["SLURM_NTASKS"] == "4"
+
+
+def test_more_ranks_than_gpus_are_refused_before_spawning(monkeypatch, spawn_calls):
+    """On a machine with one GPU, rank 1 failed as its group formed ('invalid device ordinal':
+    ignite sets cuda:LOCAL_RANK on gloo too); now launch refuses before spawning, saying why."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    before = _children()
+    with pytest.raises(ValueError) as err:
+        launch(placement, 0, nproc_per_node=2, backend="gloo")
+    text = str(err.value)
+    assert "nproc_per_node=2" in text and "shows 1 GPU(s) (CUDA_VISIBLE_DEVICES='0')" in text, text
+    assert "Spawn at most 1" in text and "CUDA_VISIBLE_DEVICES=" in text, text
+    assert spawn_calls == [] and _children() == before

@@ -147,6 +147,15 @@ def launch(
             "launch(backend='nccl') needs CUDA, and torch.cuda.is_available() is False here. "
             "Use backend='gloo' (or leave backend unset) to run on CPU."
         )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nproc_per_node is not None and 0 < gpus < nproc_per_node:
+        raise ValueError(
+            f"launch(nproc_per_node={nproc_per_node}) on a machine that shows {gpus} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}): each rank takes "
+            f"cuda:LOCAL_RANK as its group forms (ignite sets it on gloo too), and rank {gpus} would fail with "
+            f"'invalid device ordinal'. Spawn at most {gpus}, or hide the GPUs for ranks on the CPU "
+            "(CUDA_VISIBLE_DEVICES= in the environment before the process starts)."
+        )
     timeout = _as_timedelta(timeout, "launch")
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(

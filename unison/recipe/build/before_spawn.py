@@ -10,6 +10,10 @@ spawning, not in a rank.
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from unison.distributed import detect_launcher
 from unison.recipe.build.preflight import check_port, preflight
 from unison.recipe.build.resume_shape import check_resume_shape
@@ -43,5 +47,29 @@ def check_before_spawning(planned: RunPlan, resume: str | None, nproc_per_node: 
         world = launcher.world_size if launcher.kind != "none" else nproc_per_node or 1
         check_resume_shape(planned, found[0], found[1], world)
     if launcher.kind == "none":
+        if nproc_per_node is not None:
+            check_gpus(planned, nproc_per_node)  # each rank takes a GPU where there are any
         check_port(planned)  # a busy port fails here, not after the ranks started
         refuse_if_held(found, ResumeError)  # so does a run folder another job holds (rank 0 takes it again)
+
+
+def check_gpus(planned: RunPlan, nproc: int) -> None:
+    """Spawned ranks take one GPU each where the machine has GPUs (``cuda:LOCAL_RANK``; ignite
+    sets it as the group forms, on gloo too): no more of them than this machine shows. Without
+    the check, the rank past the last GPU fails in the process group's set-up with CUDA's
+    "invalid device ordinal".
+
+    Raises:
+        ConfigError: at ``parallel.nproc_per_node``, with the GPUs this process sees and the fixes.
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0 or nproc <= count:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    raise planned.refs.error(
+        "parallel.nproc_per_node",
+        f"{nproc} ranks (--nproc or parallel.nproc_per_node) take a GPU each, and this machine shows "
+        f"{count} (CUDA_VISIBLE_DEVICES={visible!r}): spawn at most {count} (--nproc {count}) or make more "
+        "GPUs visible; for ranks on the CPU, hide the GPUs from them: CUDA_VISIBLE_DEVICES= unison run ... "
+        "--set parallel.backend=gloo",
+    )
