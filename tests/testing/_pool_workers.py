@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import signal
 import sys
@@ -10,6 +12,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from unison.distributed import prepare_model, rank_setup
 
 IMPORTED_IN = os.getpid()
 """The process that imported this module: the warm process, or a rank that imported it itself."""
@@ -54,3 +59,36 @@ def parallel_matmul() -> float:
     torch.set_num_threads(2)  # OpenMP's team starts here, in the rank
     a = torch.ones(256, 256)
     return float((a @ a).sum())
+
+
+def frozen_at_leave(folder: str) -> int:
+    """The objects frozen now, and (in ``folder``) those still frozen as the rank collects its
+    garbage before leaving its group: the warm process's, unless the leave unfroze them."""
+    collect, path = gc.collect, Path(folder) / f"rank-{dist.get_rank()}.frozen"
+
+    def recording(*args: int) -> int:
+        path.write_text(str(gc.get_freeze_count()))
+        return collect(*args)
+
+    gc.collect = recording  # this rank's own gc module: it exits after the leave
+    return gc.get_freeze_count()
+
+
+def sharded_then_group_threads(folder: str) -> float:
+    """Trains an FSDP2 model with clipping (DTensor's caches then hold its device mesh, and the
+    mesh the group) and records (in ``folder``) the group's threads still running after the leave."""
+    threads, path = rank_setup._group_threads, Path(folder) / f"rank-{dist.get_rank()}.threads"
+
+    def recording() -> list[str]:
+        left = threads()
+        path.write_text(json.dumps(left))
+        return left
+
+    rank_setup._group_threads = recording
+    model = prepare_model(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)), strategy="fsdp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(4, 8)).square().mean()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a global norm: redistributions
+    optimizer.step()
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

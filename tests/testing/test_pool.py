@@ -195,3 +195,21 @@ def test_a_module_that_starts_threads_as_it_is_imported_is_imported_by_the_ranks
     assert threads_of(warm) == pool._warm.threads
     assert run_distributed(_pool_threaded_workers.imported_in, nproc=2) != [warm, warm]
     assert_pool_works()
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_leaves_its_group_without_unfreezing_the_warm_processs_objects(tmp_path):
+    """Its last garbage collection then walks what the rank made, not every object of torch."""
+    frozen = run_distributed(_pool_workers.frozen_at_leave, str(tmp_path), nproc=2)
+    assert min(frozen) > 10_000, f"the warm process froze only {frozen} objects"
+    at_leave = [int((tmp_path / f"rank-{rank}.frozen").read_text()) for rank in range(2)]
+    assert at_leave == frozen, f"frozen: {frozen} when the function ran, {at_leave} at the leave"
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_models_group_ends_as_its_forked_rank_leaves(tmp_path):
+    """DTensor's caches created in the warm process (and frozen there) are emptied too."""
+    norms = run_distributed(_pool_workers.sharded_then_group_threads, str(tmp_path), nproc=2)
+    assert norms[0] == norms[1] > 0
+    left = {rank: (tmp_path / f"rank-{rank}.threads").read_text() for rank in range(2)}
+    assert left == {0: "[]", 1: "[]"}, f"process-group threads still running after the leave: {left}"

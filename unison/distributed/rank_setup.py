@@ -95,16 +95,30 @@ def _group_threads() -> list[str]:
     return sorted(names)
 
 
+_frozen_caches: list[object] = []
+"""The caches of ``torch.distributed`` among the objects :func:`freeze_heap` froze: a scan of the
+heap as a rank leaves no longer sees them (``gc.get_objects`` leaves frozen objects out)."""
+
+
+def freeze_heap() -> None:
+    """Moves every object of this process out of the garbage collector's passes (``gc.freeze``), for
+    a process whose forks are ranks (``unison.testing``'s warm process): a rank's collections then
+    walk only what the rank made, and leave the frozen objects' pages shared. The caches of
+    ``torch.distributed`` among them are kept aside, for :func:`_clear_dtensor_cache` to empty."""
+    _frozen_caches.extend(_caches_of("torch.distributed"))
+    gc.freeze()
+
+
 def _clear_dtensor_cache() -> None:
     """Empties DTensor's caches, whose entries hold the device mesh of a sharded (FSDP2) model and
     through it the process group, whose threads then outlived the group's destroy: the sharding
     propagation cache kept in C++ (where ``gc`` cannot see it), the redistribution planners and
     the ``functools`` caches of ``torch.distributed`` (redistribution plans, mesh topology,
-    tensor metadata). Only where
-    DTensor was used; it scans the heap once, as the rank leaves."""
+    tensor metadata; some on instances, such as DTensor's sharding propagator). Only where
+    DTensor was imported; it scans the heap once, as the rank leaves: the objects a fork server
+    froze are not scanned, their caches were found as they were frozen."""
     if "torch.distributed.tensor" not in sys.modules:
         return
-    gc.unfreeze()  # a fork server's frozen objects (unison.testing's pool) hold caches too
     redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
     for clear in (
         getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
@@ -112,19 +126,27 @@ def _clear_dtensor_cache() -> None:
     ):
         if callable(clear):
             clear()
+    for cache in (*_frozen_caches, *_caches_of("torch.distributed")):
+        with contextlib.suppress(Exception):
+            cache.cache_clear()  # type: ignore[attr-defined]
+
+
+def _caches_of(package: str) -> list[object]:
+    """The objects with a ``cache_clear`` method defined in ``package``, among those ``gc`` tracks
+    and has not frozen."""
+    found = []
     with warnings.catch_warnings():  # reading attributes of deprecated objects warns
         warnings.simplefilter("ignore")
-        _clear_caches_of("torch.distributed")
-
-
-def _clear_caches_of(package: str) -> None:
-    for obj in gc.get_objects():
-        try:
-            owner = getattr(obj, "__module__", None) if callable(getattr(obj, "cache_clear", None)) else None
-            if isinstance(owner, str) and owner.startswith(package):
-                obj.cache_clear()
-        except Exception:  # an object whose attributes cannot be read: not one of these caches
-            continue
+        for obj in gc.get_objects():
+            try:
+                owner = (
+                    getattr(obj, "__module__", None) if callable(getattr(obj, "cache_clear", None)) else None
+                )
+                if isinstance(owner, str) and owner.startswith(package):
+                    found.append(obj)
+            except Exception:  # an object whose attributes cannot be read: not one of these caches
+                continue
+    return found
 
 
 def _leave_group() -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
-import gc
 import importlib
 import logging
 import multiprocessing
@@ -37,6 +36,8 @@ from datetime import timedelta
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
+
+from unison.distributed.rank_setup import freeze_heap
 
 PRELOAD = ("torch", "ignite.engine", "ignite.distributed", "unison")
 """What the warm process imports before serving: what every rank would import anyway."""
@@ -109,7 +110,7 @@ def serve(fd: int) -> None:
 
     _settle()
     baseline = thread_count()
-    gc.freeze()  # a rank's collections then skip these objects, and leave their pages shared
+    freeze_heap()  # a rank's collections then skip these objects, and leave their pages shared
     standby = _Standby()
     send(sock, {"ready": os.getpid(), "threads": baseline, "torch_threads": torch.get_num_threads()})
     try:
@@ -242,7 +243,7 @@ def _preload(request: dict[str, Any], baseline: int) -> tuple[str | None, bool]:
             f"importing {module} started threads or a process group ({thread_count()} threads, "
             f"{baseline} before); a process forked from it could deadlock"
         ), True
-    gc.freeze()
+    freeze_heap()
     return None, True
 
 
