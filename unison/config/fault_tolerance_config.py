@@ -33,7 +33,11 @@ class FaultToleranceConfig:
         "",
         "the torchft lighthouse's address, http://host:port (on a cluster: a host that is no training node)",
     )
-    replica_id: int = _key(0, "this group's number, 0 .. replica_groups-1; a restarted group keeps it")
+    replica_id: int = _key(
+        0,
+        "this group's number, 0 .. replica_groups-1; a restarted group keeps it; its runs go to "
+        "<root>/<name>-replica<id>",
+    )
     replica_groups: int = _key(
         2, "how many replica groups the job has at most; the data is cut in as many shares"
     )

@@ -38,6 +38,13 @@ class QuorumStep:
         self.model = inner.model
         self.optimizer = inner.optimizer
 
+    def __getattr__(self, name: str) -> Any:
+        """What handlers read of the trainer's step (``scaler``, ``loss_average``, ``grad_norm``...):
+        the inner :class:`~unison.engine.steps.TrainStep`'s."""
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def at_boundary(self, engine: IgniteEngine) -> bool:
         return True  # every step is a whole update
 

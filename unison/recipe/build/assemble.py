@@ -30,6 +30,12 @@ from unison.recipe.build.ema_weights import attach_ema, evaluated_model
 from unison.recipe.build.guards import attach_early_stopping, attach_guards
 from unison.recipe.build.model_steps import build_model, build_optimizer, build_trainer
 from unison.recipe.build.parts import RunParts
+from unison.recipe.build.replica_steps import (
+    build_group_trainer,
+    group_sampler,
+    start_group,
+    stop_at_last_commit,
+)
 from unison.recipe.build.trackers import TRACKERS
 from unison.recipe.build.user_handlers import build_user_handlers
 from unison.recipe.build.validating import attach_scheduler, attach_validation, build_evaluator
@@ -79,13 +85,19 @@ def build_run(plan: RunPlan, run_dir: Path, world_size: int) -> RunParts:
 def build_parts(plan: RunPlan, world_size: int) -> RunParts:
     """The run's objects before any handler: data, model, optimizer and scheduler, trainer (with
     its LR warmup and the average of the weights), evaluator."""
+    group = start_group(plan)  # parallel.fault_tolerance: this rank's replica group, else None
     datasets = build_datasets(plan)
-    train_loader, val_loader = build_loaders(plan, datasets)
+    sampler = group_sampler(plan, datasets.train, group) if group is not None else None
+    train_loader, val_loader = build_loaders(plan, datasets, sampler)
     mark("data")  # UNISON_STARTUP_TRACE (unison.utils.startup): a line per phase, when set
     model = build_model(plan)
     mark("model")
     optimizer, scheduler = build_optimizer(plan, model, world_size)
-    trainer = build_trainer(plan, model, optimizer)
+    if group is None:
+        trainer = build_trainer(plan, model, optimizer)
+    else:  # each step one commit of the quorum; training ends at the quorum's last commit
+        trainer = build_group_trainer(plan, group, model, optimizer)
+        stop_at_last_commit(plan, trainer, train_loader)
     attach_lr_warmup(plan.lr, optimizer, trainer)  # training.lr_scaling.warmup_steps
     ema = attach_ema(plan, model, trainer)  # training.ema; validation runs on evaluated_model
     evaluator, _ = build_evaluator(plan, evaluated_model(plan, model, ema))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from unison.config.batch_sizes import asks_world_size
 from unison.distributed import get_world_size, prepare_loaders
@@ -32,14 +32,17 @@ def build_datasets(plan: RunPlan) -> Datasets:
     return Datasets(*built)
 
 
-def build_loaders(plan: RunPlan, datasets: Datasets) -> tuple[DataLoader | None, DataLoader | None]:
+def build_loaders(
+    plan: RunPlan, datasets: Datasets, train_sampler: Sampler | None = None
+) -> tuple[DataLoader | None, DataLoader | None]:
     """Data, second half: this rank's training and validation loaders, as ``plan.loaders`` says.
 
     The training loader takes the ``training`` section's loader keys (``batch_size``,
     ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``drop_last``, ``shuffle``,
     ``collate``); the validation loader takes the ``validation`` section's, each defaulting to
     the training one (:mod:`unison.recipe.planning.loader_plan`), sharded without padding
-    (:func:`unison.recipe.build.eval_loaders.eval_loader`).
+    (:func:`unison.recipe.build.eval_loaders.eval_loader`). ``train_sampler``: the training data's
+    own (a replica group's share, :mod:`unison.recipe.build.replica_steps`), else by rank.
 
     Returns:
         ``(train_loader, val_loader)``, each None when its dataset is None.
@@ -58,6 +61,7 @@ def build_loaders(plan: RunPlan, datasets: Datasets) -> tuple[DataLoader | None,
         shuffle=train_shuffle(plan, datasets.train),  # a stream's source decides its order
         drop_last=t.drop_last,
         collate_fn=t.collate_fn,
+        train_sampler=train_sampler,
         **t.worker_kwargs(),
     )
     val_loader = eval_loader(plan.loaders.validation, datasets.val)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unison.distributed import prepare_model
+from unison.distributed import device, prepare_model
 from unison.engine import Engine, create_trainer
 from unison.recipe.planning.batch import batch_options
 from unison.recipe.planning.lr_plan import scaled_optimizer_kwargs, scaled_scheduler_kwargs
@@ -17,14 +17,18 @@ from unison.recipe.planning.run_plan import RunPlan
 
 def build_model(plan: RunPlan) -> nn.Module:
     """Model: builds ``model.type(*model.args, **model.kwargs)``, moves it to this rank's device and
-    wraps it as ``plan.model`` says.
+    wraps it as ``plan.model`` says; a replica group's is only moved (its trainer wraps it in
+    torchft's DDP, :mod:`unison.recipe.build.replica_steps`).
 
     Distributed:
         Call it on every rank: wrapping in DDP or sharding broadcasts rank 0's parameters.
     """
     resolved, m = plan.resolved, plan.model
+    model = resolved.model_type(*resolved.model_args, **resolved.model_kwargs)
+    if plan.replica is not None:
+        return model.to(device())
     return prepare_model(
-        resolved.model_type(*resolved.model_args, **resolved.model_kwargs),
+        model,
         strategy=m.strategy,
         fsdp=m.fsdp,
         compile=m.compile,

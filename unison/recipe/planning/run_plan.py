@@ -28,6 +28,7 @@ from unison.config import Config, to_plain
 from unison.config.batch_sizes import batch_sizes
 from unison.config.watched import Watched, watched_of
 from unison.distributed import detect_launcher, get_world_size
+from unison.distributed.replica_group import ReplicaSettings
 from unison.recipe.planning.accepted import AcceptedKeys, accepted_keys, compile_options
 from unison.recipe.planning.config_record import config_record, config_yaml
 from unison.recipe.planning.early_stop import EarlyStoppingPlan, early_stopping_plan
@@ -35,6 +36,7 @@ from unison.recipe.planning.handlers_plan import UserHandler, handlers_plan
 from unison.recipe.planning.loader_plan import LoaderPlans, loader_plans, training_data_key
 from unison.recipe.planning.lr_plan import LRPlan, lr_plan
 from unison.recipe.planning.references import _References
+from unison.recipe.planning.replica_plan import replica_settings
 from unison.recipe.planning.resolved import MetricSpec, Resolved, metric_specs, resolve
 from unison.recipe.planning.resume_base import ResumeBase, resume_base
 from unison.recipe.planning.step_plans import (
@@ -104,6 +106,8 @@ class RunPlan:
             (:mod:`unison.recipe.planning.resume_base`).
         metrics: the metrics each evaluation builds (``validation``, ``testing``), the loss rule
             applied (:func:`~unison.recipe.planning.resolved.metric_specs`).
+        replica: this process's replica group of a torchft job (``parallel.fault_tolerance``), None
+            when off: the build joins the group's quorum (:mod:`unison.recipe.build.replica_steps`).
     """
 
     name: str
@@ -137,10 +141,14 @@ class RunPlan:
     metrics: dict[str, dict[str, MetricSpec]]
     world_size: int = 1
     handlers: tuple[UserHandler, ...] = ()
+    replica: ReplicaSettings | None = None
 
     @property
     def run_root(self) -> Path:
-        """The folder this config's runs go to: ``<root>/<name>``."""
+        """The folder this config's runs go to: ``<root>/<name>``; one replica group's,
+        ``<root>/<name>-replica<id>`` (two groups on one machine share no folder, no lock)."""
+        if self.replica is not None:
+            return self.root / f"{self.name}-replica{self.replica.replica_id}"
         return self.root / self.name
 
 
@@ -175,15 +183,6 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
             ``global_batch_size`` that does not divide over ``world_size`` ranks, a tracking
             store a config may not name, or an early-stopping handler that cannot be built.
     """
-    if config.parallel.fault_tolerance is not None:
-        raise config.origin.error(
-            ("parallel", "fault_tolerance"),
-            "unison run does not run replica groups yet: build the trainer with "
-            "unison.engine.quorum_step.create_replica_trainer, the group with the settings "
-            "unison.recipe.planning.replica_plan.replica_settings(config) reads from this section "
-            "(docs/launching.md, 'Fault tolerance without a restart'), or drop parallel.fault_tolerance to run "
-            "with restart-based recovery",
-        )
     world = world_size if world_size is not None else get_world_size()
     sizes = batch_sizes(config, world)  # before resolving: a size that cannot divide fails first
     refs = _References.of(config)  # the one locator of the run: every check and error takes it from the plan
@@ -227,4 +226,5 @@ def plan(config: Config, resolved: Resolved | None = None, world_size: int | Non
         metrics={section: metric_specs(resolved, section) for section in ("validation", "testing")},
         world_size=world,
         handlers=handlers_plan(config, refs),
+        replica=replica_settings(config),
     )
