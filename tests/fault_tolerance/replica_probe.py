@@ -55,6 +55,12 @@ def digest(model: nn.Module) -> str:
 def record_commit(engine, out: str) -> None:  # type: ignore[no-untyped-def]
     step = engine._process_function
     trace = os.path.join(out, f"trace{step.group.settings.replica_id}.jsonl")
-    line = {"step": step.group.step, "pid": os.getpid(), "time": time.time(), "weights": digest(step.model)}
+    line = {
+        "step": step.group.step,
+        "rank": step.group.rank,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "weights": digest(step.model),
+    }
     with open(trace, "a") as f:
         f.write(json.dumps(line) + "\n")

@@ -62,12 +62,12 @@ handlers:
 """
 
 
-def _start(config: Path, out: Path, replica_id: int, *sets: str) -> subprocess.Popen:
+def _start(config: Path, out: Path, replica_id: int, *sets: str, nproc: int = 1) -> subprocess.Popen:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), str(ROOT), os.environ.get("PYTHONPATH")])),
     )
-    args = [sys.executable, "-m", "unison", "run", str(config), "--nproc", "1"]
+    args = [sys.executable, "-m", "unison", "run", str(config), "--nproc", str(nproc)]
     for item in (
         f"parallel.fault_tolerance.replica_id={replica_id}",
         *sets,
@@ -142,3 +142,32 @@ def test_unison_run_survives_a_killed_replica_group_that_rejoins_from_a_live_pee
     assert all(by_step[x["step"]] == x["weights"] for x in rejoined)  # equal at every shared commit
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert runs == ["ftrun-replica0", "ftrun-replica1"], runs  # a folder (and a lock) per group
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_unison_run_groups_of_two_ranks_end_together_on_one_model(tmp_path: Path) -> None:
+    """Two groups of two spawned ranks: all four ranks commit every step, each its quarter of the
+    data, and every rank ends at the quorum's last commit with the same weights."""
+    epochs = 2
+    last = epochs * 128 // (2 * 2 * 4)
+    with Lighthouse(min_replicas=2) as lighthouse:  # both groups in every quorum
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            CONFIG.format(epochs=epochs, root=tmp_path / "runs", out=tmp_path, lighthouse=lighthouse.address)
+        )
+        procs = [
+            _start(config, tmp_path, i, "parallel.fault_tolerance.min_replicas=2", nproc=2) for i in (0, 1)
+        ]
+        try:
+            for proc in procs:
+                assert proc.wait(timeout=240) == 0, _outputs(tmp_path)
+        finally:
+            kill_tree(*procs)
+    for i in (0, 1):
+        for rank in (0, 1):
+            steps = [x["step"] for x in _commits(tmp_path, i) if x["rank"] == rank]
+            assert steps == list(range(1, last + 1)), (i, rank, steps)
+    finals = {x["weights"] for i in (0, 1) for x in _commits(tmp_path, i) if x["step"] == last}
+    assert len(finals) == 1, finals

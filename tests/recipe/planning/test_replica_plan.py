@@ -1,4 +1,4 @@
-"""``parallel.fault_tolerance`` read into the replica group's settings, and refused by ``unison run``."""
+"""``parallel.fault_tolerance`` read into the replica group's settings, which the run's plan carries."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torchft")  # the section is checked for torchft when loaded
 
-from unison.config import ConfigError, load_config  # noqa: E402
+from unison.config import load_config  # noqa: E402
 from unison.distributed.replica_group import ReplicaSettings  # noqa: E402
 from unison.recipe.planning.replica_plan import replica_settings  # noqa: E402
 from unison.recipe.planning.run_plan import plan  # noqa: E402
@@ -53,9 +53,17 @@ def test_without_the_section_there_is_no_group(tmp_path: Path) -> None:
     assert replica_settings(config) is None
 
 
-def test_unison_run_refuses_the_section_at_its_line(tmp_path: Path) -> None:
-    config, path = _config(tmp_path, "parallel:\n  fault_tolerance:\n    lighthouse: http://lh:29510\n")
-    with pytest.raises(
-        ConfigError, match=rf"{path}:8: parallel.fault_tolerance: .*replica_settings\(config\)"
-    ):
-        plan(config)
+def test_the_plan_carries_the_groups_settings_and_its_own_run_folder(tmp_path: Path) -> None:
+    (tmp_path / "ftdata.py").write_text(
+        "import torch\n\ndef build(seed):\n    d = torch.utils.data.TensorDataset(torch.zeros(4, 4))\n    return d, d\n"
+    )
+    base = BASE.replace("torch.utils.data.TensorDataset", "ftdata.build")
+    section = "parallel:\n  fault_tolerance:\n    lighthouse: http://lh:29510\n    replica_id: 1\n"
+    (tmp_path / "c.yaml").write_text(base + section)
+    config = load_config(tmp_path / "c.yaml")
+    planned = plan(config)
+    assert planned.replica == replica_settings(config)
+    assert planned.run_root == planned.root / "ft-replica1"  # two groups on one machine share no folder
+    (tmp_path / "c.yaml").write_text(base)
+    alone = plan(load_config(tmp_path / "c.yaml"))
+    assert alone.replica is None and alone.run_root == alone.root / "ft"

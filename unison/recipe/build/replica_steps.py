@@ -20,11 +20,12 @@ peer part-way (its own counters started again) ends with the others, on the same
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from unison.distributed import TrainSampler
 from unison.distributed.replica_group import ReplicaGroup
@@ -45,6 +46,13 @@ def start_group(plan: RunPlan) -> ReplicaGroup | None:
 
 def group_sampler(plan: RunPlan, dataset: Any, group: ReplicaGroup) -> TrainSampler:
     """The training sampler of this rank of ``group``: its share of ``replica_groups`` groups' data."""
+    if not isinstance(dataset, Sized) or isinstance(dataset, IterableDataset):
+        raise plan.refs.origin.error(
+            ("parallel", "fault_tolerance"),
+            f"data.build returned a stream ({type(dataset).__name__}) for training, and replica groups cut the "
+            "training data into shares by index: return a map-style dataset (with __len__ and __getitem__), or "
+            "drop parallel.fault_tolerance",
+        )
     t = plan.loaders.training
     rank, world = group.data_placement()
     return TrainSampler(
@@ -63,7 +71,9 @@ def build_group_trainer(plan: RunPlan, group: ReplicaGroup, model: nn.Module, op
         resolved.loss,
         amp=plan.amp,
         clip_grad_norm=t.clip_grad_norm,
-        sync_every=t.sync_every,
+        # Several ranks: a sync point every step, so that the stop at the last commit is applied
+        # at that commit in every group (a group's iteration count is its own once it healed).
+        sync_every=1 if group.world_size > 1 else t.sync_every,
         **batch_options(resolved.batches, "training"),
     )
     trainer.add_event_handler(Events.COMPLETED, _shut_down, group)
@@ -74,7 +84,9 @@ def stop_at_last_commit(plan: RunPlan, trainer: Engine, train_loader: DataLoader
     """Ends training once the quorum has committed ``max_epochs x epoch_length`` steps.
 
     Every rank of the group asks at the same iteration (the commit count is the quorum's), and
-    the stop is agreed as every stop is.
+    the stop is agreed as every stop is: at once with one rank, at the step's sync point with
+    several (:func:`build_group_trainer` gives them one each step, whatever
+    ``training.sync_every`` says).
     """
     step = trainer._process_function
     if not isinstance(step, QuorumStep) or train_loader is None:
