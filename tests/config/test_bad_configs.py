@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 import uuid
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -795,16 +794,6 @@ def test_the_guard_sees_a_spawn_of_a_good_config(tmp_path, no_spawn, module_name
             ),
             id="nccl-without-cuda",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),
-        ),
-        pytest.param(
-            Bad(
-                "ft-in-unison-run",
-                "parallel:\n  fault_tolerance:  # <-- here\n    lighthouse: http://h:29510\n",
-                "parallel.fault_tolerance",
-                ("create_replica_trainer", "replica_settings(config)"),
-            ),
-            id="ft-in-unison-run",
-            marks=pytest.mark.skipif(find_spec("torchft") is None, reason="needs torchft (the ft extra)"),
         ),
     ],
 )
