@@ -38,34 +38,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT)]
+sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests" / "fault_tolerance")]
 
 import _common as C  # noqa: E402
-
-WORKER = ROOT / "tests" / "fault_tolerance" / "_replica_worker.py"
-
-
-def _start(lighthouse: str, replica_id: int, out: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    log = open(out / f"output{replica_id}-{time.monotonic_ns()}.txt", "w")  # noqa: SIM115
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), lighthouse, str(replica_id), str(out), *extra],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _lines(out: Path, replica_id: int) -> list[dict]:
-    path = out / f"group{replica_id}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
-
-
-def _steps(out: Path, replica_id: int, pid: int | None = None) -> list[dict]:
-    return [x for x in _lines(out, replica_id) if "step" in x and (pid is None or x["pid"] == pid)]
+from replica_procs import lines as _lines  # noqa: E402
+from replica_procs import start as _start  # noqa: E402
+from replica_procs import steps as _steps  # noqa: E402
 
 
 def _wait(condition: Any, timeout: float, what: str) -> Any:

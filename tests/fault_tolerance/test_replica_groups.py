@@ -13,10 +13,8 @@ equal at every step both commit.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,37 +23,21 @@ import pytest
 pytest.importorskip("torchft")
 
 from _procs import kill_tree  # noqa: E402
+from replica_procs import lines as _lines  # noqa: E402
+from replica_procs import start as _start  # noqa: E402
+from replica_procs import steps as _steps  # noqa: E402
 
 from unison.distributed import TrainSampler  # noqa: E402
 from unison.distributed.replica_group import Lighthouse  # noqa: E402
 
-WORKER = Path(__file__).with_name("_replica_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 KILL_AT = 6
 """Group 1 is killed once it has committed this many steps in the shared quorum."""
 
 
-def _start(lighthouse: str, replica_id: int, out: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    with open(out / f"output{replica_id}-{time.monotonic_ns()}.txt", "w") as log:
-        return subprocess.Popen(
-            [sys.executable, str(WORKER), lighthouse, str(replica_id), str(out), *extra],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
 
 
-def _lines(out: Path, replica_id: int) -> list[dict]:
-    path = out / f"group{replica_id}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _steps(out: Path, replica_id: int, pid: int | None = None) -> list[dict]:
-    return [x for x in _lines(out, replica_id) if "step" in x and (pid is None or x["pid"] == pid)]
 
 
 def _wait(condition, timeout: float, what: str, procs: list[subprocess.Popen], out: Path):
