@@ -80,3 +80,45 @@ def test_a_resume_reads_the_checkpoint_once_to_check_it_and_once_to_load_it(tmp_
     read = _bytes_read() - before
     assert torch.equal(fresh.weight, model.weight)
     assert 2 * size <= read < 2.5 * size, f"read {read / size:.2f}x the file"
+
+
+def test_a_linked_or_fifo_checkpoint_is_refused_without_following_or_waiting(tmp_path):
+    """The CRC readers open a checkpoint as every run-folder file is opened: a link is not
+    followed (it is not the checkpoint), and a FIFO does not hang the check."""
+    import os
+
+    import pytest
+    import torch
+
+    from unison.checkpoint.archive import archive_complete
+    from unison.checkpoint.sharded_files import file_checksum
+    from unison.utils.run_files import RunFileError
+
+    real = tmp_path / "real.pt"
+    torch.save({"w": torch.arange(4.0)}, real)
+    link = tmp_path / "ckpt.pt"
+    link.symlink_to(real)
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    assert archive_complete(real) is True
+    assert archive_complete(link) is False and archive_complete(fifo) is False
+    assert file_checksum(real)[0] == real.stat().st_size
+    for path in (link, fifo):
+        with pytest.raises(RunFileError):
+            file_checksum(path)
+
+
+def test_loading_a_linked_checkpoint_names_the_link_and_its_target(tmp_path):
+    import pytest
+    import torch
+
+    from unison.checkpoint.archive import load_archive
+    from unison.checkpoint.checkpoint_error import CheckpointError
+
+    real = tmp_path / "real.pt"
+    torch.save({"w": torch.arange(4.0)}, real)
+    link = tmp_path / "ckpt.pt"
+    link.symlink_to(real)
+    with pytest.raises(CheckpointError, match=f"ckpt.pt is a symbolic link \\(to {real}\\).*Give the file"):
+        load_archive(link)
+    assert load_archive(real)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -14,6 +14,7 @@ from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.crc import range_crcs
 from unison.checkpoint.snapshot import default_threads
 from unison.utils.logging import get_logger
+from unison.utils.run_files import open_fd
 
 _log = get_logger(__name__)
 
@@ -31,7 +32,8 @@ def archive_complete(path: str | os.PathLike[str]) -> bool:
     log line says so.
     """
     try:
-        with zipfile.ZipFile(path) as archive, open(path, "rb", buffering=0) as raw:
+        # One descriptor for both, opened as a run folder's files are: a link or a FIFO is refused.
+        with os.fdopen(open_fd(path), "rb", buffering=0) as raw, zipfile.ZipFile(raw) as archive:
             size = os.fstat(raw.fileno()).st_size
             _read_ahead(raw.fileno(), 0, 0, getattr(os, "POSIX_FADV_SEQUENTIAL", 0))
             unrecorded = [info for info in archive.infolist() if info.CRC == 0 and info.file_size > 0]
@@ -94,6 +96,11 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(
             f"Checkpoint {file} does not exist. Check the path, or resume='auto' to pick the newest."
+        )
+    if file.is_symlink():  # its checks open files without following links: say so, not "corrupt"
+        raise CheckpointError(
+            f"Checkpoint {file} is a symbolic link (to {os.path.realpath(file)}); checkpoints are read "
+            "without following links. Give the file it points to."
         )
     if not checked and not archive_complete(file):
         # torch.load does not verify the archive's checksums: damaged bytes would load as

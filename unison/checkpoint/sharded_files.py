@@ -12,6 +12,7 @@ from pathlib import Path
 
 from unison.checkpoint.crc import range_crcs
 from unison.checkpoint.snapshot import default_threads
+from unison.utils.run_files import open_fd
 
 SUFFIX = ".dcp"
 """The name ending of a sharded checkpoint folder."""
@@ -22,7 +23,7 @@ CHECKSUMS = "checksums.json"
 def file_checksum(path: Path) -> tuple[int, int]:
     """``(size, crc32)`` of a file, its 8 MiB blocks read and checksummed by several threads at once
     (:func:`unison.checkpoint.crc.range_crcs`)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_fd(path)  # a link or a FIFO in the checkpoint's folder is refused, not followed
     try:
         size = os.fstat(fd).st_size
         if hasattr(os, "posix_fadvise"):
