@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _tiny_run import tiny_config, write_tiny
 
 from unison.config import load_config
 from unison.recipe import phases as runner
@@ -16,35 +17,7 @@ from unison.recipe.phases import ResumeError, run, train_from_config
 
 TIMEOUT_S = 240
 
-DATA_MODULE = """\
-import torch
-from torch.utils.data import TensorDataset
 
-
-def build(seed):
-    g = torch.Generator().manual_seed(seed)
-    ds = TensorDataset(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g))
-    return ds, ds
-"""
-
-CONFIG = """\
-name: tiny
-model:
-  type: !pyobject torch.nn.Linear
-  kwargs: {{in_features: 4, out_features: 2}}
-data:
-  build: !pyobject run_links_data.build
-training:
-  max_epochs: 1
-  batch_size: 4
-  optimizer_kwargs: {{lr: 0.01}}
-  path: {root}
-validation:
-  metrics:
-    accuracy: !pyobject unison.metrics.Accuracy
-logging: {{progress: false, tensorboard: false}}
-checkpoint: {{preemption: false}}
-"""
 
 BASHRC = "export PATH=/usr/bin:/bin\n"
 
@@ -68,9 +41,7 @@ FOLDERS = ["checkpoints", "logs", "tb", "wandb"]
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A config and a finished run of it (one epoch, one process), made once."""
     folder = tmp_path_factory.mktemp("links")
-    (folder / "run_links_data.py").write_text(DATA_MODULE)
-    config = folder / "config.yaml"
-    config.write_text(CONFIG.format(root=folder / "runs"))
+    config = write_tiny(folder, "tiny", "run_links_data")
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(folder))
         mp.chdir(folder)
@@ -86,7 +57,7 @@ def copy(trained: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     config, run_dir = trained
     shutil.copy(config.parent / "run_links_data.py", tmp_path)
-    (tmp_path / "config.yaml").write_text(CONFIG.format(root=tmp_path / "runs"))
+    (tmp_path / "config.yaml").write_text(tiny_config("tiny", "run_links_data", tmp_path / "runs"))
     target = tmp_path / "runs" / "tiny" / run_dir.name
     shutil.copytree(run_dir, target)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -171,7 +142,7 @@ def test_a_folder_named_like_a_command_whose_log_links_to_a_startup_file(trained
 
     config, run_dir = trained
     shutil.copy(config.parent / "run_links_data.py", tmp_path)
-    (tmp_path / "config.yaml").write_text(CONFIG.format(root=tmp_path / "runs"))
+    (tmp_path / "config.yaml").write_text(tiny_config("tiny", "run_links_data", tmp_path / "runs"))
     planted = tmp_path / "runs" / "tiny" / "x;touch PWNED;#"
     shutil.copytree(run_dir, planted)
     bashrc = tmp_path / ".bashrc"

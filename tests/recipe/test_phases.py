@@ -13,42 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _tiny_run import write_tiny
 
 import unison.config
 import unison.recipe
 from unison.distributed.env import find_free_port
 from unison.recipe import phases
 from unison.recipe.planning.run_plan import RunPlan
-
-DATA_MODULE = """\
-import torch
-from torch.utils.data import TensorDataset
-
-
-def build(seed):
-    g = torch.Generator().manual_seed(seed)
-    ds = TensorDataset(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g))
-    return ds, ds
-"""
-
-CONFIG = """\
-name: once
-model:
-  type: !pyobject torch.nn.Linear
-  kwargs: {{in_features: 4, out_features: 2}}
-data:
-  build: !pyobject plan_once_data.build
-training:
-  max_epochs: 1
-  batch_size: 4
-  optimizer_kwargs: {{lr: 0.01}}
-  path: {root}
-validation:
-  metrics:
-    accuracy: !pyobject unison.metrics.Accuracy
-logging: {{progress: false, tensorboard: false}}
-checkpoint: {{preemption: false}}
-"""
 
 
 def _counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -66,9 +37,7 @@ def _counted_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.timeout(240)
 def test_the_one_rank_of_a_torchrun_job_plans_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "plan_once_data.py").write_text(DATA_MODULE)
-    config = tmp_path / "config.yaml"
-    config.write_text(CONFIG.format(root=tmp_path / "runs"))
+    config = write_tiny(tmp_path, "once", "plan_once_data")
     monkeypatch.syspath_prepend(str(tmp_path))
     for key, value in {
         "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -89,9 +58,7 @@ def test_the_one_rank_of_a_torchrun_job_plans_once(tmp_path: Path, monkeypatch: 
 
 def test_a_rank_given_a_plan_does_not_plan_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """train_from_config takes the plan its process made; a spawned rank gets the config and plans once."""
-    (tmp_path / "plan_once_data.py").write_text(DATA_MODULE)
-    path = tmp_path / "config.yaml"
-    path.write_text(CONFIG.format(root=tmp_path / "runs"))
+    path = write_tiny(tmp_path, "once", "plan_once_data")
     monkeypatch.syspath_prepend(str(tmp_path))
     config = unison.config.load_config(path)
     planned = phases.plan(config)

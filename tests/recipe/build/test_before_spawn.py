@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_run import DATA_MODULE
 
 from unison.config import ConfigError, load_config
 from unison.recipe import plan
@@ -39,19 +40,10 @@ def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
 
 
-DATA = """\
-import torch
-from torch.utils.data import TensorDataset
-
-
-def build(seed):
-    ds = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    return ds, ds
-"""
 
 
 def _planned(tmp_path: Path, extra: str = ""):
-    (tmp_path / "gpus_data.py").write_text(DATA)
+    (tmp_path / "gpus_data.py").write_text(DATA_MODULE)
     path = tmp_path / "c.yaml"
     path.write_text(CONFIG.format(root=tmp_path / "runs") + extra)
     return plan(load_config(path)), path
