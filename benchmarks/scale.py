@@ -1,7 +1,8 @@
 """Scale, simulated: 2, 4, 8 and 16 gloo ranks on one machine, a tiny model; what a rank's
 collectives, a save's gathers and a sync point cost as the world grows.
 
-Each world size is one spawned job (``launch``, gloo, one torch thread per rank) running
+Each world size is one job (``launch``, its ranks forked from one fork server that imported
+torch once; gloo, one torch thread per rank) running
 ``_scale_worker.rank_worker``: ``Linear(8, 2)`` in DDP, batches of 4 per rank, one epoch of
 ``--iters`` iterations with a sync point every ``--sync-every``, then one evaluation
 (Accuracy and Loss), one checkpoint save (model, SGD, trainer, data position, every rank's
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(w < 2 for w in args.ranks):
         raise SystemExit(f"--ranks must be >= 2 (a world of one has no collective), got {args.ranks}")
     from unison.distributed import launch
+    from unison.distributed.spawn import start_fork_server
+
+    start_fork_server()  # every world size's ranks fork from one process that imported torch once
 
     env = C.environment("cpu")
     C.print_environment(env)
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for world in args.ranks:
             outs = launch(
-                rank_worker, cfg, nproc_per_node=world, backend="gloo", start_method="spawn", timeout=600
+                rank_worker, cfg, nproc_per_node=world, backend="gloo", start_method="forkserver", timeout=600
             )
             ranks = [summary(o) for o in outs]
             counts = ("collectives_per_iteration", "collectives_per_sync_point", "collectives_per_evaluation")
