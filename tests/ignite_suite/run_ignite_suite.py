@@ -192,6 +192,7 @@ def command(selection: Selection, unison: bool, junit: Path, suite: Path) -> lis
     """The child's pytest command line; it runs in ``suite``, the folder holding ignite's ``tests/``."""
     cmd = [
         sys.executable, "-m", "pytest", "-c", str(INI), f"--rootdir={suite}", "-p", "no:cacheprovider",
+        "-p", "no:zarr", "-p", "no:anyio",  # plugins of installed packages that ignite's tests do not use
         "-p", "ignite_run_plugin", "-m", selection.markexpr,
         "-q", "-rfE", "--tb=short", "--color=no", f"--junitxml={junit}",
         "--continue-on-collection-errors",  # a module that cannot be imported fails alone
