@@ -229,3 +229,8 @@ def rank_one_skips_a_collective() -> None:
 
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(3))
+
+
+def parent_and_threads() -> tuple[int, int]:
+    """This rank's parent process and torch's intra-op thread count."""
+    return os.getppid(), torch.get_num_threads()

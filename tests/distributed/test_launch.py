@@ -16,6 +16,7 @@ import torch.distributed as dist
 from _dist_workers import (
     fail_on_rank_one_while_rank_zero_waits,
     nested_launch,
+    parent_and_threads,
     placement,
     process_group_timeout,
     sleep_past_deadline,
@@ -93,6 +94,20 @@ def test_slurm_batch_script_without_job_step_may_spawn(monkeypatch, spawn_calls)
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     assert launch(placement, 0, nproc_per_node=2) == ["spawned"]
     assert len(spawn_calls) == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_by_default_the_ranks_fork_from_one_server_and_take_the_callers_thread_count(monkeypatch):
+    # The first launch starts the server (it imports torch, ignite and unison once); the next
+    # forks from it again. Each rank still gets the thread count of the caller's moment.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    first = launch(parent_and_threads, nproc_per_node=2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    second = launch(parent_and_threads, nproc_per_node=2)
+    servers = {parent for parent, _ in first + second}
+    assert len(servers) == 1 and os.getpid() not in servers  # not children of this process: the server's
+    assert [threads for _, threads in first] == [1, 1] and [threads for _, threads in second] == [2, 2]
 
 
 @pytest.mark.distributed
@@ -303,7 +318,9 @@ def test_only_a_lost_connection_counts_as_a_peers_failure(message: str, peer: bo
     assert _is_peer_failure(RuntimeError(message)) is peer
 
 
-def test_when_every_rank_hits_a_backend_error_of_its_own_the_first_ones_traceback_is_reported(tmp_path) -> None:
+def test_when_every_rank_hits_a_backend_error_of_its_own_the_first_ones_traceback_is_reported(
+    tmp_path,
+) -> None:
     from unison.distributed.spawn import _root_cause
 
     (tmp_path / "error-rank-1.txt").write_text("2.0\nTraceback: rank 1 ProcessGroupGloo size mismatch")
@@ -393,7 +410,9 @@ SBATCH_SCRIPT_ENV = {
 }
 
 
-@pytest.mark.parametrize("step", [None, "4294967294", "batch"], ids=["no-step", "batch-step-id", "batch-name"])
+@pytest.mark.parametrize(
+    "step", [None, "4294967294", "batch"], ids=["no-step", "batch-step-id", "batch-name"]
+)
 def test_the_sbatch_script_is_no_srun_task(monkeypatch, step):
     from unison.distributed.env import slurm_batch_placement
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -56,7 +57,7 @@ def launch(
     timeout: timedelta | float = DEFAULT_TIMEOUT,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
-    start_method: str = "spawn",
+    start_method: str | None = None,
     deadline: float | None = None,
     debug: bool = False,
     **kwargs: Any,
@@ -85,8 +86,13 @@ def launch(
             ``timedelta`` or seconds. The default is 10 minutes, not torch's 30.
         master_addr: rendezvous address when spawning.
         master_port: rendezvous port when spawning; default, a free port.
-        start_method: multiprocessing start method when spawning: ``"spawn"`` (safe
-            everywhere) or ``"forkserver"`` (faster repeated starts).
+        start_method: multiprocessing start method when spawning. ``"forkserver"`` (the default
+            where there is one: Linux, macOS): the ranks are forks of a server process that
+            imported torch, ignite and unison once, started at the first launch and kept for the
+            next (as Python 3.14 defaults to on POSIX); each rank then imports only the
+            function's module. ``"spawn"`` (the default on Windows): each rank a new interpreter
+            that imports everything itself. Both run ``fn`` with the caller's environment
+            variables, working folder and ``sys.path`` of the moment of the call.
         deadline: when spawning, seconds after which a rank that has not finished prints the
             stacks of all its threads and exits, failing the job. Meant for tests.
         debug: turn on unison's lockstep checks at every sync point (``UNISON_DEBUG=1``:
@@ -157,6 +163,8 @@ def launch(
             "(CUDA_VISIBLE_DEVICES= in the environment before the process starts)."
         )
     timeout = _as_timedelta(timeout, "launch")
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(
             f"launch(start_method=...) must be 'spawn' or 'forkserver', got {start_method!r}: "

@@ -94,7 +94,9 @@ def _spawn(
                     timeout=timeout,
                     start_method=start_method,
                 ) as parallel:
-                    parallel.run(_spawned_rank, fn, args, kwargs, str(results), nproc, deadline, environ, unblock)
+                    parallel.run(
+                        _spawned_rank, fn, args, kwargs, str(results), nproc, deadline, environ, unblock
+                    )
             except mp.ProcessRaisedException as err:
                 if attempt < tries and relay.received is None and _port_was_taken(err, results):
                     # The port was free when chosen and taken before rank 0's store bound it;
@@ -371,7 +373,10 @@ def _spawned_rank(
     os.environ[SPAWNED_VAR] = "1"
     if deadline is not None:
         faulthandler.dump_traceback_later(deadline, exit=True)
-    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # a fork server read it as it imported torch, at its start
+        torch.set_num_threads(int(threads))
+    elif "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         # N ranks on one CPU: give each its share of the cores instead of N x all cores.
         torch.set_num_threads(max(1, usable_cores() // nproc))
     error = Path(result_dir) / f"error-rank-{local_rank}.txt"
