@@ -1,7 +1,5 @@
 """unison: distributed PyTorch training in which every rank moves in unison."""
 
-# First: ignite without torch.distributed.optim (0.9 s of every start; see unison.utils.ignite_import).
-import unison.utils.ignite_import  # noqa: F401  # isort: skip
 from unison.distributed import launch, prepare_loaders, prepare_model
 from unison.engine import Engine, Events, ModelCall, WholeBatch, create_evaluator, create_trainer
 from unison.metrics import BatchLoss

@@ -39,10 +39,8 @@ from typing import Any
 
 from unison.distributed.rank_setup import freeze_heap
 
-PRELOAD = ("torch", "ignite.engine", "ignite.distributed", "unison", "torch.distributed.optim")
-"""What the warm process imports before serving: what every rank would import anyway, and FSDP
-and DTensor (through ``torch.distributed.optim``), which ``import unison`` leaves to the
-processes that use them: imported once here, not by every sharded test's ranks."""
+PRELOAD = ("torch", "ignite.engine", "ignite.distributed", "unison")
+"""What the warm process imports before serving: what every rank would import anyway."""
 
 GRACE_S = 30.0
 """After a rank failed, how long the others have to exit on SIGTERM before SIGKILL (as torch's spawn)."""

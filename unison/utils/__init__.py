@@ -1,8 +1,6 @@
 """Small helpers shared by the package: logging, seeding, reading TensorBoard event files."""
 
-# First: ignite without torch.distributed.optim (see the module); every import of unison passes here.
-import unison.utils.ignite_import  # noqa: F401  # isort: skip
-from typing import Any  # noqa: E402  # isort: skip
+from typing import Any
 
 from unison.utils.logging import get_logger, setup_logging
 from unison.utils.seed import fork_rank_streams, manual_seed, rank_seed
