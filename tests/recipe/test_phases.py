@@ -97,3 +97,38 @@ def test_the_run_reads_as_its_phases() -> None:
         rank_calls
     )
     assert len(run_calls) <= 16 and len(rank_calls) <= 16, (len(run_calls), len(rank_calls))
+
+
+_REFUSED_RUN = """\
+import os, sys
+import unison.recipe
+from unison.config import load_config
+from multiprocessing import forkserver
+
+config = load_config(sys.argv[1], ["training.optimizer_kwargs.lr=-1"])
+try:
+    unison.recipe.run(config, nproc=2)
+except Exception as err:
+    print("refused:", type(err).__name__)
+mine = str(os.getpid())
+children = [p for p in os.listdir("/proc") if p.isdigit() and open(f"/proc/{p}/stat").read().split(")")[-1].split()[1] == mine]
+servers = [p for p in children if b"forkserver" in open(f"/proc/{p}/cmdline", "rb").read()]
+print("server:", forkserver._forkserver._forkserver_pid is not None, "server processes:", len(servers))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_run_refused_before_its_ranks_leaves_no_fork_server_importing(tmp_path: Path) -> None:
+    # The fork server starts as the config is read, to import torch while the checks run; a run the
+    # checks refuse ends it at once instead of leaving it to finish its imports, orphaned.
+    import subprocess
+    import sys
+
+    config = write_tiny(tmp_path, "refused", "refused_run_data")
+    script = tmp_path / "refused.py"
+    script.write_text(_REFUSED_RUN)
+    done = subprocess.run(
+        [sys.executable, str(script), str(config)], cwd=tmp_path, capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused:" in done.stdout and "server: False server processes: 0" in done.stdout, done.stdout

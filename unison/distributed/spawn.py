@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -136,6 +137,29 @@ def start_fork_server() -> tuple[int, ...]:
     """
     mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     return _start_helpers("forkserver")
+
+
+@contextlib.contextmanager
+def fork_server_ahead(start: bool) -> Iterator[None]:
+    """Starts the fork server (when ``start``) for the block that checks a run before its ranks
+    start, so that its imports overlap the checks; if the block raises (the run is refused) and
+    this call started the server, ends it at once, even in the middle of its imports, which would
+    otherwise run to their end, orphaned, after the refusal's exit."""
+    server = forkserver._forkserver
+    started = start and getattr(server, "_forkserver_pid", None) is None
+    if start:
+        start_fork_server()
+    try:
+        yield
+    except BaseException:
+        pid = getattr(server, "_forkserver_pid", None)
+        if started and pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            stop = getattr(server, "_stop", None)
+            if callable(stop):  # closes its pipe, reaps it, removes its socket: the next start is fresh
+                stop()
+        raise
 
 
 def _port_was_taken(err: mp.ProcessRaisedException, results: Path) -> bool:

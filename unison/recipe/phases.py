@@ -32,7 +32,7 @@ from unison.checkpoint.lock import hold_folder
 from unison.config import Config, load_config
 from unison.config.main_script import script, use_main
 from unison.distributed import barrier, detect_launcher, get_rank, get_world_size, launch
-from unison.distributed.spawn import start_fork_server
+from unison.distributed.spawn import fork_server_ahead
 from unison.engine.empty_epochs import EmptyDataError
 from unison.handlers import EXIT_PREEMPTED
 from unison.recipe.build.assemble import build_run
@@ -105,12 +105,12 @@ def run(
     elif overrides:
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
     mark("config")
-    if detect_launcher().kind == "none" and (nproc or config.parallel.nproc_per_node) is not None:
-        start_fork_server()  # the ranks' imports, done once while this process plans and checks
-    planned = plan(config, world_size=launch_world_size(config, nproc))  # every value derived once
-    mark("plan")
-    nproc_per_node = _ranks_to_spawn(planned, nproc)
-    check_before_spawning(planned, resume, nproc_per_node)
+    spawns = detect_launcher().kind == "none" and (nproc or config.parallel.nproc_per_node) is not None
+    with fork_server_ahead(spawns):  # the ranks' imports, done while this process plans and checks
+        planned = plan(config, world_size=launch_world_size(config, nproc))  # every value derived once
+        mark("plan")
+        nproc_per_node = _ranks_to_spawn(planned, nproc)
+        check_before_spawning(planned, resume, nproc_per_node)
     mark("checks")
     return launch_config(config, planned, resume, nproc_per_node)[0]
 
