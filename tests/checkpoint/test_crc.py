@@ -6,6 +6,7 @@ import os
 import random
 import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -56,3 +57,48 @@ def test_each_range_gets_its_crc_from_blocks_checksummed_by_several_threads(tmp_
     assert crcs[:-1] == [real(data[o : o + n]) for o, n in ranges[:-1]]
     assert crcs[-1] is None, "a range the file ends inside has no CRC"
     assert len(names) >= 2 and all(n.startswith("unison-crc") for n in names), names
+
+
+def test_a_buffer_is_checksummed_by_other_threads_while_the_caller_writes_it(monkeypatch):
+    monkeypatch.setattr(crc_module, "BLOCK", 4096)
+    data = memoryview(random.Random(1).randbytes(50_000))  # a short first block, then 12 whole ones
+    real = zlib.crc32
+    checksummed = threading.Event()
+    names: set[str] = set()
+
+    def spy(*args):
+        names.add(threading.current_thread().name)
+        checksummed.set()
+        return real(*args)
+
+    def write(view: memoryview) -> None:  # the caller's work: it sees a block checksummed meanwhile
+        assert checksummed.wait(30), "no block was checksummed while the buffer was written"
+
+    monkeypatch.setattr(crc_module.zlib, "crc32", spy)
+    with ThreadPoolExecutor(3, thread_name_prefix="unison-crc") as pool:
+        assert crc_module.crc_while(data, write, pool) == real(data)
+    assert names and all(n.startswith("unison-crc") for n in names), names
+
+
+def test_every_block_is_checksummed_before_a_failed_write_returns(monkeypatch):
+    """The buffer may be a temporary freed once the write returns: no thread may read it after."""
+    monkeypatch.setattr(crc_module, "BLOCK", 4096)
+    release = threading.Event()
+    done: list[int] = []
+    real = zlib.crc32
+
+    def slow(view):
+        release.wait(30)
+        done.append(1)
+        return real(view)
+
+    def fail(view: memoryview) -> None:
+        release.set()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(crc_module.zlib, "crc32", slow)
+    with ThreadPoolExecutor(2) as pool, pytest.raises(OSError, match="disk full"):
+        try:
+            crc_module.crc_while(memoryview(bytes(40_000)), fail, pool)
+        finally:
+            assert len(done) == 10, "a block was still being checksummed when the write returned"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from functools import lru_cache
 from threading import local
 
@@ -121,3 +121,26 @@ def range_crcs(fd: int, ranges: Sequence[tuple[int, int]], threads: int) -> list
         if len(tasks) > len(ranges):  # some block follows another: its map is built while the first are read
             pool.submit(_zeros, BLOCK)
         return combine(pool.map(crc, tasks))
+
+
+def crc_while(view: memoryview, work: Callable[[memoryview], object], pool: Executor) -> int:
+    """The CRC-32 of ``view``, computed block by block by ``pool``'s threads while the calling thread
+    runs ``work(view)`` (writes it): the checksum costs no time of its own where a core is free.
+
+    Every block is checksummed before this returns, even when ``work`` raises: ``view`` may be a
+    buffer that its owner frees right after (``torch.save`` hands over such temporaries).
+
+    Example:
+        >>> with ThreadPoolExecutor(2) as pool:
+        ...     crc_while(memoryview(b"x" * 10), len, pool) == zlib.crc32(b"x" * 10)
+        True
+    """
+    parts = [pool.submit(zlib.crc32, view[start : start + length]) for start, length in blocks(0, len(view))]
+    try:
+        work(view)
+    finally:
+        wait(parts)  # no thread reads the buffer once it is handed back
+    crc = 0
+    for n, part in enumerate(parts):  # every block after the first is BLOCK bytes long
+        crc = shift(crc, BLOCK) ^ part.result() if n else part.result()
+    return crc

@@ -9,9 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from unison.checkpoint.archive import archive_complete, load_archive
+from unison.checkpoint.archive_save import save_archive
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.sharded_check import sharded_complete, sharded_problem
 from unison.checkpoint.sharded_files import REST
@@ -66,9 +65,12 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     any point leaves at most a ``.tmp`` file behind, never a partial ``path``. The file is
     written in large writes whose writeback to the disk starts while ``torch.save`` goes
     on (:class:`~unison.checkpoint.writeback.WritebackFile`): the fsync waits for the tail.
+    The records' CRC-32s are computed by other threads while their bytes are written
+    (:func:`~unison.checkpoint.archive_save.save_archive`): the file is the one ``torch.save``
+    writes, byte for byte.
     """
     target = Path(path)
-    _atomic_write(target, lambda fh: torch.save(obj, fh))
+    _atomic_write(target, lambda fh: save_archive(obj, fh))
     return target
 
 

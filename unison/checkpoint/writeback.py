@@ -14,12 +14,18 @@ file is on the disk already, and the ``fsync`` still waits for every byte.
 from __future__ import annotations
 
 import os
+import zlib
+from concurrent.futures import Executor
 from typing import Any
+
+from unison.checkpoint.crc import crc_while
 
 WRITEBACK = 32 << 20
 """Bytes written between two starts of the disk's writeback (32 MiB)."""
 SMALL = 1 << 16
 """Writes below this many bytes are gathered into one (64 KiB)."""
+PARALLEL = 1 << 20
+"""Writes from this many bytes on are checksummed by other threads while they are written (1 MiB)."""
 
 
 class WritebackFile:
@@ -51,6 +57,23 @@ class WritebackFile:
         self._drain()
         self._put(view)
         return size
+
+    def write_crc(self, data: Any, pool: Executor) -> int:
+        """Writes ``data`` as :meth:`write` does and returns its CRC-32: a big buffer is checksummed by
+        ``pool``'s threads while this thread writes it (:func:`unison.checkpoint.crc.crc_while`)."""
+        view = memoryview(data).cast("B")
+        if len(view) < PARALLEL:
+            self.write(view)
+            return zlib.crc32(view)
+        self._drain()
+        return crc_while(view, self._put, pool)
+
+    def restart(self) -> None:
+        """Empties the file, to write it again from its first byte."""
+        self._small = bytearray()
+        self.raw.seek(0)
+        self.raw.truncate(0)
+        self.written = self._started = 0
 
     def flush(self) -> None:
         """Writes the gathered small pieces; the data is then in the kernel's hands (not yet durable)."""
