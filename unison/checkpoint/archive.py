@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import struct
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import torch
-
+from unison.checkpoint.archive_load import Damaged, read_archive
+from unison.checkpoint.archive_records import records, unrecorded_note
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.crc import range_crcs
 from unison.checkpoint.snapshot import default_threads
@@ -34,28 +33,19 @@ def archive_complete(path: str | os.PathLike[str]) -> bool:
     try:
         # One descriptor for both, opened as a run folder's files are: a link or a FIFO is refused.
         with os.fdopen(open_fd(path), "rb", buffering=0) as raw, zipfile.ZipFile(raw) as archive:
-            size = os.fstat(raw.fileno()).st_size
             _read_ahead(raw.fileno(), 0, 0, getattr(os, "POSIX_FADV_SEQUENTIAL", 0))
-            unrecorded = [info for info in archive.infolist() if info.CRC == 0 and info.file_size > 0]
-            checked: list[tuple[int, int]] = []
-            expected: list[int] = []
-            for info in sorted(archive.infolist(), key=lambda info: info.header_offset):  # in file order
-                start = _record_start(raw, info, size)
-                if start is None:
-                    return False
-                if info not in unrecorded:
-                    checked.append((start, info.compress_size))
-                    expected.append(info.CRC)
-            if range_crcs(raw.fileno(), checked, default_threads()) != expected:
+            found = records(raw, archive)
+            if found is None:
+                return False
+            checked = [(r.start, r.size) for r in found if r.crc is not None]
+            if range_crcs(raw.fileno(), checked, default_threads()) != [
+                r.crc for r in found if r.crc is not None
+            ]:
                 return False
     except (OSError, zipfile.BadZipFile, EOFError, ValueError):
         return False
-    if unrecorded:
-        _log.info(
-            "Checkpoint %s holds no CRC-32s (torch.serialization.set_crc32_options(False)); its integrity was "
-            "checked from the archive's structure (central directory, record headers and sizes) instead.",
-            path,
-        )
+    if any(r.crc is None for r in found):
+        unrecorded_note(path)
     return True
 
 
@@ -66,23 +56,6 @@ def _read_ahead(fd: int, offset: int, length: int, advice: int) -> None:
             os.posix_fadvise(fd, offset, length, advice)
         except OSError:  # pragma: no cover - a file system that refuses the advice
             pass
-
-
-_LOCAL_HEADER = struct.Struct("<4s22xHH")
-"""A zip local file header: signature, 22 bytes, file name length, extra field length."""
-
-
-def _record_start(raw: BinaryIO, info: zipfile.ZipInfo, size: int) -> int | None:
-    """Where the data of ``info``'s record starts, when its local header is where the directory
-    says, it is stored uncompressed and it fits the file; else None."""
-    raw.seek(info.header_offset)
-    header = raw.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size:
-        return None
-    signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-    start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-    stored = info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
-    return start if signature == b"PK\x03\x04" and stored and start + info.compress_size <= size else None
 
 
 def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
@@ -102,16 +75,15 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
             f"Checkpoint {file} is a symbolic link (to {os.path.realpath(file)}); checkpoints are read "
             "without following links. Give the file it points to."
         )
-    if not checked and not archive_complete(file):
-        # torch.load does not verify the archive's checksums: damaged bytes would load as
-        # wrong weights. One extra read of the file rules that out.
+    try:  # read once, into the tensors, every record's CRC-32 checked as it is read (unless just checked)
+        state = read_archive(file, verify=not checked)
+    except Damaged as err:
+        # torch.load does not verify the archive's checksums: damaged bytes would load as wrong weights.
         raise CheckpointError(
-            f"Checkpoint {file} is truncated or corrupt (its checksums do not match). It was probably cut "
-            "short by a crash or a full disk, or damaged on disk. Delete it and resume from the previous "
-            "checkpoint (resume='auto' skips it by itself)."
-        )
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+            f"Checkpoint {file} is truncated or corrupt ({err}). It was probably cut short by a crash or a "
+            "full disk, or damaged on disk. Delete it and resume from the previous checkpoint (resume='auto' "
+            "skips it by itself)."
+        ) from None
     except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, zip errors...
         if not archive_complete(file):
             raise CheckpointError(

@@ -1,0 +1,148 @@
+"""Loading a ``torch.save`` archive in one read: each record read straight into its tensor by
+several threads, its CRC-32 checked as it is read.
+
+``torch.load`` reads a record with one call into the storage it builds. Given a file object
+(:class:`ParallelReader`) instead of a path, that call cuts the record into blocks that
+threads read (``os.preadv``, the GIL released) and checksum while the bytes are still in
+the CPU's cache: the file is read once, into the tensors, and no tensor is handed out before
+every record's CRC-32 matched the archive's central directory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+import zlib
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+
+from unison.checkpoint.archive_records import Record, records, unrecorded_note
+from unison.checkpoint.crc import blocks, range_crcs, shift
+from unison.checkpoint.snapshot import default_threads
+from unison.utils.run_files import open_fd
+
+__all__ = ["Damaged", "ParallelReader", "read_archive"]
+
+
+READ_AHEAD = 1 << 20
+"""Reads of this many bytes on ask the disk for all of their bytes at once (1 MiB)."""
+
+
+class Damaged(Exception):
+    """The archive's structure is broken or a record's CRC-32 does not match."""
+
+
+class ParallelReader(io.RawIOBase):
+    """A read-only file object over ``fd`` whose large reads are done by ``pool``'s threads, block by
+    block; a read of a whole record of ``checked`` (by its start) gets its CRC-32 in :attr:`crcs`."""
+
+    def __init__(self, fd: int, pool: Executor, checked: dict[int, Record]) -> None:
+        super().__init__()
+        self.fd = fd
+        self.pool = pool
+        self.checked = checked
+        self.crcs: dict[int, int] = {}
+        """The CRC-32 of each record read whole, by its start."""
+        self._pos = 0
+        self._size = os.fstat(fd).st_size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        start, record = self._pos, self.checked.get(self._pos)
+        check = record is not None and record.crc is not None and record.size == len(view)
+        if len(view) >= READ_AHEAD and hasattr(os, "posix_fadvise"):  # the disk reads it all at once
+            os.posix_fadvise(self.fd, start, len(view), os.POSIX_FADV_WILLNEED)
+        read, crcs = 0, []
+        try:
+            for at, length in blocks(0, len(view)):  # one thread faults the new tensor's pages in, in order
+                got = _read_block(self.fd, view, start + at, at, length)
+                if check:  # checksummed by the pool's threads while the next block is read
+                    crcs.append(self.pool.submit(zlib.crc32, view[at : at + got]))
+                read += got
+                if got < length:  # the file ends inside this block
+                    break
+        finally:
+            wait(crcs)  # no thread reads the buffer once it is handed back
+        self._pos += read
+        if check and read == len(view):
+            crc = 0
+            for n, (part, (_, length)) in enumerate(zip(crcs, blocks(0, len(view)), strict=True)):
+                crc = shift(crc, length) ^ part.result() if n else part.result()
+            self.crcs[start] = crc
+        return read
+
+
+def _read_block(fd: int, view: memoryview, offset: int, at: int, length: int) -> int:
+    """Reads ``length`` bytes of ``fd`` from ``offset`` into ``view[at:]``; the bytes read (fewer at the end)."""
+    block = view[at : at + length]
+    read = 0
+    while read < length:
+        n = os.preadv(fd, [block[read:]], offset + read)
+        if not n:
+            break
+        read += n
+    return read
+
+
+def read_archive(path: str | os.PathLike[str], *, verify: bool = True, threads: int | None = None) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)``, the file read once by ``threads``
+    threads (default :func:`~unison.checkpoint.snapshot.default_threads`); with ``verify``, every
+    record's CRC-32 checked (or, for an archive written without them, its structure) before the
+    state is returned.
+
+    Raises:
+        Damaged: the archive's structure is broken, or a record's CRC-32 does not match.
+        Exception: whatever ``torch.load`` raises for a file it cannot read.
+    """
+    with os.fdopen(open_fd(path), "rb", buffering=0) as raw:
+        found = _members(raw) if verify else []
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="unison-read") as pool:
+            reader = ParallelReader(raw.fileno(), pool, {r.start: r for r in found})
+            state = torch.load(reader, map_location="cpu", weights_only=True)
+        left = [
+            r for r in found if r.crc is not None and r.start not in reader.crcs
+        ]  # not read whole by torch
+        crcs = dict(
+            zip(
+                (r.start for r in left),
+                range_crcs(raw.fileno(), [(r.start, r.size) for r in left], 1),
+                strict=True,
+            )
+        )
+    crcs.update(reader.crcs)
+    if any(r.crc is not None and crcs.get(r.start) != r.crc for r in found):
+        raise Damaged(f"{path}: a record's CRC-32 does not match")
+    if any(r.crc is None for r in found):
+        unrecorded_note(path)
+    return state
+
+
+def _members(raw: Any) -> list[Record]:
+    """The archive's records, from its central directory; raises :class:`Damaged` when its structure is broken."""
+    try:
+        with zipfile.ZipFile(raw) as archive:
+            found = records(raw, archive)
+    except (zipfile.BadZipFile, EOFError, ValueError) as err:
+        raise Damaged(f"its structure is broken ({err})") from err
+    if found is None:
+        raise Damaged("a record is not where the central directory says, or does not fit the file")
+    return found
