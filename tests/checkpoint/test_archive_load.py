@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import unison.checkpoint.crc as crc_module
-from unison.checkpoint import CheckpointError, atomic_save, load_checkpoint
+from unison.checkpoint import CheckpointError, Manifest, atomic_save, load_checkpoint
+from unison.checkpoint.archive import _kept, file_whole, keep_checked
 from unison.checkpoint.archive_load import Damaged, read_archive
 
 
@@ -104,3 +105,50 @@ def test_it_loads_what_torch_load_loads(tmp_path):
     loaded = read_archive(path)
     assert torch.equal(loaded["x"], state["x"]) and loaded["shared"][0] is loaded["shared"][1]
     assert os.path.getsize(path) == len(buffer.getvalue())
+
+
+class ReadCount:
+    """Counts the bytes read by ``os.preadv`` (every read of a checkpoint's check and load)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.bytes = 0
+        real = os.preadv
+
+        def counting(fd, buffers, offset):
+            n = real(fd, buffers, offset)
+            self.bytes += n
+            return n
+
+        monkeypatch.setattr(os, "preadv", counting)
+
+
+def test_the_check_of_the_newest_checkpoint_and_its_load_read_it_once(tmp_path, monkeypatch):
+    atomic_save({"meta": {}, "w": torch.zeros(10)}, tmp_path / "ckpt-e0001-i000000001.pt")
+    newest = atomic_save({"meta": {}, **_state()}, tmp_path / "ckpt-e0002-i000000002.pt")
+    manifest = Manifest(tmp_path).rebuild()  # it finds both files (and reads them) before the count
+    reads = ReadCount(monkeypatch)
+    with keep_checked():
+        assert manifest.newest_complete() == newest
+        state = load_checkpoint(newest, checked=True)
+    assert torch.equal(state["w"], _state()["w"])
+    assert reads.bytes < 1.1 * newest.stat().st_size, (
+        f"read {reads.bytes} bytes of a {newest.stat().st_size}-byte file"
+    )
+
+
+def test_outside_keep_checked_nothing_is_kept(tmp_path):
+    path = atomic_save(_state(), tmp_path / "a.pt")
+    assert file_whole(path) and _kept == []
+    with keep_checked():
+        assert file_whole(path) and len(_kept) == 1 and len(_kept[0]) == 1
+    assert _kept == []
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_while_keeping(tmp_path):
+    older = atomic_save({"meta": {}, "w": torch.ones(10)}, tmp_path / "ckpt-e0001-i000000001.pt")
+    newest = atomic_save({"meta": {}, **_state()}, tmp_path / "ckpt-e0002-i000000002.pt")
+    _flip(newest, _data_start(newest, "data/0") + 10)
+    manifest = Manifest(tmp_path).rebuild()  # it finds both files (and reads them) before the count
+    with keep_checked():
+        assert manifest.newest_complete() == older
+        assert torch.equal(load_checkpoint(older, checked=True)["w"], torch.ones(10))

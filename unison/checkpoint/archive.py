@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +60,48 @@ def _read_ahead(fd: int, offset: int, length: int, advice: int) -> None:
             pass
 
 
+_kept: list[dict[tuple[int, ...], Any]] = []
+"""Inside :func:`keep_checked`: the state of the file last found whole by loading it, by its identity."""
+
+
+@contextmanager
+def keep_checked() -> Iterator[None]:
+    """Inside, :func:`file_whole` finds a file whole by loading it (one read, every CRC-32 checked)
+    and keeps its state for the :func:`load_archive` of the same file with ``checked=True``
+    that follows: a check and its load read the file once. The state is let go on leaving."""
+    kept: dict[tuple[int, ...], Any] = {}
+    _kept.append(kept)
+    try:
+        yield
+    finally:
+        _kept.remove(kept)
+        kept.clear()
+
+
+def _identity(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    found = os.stat(path, follow_symlinks=False)
+    return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+
+
+def file_whole(path: str | os.PathLike[str]) -> bool:
+    """:func:`archive_complete`; inside :func:`keep_checked`, found by loading the file, its state kept."""
+    if not _kept:
+        return archive_complete(path)
+    try:
+        state = read_archive(path, verify=True)
+    except Damaged:
+        return False
+    except Exception:  # noqa: BLE001 - missing, or whole but not loadable: the load says why
+        return archive_complete(path)
+    _kept[-1].clear()  # one state at most
+    _kept[-1][_identity(path)] = state
+    return True
+
+
 def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
-    """Loads a checkpoint file onto the CPU with ``torch.load(weights_only=True)``; its CRC-32s
-    are checked first unless this process has just ``checked`` them (:func:`archive_complete`).
+    """Loads a checkpoint file onto the CPU with ``torch.load(weights_only=True)``, every record's
+    CRC-32 checked as it is read (:func:`unison.checkpoint.archive_load.read_archive`) unless this
+    process has just ``checked`` the file (then a state kept by :func:`keep_checked` is taken).
 
     Raises:
         CheckpointError: naming the file, when it is missing, truncated, corrupt, or
@@ -75,6 +116,17 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
             f"Checkpoint {file} is a symbolic link (to {os.path.realpath(file)}); checkpoints are read "
             "without following links. Give the file it points to."
         )
+    kept = _kept[-1].pop(_identity(file), None) if checked and _kept else None
+    if kept is not None:
+        state = kept
+    else:
+        state = _read(file, checked)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"Checkpoint {file} holds a {type(state).__name__}, not a dict of states.")
+    return state
+
+
+def _read(file: Path, checked: bool) -> Any:
     try:  # read once, into the tensors, every record's CRC-32 checked as it is read (unless just checked)
         state = read_archive(file, verify=not checked)
     except Damaged as err:
@@ -96,6 +148,4 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
             "Python objects beyond tensors and plain containers; unison's checkpoints never do, so it "
             "was written by other code. Load it yourself if you trust its source."
         ) from err
-    if not isinstance(state, dict):
-        raise CheckpointError(f"Checkpoint {file} holds a {type(state).__name__}, not a dict of states.")
     return state

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from unison.checkpoint.archive import archive_complete
+from unison.checkpoint.archive import archive_complete, file_whole
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.entry import file_in
 from unison.checkpoint.sharded_files import CHECKSUMS, REST, file_checksum
@@ -174,9 +174,7 @@ def checkpoint_verdict(path: Path) -> Problem | None:
     """
     if path.is_dir():
         return sharded_verdict(path)
-    return (
-        None if archive_complete(path) else Problem("it is truncated or corrupt (its checksums do not match)")
-    )
+    return None if file_whole(path) else Problem("it is truncated or corrupt (its checksums do not match)")
 
 
 def sharded_complete(folder: str | os.PathLike[str]) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from ignite.engine import Engine, Events
 
+from unison.checkpoint.archive import keep_checked
 from unison.checkpoint.attached import attached_states
 from unison.checkpoint.data_entry import DataEntry, mid_epoch_cause
 from unison.checkpoint.io import load_checkpoint
@@ -387,11 +388,13 @@ class Checkpoint:
             CheckpointError: naming the file, when it is missing, truncated or corrupt, or
                 does not fit this run.
         """
-        choice = choose(self.manifest, which)
-        if choice is None:
-            _log.info("No checkpoint in %s: starting fresh.", self.folder)
-            return None
-        state = load_checkpoint(choice, checked=which == "auto" and get_rank() == 0)  # choose() read it whole
+        with keep_checked():  # rank 0's check of the newest checkpoint loads it: read once
+            choice = choose(self.manifest, which)
+            if choice is None:
+                _log.info("No checkpoint in %s: starting fresh.", self.folder)
+                return None
+            checked = which == "auto" and get_rank() == 0  # choose() read it whole
+            state = load_checkpoint(choice, checked=checked)
         # Raises for what does not fit; the note on another world size waits for the run's layout.
         check_checkpoint(state, source=choice, names=self.to_save, world_size=get_world_size())
         self._resumed_from = choice
