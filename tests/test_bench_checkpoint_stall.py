@@ -65,3 +65,17 @@ def test_size_mb_picks_a_model_of_about_that_size():
         width, layers = stall.sized(megabytes)
         assert abs((width * width + width) * 4 * layers / 1e6 - megabytes) / megabytes < 0.1
     assert stall.sized(1024) == (4096, 15) and stall.sized(100) == (2048, 6)
+
+
+def test_the_file_io_benchmark_sets_every_way_against_the_disk_and_compares_the_files(tmp_path):
+    io_bench = _module("checkpoint_io")
+    out = tmp_path / "io.json"
+    assert (
+        io_bench.main(["--size-mb", "2", "--repeats", "1", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    )
+    report = json.loads(out.read_text())
+    assert report["identical"], "unison's file differs from torch.save's"
+    assert sorted(report["ways"]) == sorted(io_bench.WAYS)
+    assert report["ways"]["disk write"]["x_disk"] == report["ways"]["disk read"]["x_disk"] == 1.0
+    assert all(w["mb_s"] > 0 and w["cpu_s"] >= 0 for w in report["ways"].values())
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("unison-io-")] == [], "its folder was left"
