@@ -15,7 +15,7 @@ import os
 import zipfile
 import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -117,7 +117,7 @@ def read_archive(path: str | os.PathLike[str], *, verify: bool = True, threads: 
             os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="unison-read") as pool:
             reader = ParallelReader(raw.fileno(), pool, {r.start: r for r in found})
-            state = torch.load(reader, map_location="cpu", weights_only=True)
+            state = torch.load(cast(IO[bytes], reader), map_location="cpu", weights_only=True)
         left = [
             r for r in found if r.crc is not None and r.start not in reader.crcs
         ]  # not read whole by torch

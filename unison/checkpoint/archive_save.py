@@ -20,7 +20,7 @@ import pickle
 import struct
 import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -62,7 +62,7 @@ class CrcFiller:
         self._names: list[bytes] = []
         self._crcs: list[int] = []
         self._meta = 0  # bytes of name and extra field still to come
-        self._header = b""
+        self._header = bytearray()
         self._data: int | None = None  # bytes of the current record's data so far; None: none expected
         self._torch_id = 0  # the id torch computes from the CRC-32s it sees (zeros)
         self._id = 0  # the id it would compute from the real ones
@@ -205,7 +205,7 @@ def save_archive(obj: Any, sink: WritebackFile, *, threads: int | None = None) -
         with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="unison-crc") as pool:
             filler = CrcFiller(sink, pool)
             try:
-                writer = torch._C.PyTorchFileWriter(filler, False, alignment)
+                writer = torch._C.PyTorchFileWriter(cast(IO[bytes], filler), False, alignment)
             except TypeError:  # pragma: no cover - a writer with another signature
                 writer = None
             if writer is not None:
@@ -215,5 +215,5 @@ def save_archive(obj: Any, sink: WritebackFile, *, threads: int | None = None) -
                 if filler.finished and not filler.off_track:
                     return True
         sink.restart()
-    torch.save(obj, sink)
+    torch.save(obj, cast(IO[bytes], sink))
     return False
