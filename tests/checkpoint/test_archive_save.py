@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import threading
 import zipfile
+import zlib
 
 import pytest
 import torch
@@ -138,3 +139,34 @@ def test_a_writer_that_does_not_write_as_expected_is_rewritten_by_torch_save(tmp
     state = {"w": torch.randn(300_000), "e": torch.zeros(0)}
     fast, written = _saved(state, tmp_path / "a.pt")
     assert not fast and written == _torch_bytes(state)
+
+
+class Fingerprint:
+    """A file that keeps only a checksum and the length of what is written to it."""
+
+    def __init__(self) -> None:
+        self.adler, self.size = 1, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.adler, self.size = zlib.adler32(view, self.adler), self.size + len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return -1
+
+
+@pytest.mark.slow
+def test_a_record_over_4_gib_and_one_past_it_come_out_identical_zip64():
+    big = torch.empty(4_400_000_000, dtype=torch.uint8)  # never written: the kernel's zero page, no memory
+    state = {"small": torch.arange(10.0), "big": big, "after": torch.ones(1000)}
+    expected = Fingerprint()
+    torch.save(state, expected)
+    written = Fingerprint()
+    sink = WritebackFile(written, writeback=0)
+    assert save_archive(state, sink)
+    sink.flush()
+    assert (written.adler, written.size) == (expected.adler, expected.size)
