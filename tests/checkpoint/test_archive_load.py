@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import zipfile
 
 import pytest
@@ -138,10 +139,10 @@ def test_the_check_of_the_newest_checkpoint_and_its_load_read_it_once(tmp_path, 
 
 def test_outside_keep_checked_nothing_is_kept(tmp_path):
     path = atomic_save(_state(), tmp_path / "a.pt")
-    assert file_whole(path) and _kept == []
+    assert file_whole(path) and _kept.stack == []
     with keep_checked():
-        assert file_whole(path) and len(_kept) == 1 and len(_kept[0]) == 1
-    assert _kept == []
+        assert file_whole(path) and len(_kept.stack) == 1 and len(_kept.stack[0]) == 1
+    assert _kept.stack == []
 
 
 def test_a_damaged_newest_checkpoint_is_passed_over_while_keeping(tmp_path):
@@ -152,3 +153,18 @@ def test_a_damaged_newest_checkpoint_is_passed_over_while_keeping(tmp_path):
     with keep_checked():
         assert manifest.newest_complete() == older
         assert torch.equal(load_checkpoint(older, checked=True)["w"], torch.ones(10))
+
+
+def test_what_one_thread_keeps_is_its_own(tmp_path):
+    path = atomic_save(_state(), tmp_path / "a.pt")
+    seen: list[int] = []
+
+    def other() -> None:
+        assert file_whole(path)
+        seen.append(len(_kept.stack))
+
+    with keep_checked():
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(30)
+        assert seen == [0] and _kept.stack == [{}], "the other thread's check kept a state here"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,8 +61,15 @@ def _read_ahead(fd: int, offset: int, length: int, advice: int) -> None:
             pass
 
 
-_kept: list[dict[tuple[int, ...], Any]] = []
-"""Inside :func:`keep_checked`: the state of the file last found whole by loading it, by its identity."""
+class _Kept(threading.local):
+    """Per thread, one dict per :func:`keep_checked` entered: the state of the file last found whole
+    by loading it, by the file's identity."""
+
+    def __init__(self) -> None:
+        self.stack: list[dict[tuple[int, ...], Any]] = []
+
+
+_kept = _Kept()
 
 
 @contextmanager
@@ -70,11 +78,11 @@ def keep_checked() -> Iterator[None]:
     and keeps its state for the :func:`load_archive` of the same file with ``checked=True``
     that follows: a check and its load read the file once. The state is let go on leaving."""
     kept: dict[tuple[int, ...], Any] = {}
-    _kept.append(kept)
+    _kept.stack.append(kept)
     try:
         yield
     finally:
-        _kept.remove(kept)
+        _kept.stack.remove(kept)
         kept.clear()
 
 
@@ -85,7 +93,7 @@ def _identity(path: str | os.PathLike[str]) -> tuple[int, ...]:
 
 def file_whole(path: str | os.PathLike[str]) -> bool:
     """:func:`archive_complete`; inside :func:`keep_checked`, found by loading the file, its state kept."""
-    if not _kept:
+    if not _kept.stack:
         return archive_complete(path)
     try:
         state = read_archive(path, verify=True)
@@ -93,8 +101,8 @@ def file_whole(path: str | os.PathLike[str]) -> bool:
         return False
     except Exception:  # noqa: BLE001 - missing, or whole but not loadable: the load says why
         return archive_complete(path)
-    _kept[-1].clear()  # one state at most
-    _kept[-1][_identity(path)] = state
+    _kept.stack[-1].clear()  # one state at most
+    _kept.stack[-1][_identity(path)] = state
     return True
 
 
@@ -116,7 +124,7 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
             f"Checkpoint {file} is a symbolic link (to {os.path.realpath(file)}); checkpoints are read "
             "without following links. Give the file it points to."
         )
-    kept = _kept[-1].pop(_identity(file), None) if checked and _kept else None
+    kept = _kept.stack[-1].pop(_identity(file), None) if checked and _kept.stack else None
     if kept is not None:
         state = kept
     else:
