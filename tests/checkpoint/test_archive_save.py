@@ -170,3 +170,16 @@ def test_a_record_over_4_gib_and_one_past_it_come_out_identical_zip64():
     assert save_archive(state, sink)
     sink.flush()
     assert (written.adler, written.size) == (expected.adler, expected.size)
+
+
+def test_a_torch_whose_private_writer_api_changed_gets_torch_save(tmp_path, monkeypatch):
+    real = torch.serialization._save
+
+    def changed(obj, zip_file, pickle_module, pickle_protocol, _disable_byteorder_record, extra=None):
+        return real(obj, zip_file, pickle_module, pickle_protocol, _disable_byteorder_record)
+
+    monkeypatch.setattr(torch.serialization, "_save", changed)
+    state = {"w": torch.randn(100)}
+    fast, written = _saved(state, tmp_path / "a.pt")
+    monkeypatch.undo()
+    assert not fast and written == _torch_bytes(state)

@@ -181,7 +181,7 @@ def fast_path() -> bool:
         return False
     writer = getattr(torch._C, "PyTorchFileWriter", None)
     save = getattr(torch.serialization, "_save", None)
-    if writer is None or save is None:
+    if writer is None or save is None or not hasattr(torch.serialization, "_get_storage_alignment"):
         return False
     try:
         parameters = list(inspect.signature(save).parameters)
