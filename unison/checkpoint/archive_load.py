@@ -1,11 +1,13 @@
-"""Loading a ``torch.save`` archive in one read: each record read straight into its tensor by
-several threads, its CRC-32 checked as it is read.
+"""Loading a ``torch.save`` archive in one read: each record read straight into its tensor, its
+CRC-32 checked by other threads as it is read.
 
 ``torch.load`` reads a record with one call into the storage it builds. Given a file object
-(:class:`ParallelReader`) instead of a path, that call cuts the record into blocks that
-threads read (``os.preadv``, the GIL released) and checksum while the bytes are still in
-the CPU's cache: the file is read once, into the tensors, and no tensor is handed out before
-every record's CRC-32 matched the archive's central directory.
+(:class:`ParallelReader`) instead of a path, that call asks the disk for the whole record at
+once (``posix_fadvise(WILLNEED)``), reads it into the new tensor in 8 MiB blocks, in order, in
+the calling thread (``os.preadv``: threads reading into one new tensor at once contend for its
+page faults), and hands each block read to a pool thread that checksums it: the file is read
+once, into the tensors, and no state is returned before every record's CRC-32 matched the
+archive's central directory.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ class Damaged(Exception):
 
 
 class ParallelReader(io.RawIOBase):
-    """A read-only file object over ``fd`` whose large reads are done by ``pool``'s threads, block by
-    block; a read of a whole record of ``checked`` (by its start) gets its CRC-32 in :attr:`crcs`."""
+    """A read-only file object over ``fd`` that reads in 8 MiB blocks; a read of a whole record of
+    ``checked`` (by its start) is checksummed block by block by ``pool``'s threads, its CRC-32 put
+    in :attr:`crcs`."""
 
     def __init__(self, fd: int, pool: Executor, checked: dict[int, Record]) -> None:
         super().__init__()
@@ -102,10 +105,10 @@ def _read_block(fd: int, view: memoryview, offset: int, at: int, length: int) ->
 
 
 def read_archive(path: str | os.PathLike[str], *, verify: bool = True, threads: int | None = None) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``, the file read once by ``threads``
-    threads (default :func:`~unison.checkpoint.snapshot.default_threads`); with ``verify``, every
-    record's CRC-32 checked (or, for an archive written without them, its structure) before the
-    state is returned.
+    """``torch.load(path, map_location="cpu", weights_only=True)``, the file read once; with
+    ``verify``, its blocks checksummed by ``threads`` threads as they are read (default
+    :func:`~unison.checkpoint.snapshot.default_threads`) and every record's CRC-32 checked (or,
+    for an archive written without them, its structure) before the state is returned.
 
     Raises:
         Damaged: the archive's structure is broken, or a record's CRC-32 does not match.
