@@ -15,10 +15,7 @@ from unison.checkpoint.archive_records import records, unrecorded_note
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.crc import range_crcs
 from unison.checkpoint.snapshot import default_threads
-from unison.utils.logging import get_logger
 from unison.utils.run_files import open_fd
-
-_log = get_logger(__name__)
 
 
 def archive_complete(path: str | os.PathLike[str]) -> bool:

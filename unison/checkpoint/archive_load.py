@@ -133,7 +133,7 @@ def read_archive(path: str | os.PathLike[str], *, verify: bool = True, threads: 
         )
     crcs.update(reader.crcs)
     if any(r.crc is not None and crcs.get(r.start) != r.crc for r in found):
-        raise Damaged(f"{path}: a record's CRC-32 does not match")
+        raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
     if any(r.crc is None for r in found):
         unrecorded_note(path)
     return state
