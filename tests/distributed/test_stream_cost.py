@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from unittest import mock
 
 import pytest
@@ -133,3 +133,49 @@ def test_a_file_stream_adds_no_call_per_sample_over_its_reader():
             pass
 
     assert _per_item(streamed) - _per_item(raw) <= 1e-9
+
+
+class Pairs(IterableDataset):
+    """(features, class) pairs from a generator over precomputed tensors: a cheap stream's samples."""
+
+    def __init__(self, size: int) -> None:
+        import torch
+
+        self.x = torch.zeros(size, 4)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return ((self.x[i], i) for i in range(len(self.x)))
+
+
+def _loader_calls(make: Callable[[int], Iterable], n: int) -> int:
+    def read(size: int) -> None:
+        for _ in make(size):
+            pass
+
+    return _calls(read, n)
+
+
+def test_a_stream_s_loader_costs_the_calls_of_a_raw_dataloader_per_sample():
+    """``prepare_loaders`` over ``shard_stream`` against a raw ``DataLoader`` over the same source (batch
+    32): torchdata's batch sampler and unison's collate add no call per sample (+3.3 calls each before)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    from unison.distributed import prepare_loaders
+
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+    def raw(size: int) -> Iterable:
+        return DataLoader(Pairs(size), batch_size=32)
+
+    def unison(size: int) -> Iterable:
+        return prepare_loaders(train=shard_stream(Pairs(size), rank=0, world_size=1), batch_size=32)[0]
+
+    per_sample = {}
+    for name, make in (("raw", raw), ("unison", unison)):
+        _loader_calls(make, 64)
+        per_sample[name] = (_loader_calls(make, 64 * N) - _loader_calls(make, 32 * N)) / (32 * N)
+    # 11.2 against 8.0 before; now 7.2: the raw loader's batch sampler resumes a generator per sample
+    assert per_sample["unison"] <= per_sample["raw"], per_sample

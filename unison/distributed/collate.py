@@ -15,6 +15,9 @@ from typing import Any
 from torch.utils.data import default_collate
 
 _GRAPH_PACKAGE = "torch_geometric."
+_KINDS_KEPT = 1024
+"""How many item kinds :func:`collate` remembers the verdict of (a bound: kinds are few)."""
+_graph_kinds: dict[Any, bool] = {}
 
 
 def is_graph_item(item: Any) -> bool:
@@ -39,6 +42,30 @@ def _holds_graphs(item: Any) -> bool:
     return False
 
 
+def _kind(item: Any) -> Any:
+    """What decides :func:`_holds_graphs` for ``item``: its type, and for a tuple, a list or a dict,
+    the types of its values; None where the values of another container would be needed."""
+    if isinstance(item, (tuple, list)):
+        return type(item), frozenset(map(type, item))
+    if isinstance(item, dict):
+        return type(item), frozenset(map(type, item.values()))
+    if isinstance(item, (Mapping, Sequence)) and not isinstance(item, (str, bytes)):
+        return None
+    return type(item)
+
+
+def _holds_graphs_once(item: Any) -> bool:
+    """:func:`_holds_graphs`, looked up by the item's kind after its first batch: a few calls a
+    batch in place of a walk over the item's classes and values."""
+    kind = _kind(item)
+    graphs = _graph_kinds.get(kind) if kind is not None else None
+    if graphs is None:
+        graphs = _holds_graphs(item)
+        if kind is not None and len(_graph_kinds) < _KINDS_KEPT:
+            _graph_kinds[kind] = graphs
+    return graphs
+
+
 def collate(items: list[Any]) -> Any:
     """Joins a list of dataset items into a batch.
 
@@ -52,7 +79,7 @@ def collate(items: list[Any]) -> Any:
         >>> collate([(torch.zeros(2), 0), (torch.ones(2), 1)])[1]
         tensor([0, 1])
     """
-    if items and _holds_graphs(items[0]):
+    if items and _holds_graphs_once(items[0]):
         from torch_geometric.loader.dataloader import Collater  # only where graphs are met
 
         return Collater(items)(items)

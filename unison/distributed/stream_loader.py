@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from unison.distributed.iterable import ShardedStream
 from unison.distributed.primitives import get_world_size
+from unison.distributed.stream_batches import cut_batches_whole
 from unison.distributed.stream_sources import stream_problem
 from unison.distributed.worker_start import worker_context
 
@@ -64,10 +65,11 @@ def stream_loader(
             f"({type(ordered).__name__}): persistent workers keep the copy of the stream they started with, so "
             "every epoch would repeat the first epoch's order. Leave persistent_workers unset for this stream."
         )
-    return _loader_class()(
+    loader = _loader_class()(
         dataset,
         batch_size=batch_size,
         drop_last=drop_last,
         num_workers=num_workers,
         **worker_context(num_workers, loader_kwargs),
     )
+    return cut_batches_whole(loader)  # no Python call per sample before the fetcher's
