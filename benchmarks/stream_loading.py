@@ -27,10 +27,19 @@ Variants: ``raw`` is ``torch.utils.data.DataLoader(source, batch_size, num_worke
 one writes it without unison; ``unison`` is ``prepare_loaders(train=source, ...)``: its
 checks, torchdata's ``StatefulDataLoader`` and unison's collate. Both loaders are built
 once and iterated every round (workers start at each epoch, in both alike); runs
-interleave in an order rotated every round. Reported: samples/s of one whole epoch (the
+interleave in an order rotated every round, and within a round each variant reads
+``--inner`` epochs, interleaved (by default as many as fill about a second, at most 25:
+many of a 5 ms epoch, one of a 2 s one) of which the round keeps the least wall and the
+least CPU time (other jobs only ever add time to an epoch). Reported: samples/s of one whole epoch (the
 median over rounds), and "x raw", the median over rounds of the paired ratio of epoch
-times (unison / raw; 1.02 = 2% slower), with a bootstrap 95% interval. Target: within
-2% of raw.
+times (unison / raw; 1.02 = 2% slower), with a bootstrap 95% interval; "x raw (CPU)", the
+same of each epoch's CPU time: user and system time of every process that reads (the
+process, ``time.process_time()``, and its loader workers, ``getrusage(RUSAGE_CHILDREN)``
+once they exit at the epoch's end), summed over the ranks at 2 ranks: the work an epoch
+costs the machine, which other jobs on the same cores lengthen far less than its wall
+time (they take turns with it; they do not make it do more). Target: within 2% of raw,
+judged on the wall-clock ratio where its interval resolves 2%, else on the CPU ratio (the
+target line says which).
 
 Data state, for each unison loader whose position can be saved (``data_position(loader)``
 of kind "stateful"): halfway through an epoch, the time of ``save()``, the pickled size
@@ -50,6 +59,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import resource
 import shutil
 import sys
 import tempfile
@@ -70,6 +80,9 @@ RANKS = (1, 2)
 BATCH = 32
 SHARDS = S.SHARDS
 TARGET = 1.02
+ROUND_S = 1.0
+"""A round reads each variant's epochs for about this long (more epochs of a short one)."""
+MAX_INNER = 25
 
 
 def build_loader(dataset: Any, variant: str, workers: int) -> Any:
@@ -91,12 +104,20 @@ def count(batch: Any) -> int:
     return len(first)
 
 
-def epoch(loader: Any) -> tuple[float, int]:
-    """Seconds to read one epoch, and its samples."""
-    start, n = time.perf_counter(), 0
+def cpu_seconds() -> float:
+    """CPU seconds (user and system) of this process and of the children it has waited for: its
+    loader's workers, which a loader joins at the end of each epoch (persistent ones aside)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def epoch(loader: Any) -> tuple[float, float, int]:
+    """Wall seconds to read one epoch, CPU seconds spent on it (this process and its workers), and
+    its samples."""
+    start, cpu, n = time.perf_counter(), cpu_seconds(), 0
     for batch in loader:
         n += count(batch)
-    return time.perf_counter() - start, n
+    return time.perf_counter() - start, cpu_seconds() - cpu, n
 
 
 def _first(batch: Any) -> Any:
@@ -152,17 +173,41 @@ def data_state(make: Callable[[str], Any], workers: int, samples: int) -> dict[s
     }
 
 
-def _epoch_everywhere(loader: Any, world: int) -> tuple[float, int]:
-    """One epoch on every rank, started together: the slowest rank's seconds, and this rank's samples."""
+def _summed(value: float) -> float:
+    """Collective: the sum of ``value`` over all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _epoch_everywhere(loader: Any, world: int) -> tuple[float, float, int]:
+    """One epoch on every rank, started together: the slowest rank's wall seconds, the CPU seconds
+    of every rank and worker summed (the work the epoch cost the machine), and this rank's samples."""
     if world == 1:
         return epoch(loader)
     C.barrier("cpu")
-    seconds, n = epoch(loader)
-    return C.slowest([seconds], "cpu")[0], n
+    seconds, cpu, n = epoch(loader)
+    return C.slowest([seconds], "cpu")[0], _summed(cpu), n
+
+
+def inner_epochs(epoch_s: float, inner: int | None) -> int:
+    """Epochs of each variant per round: ``inner``, or as many as fill ``ROUND_S`` (at most ``MAX_INNER``)."""
+    if inner is not None:
+        return inner
+    return max(1, min(MAX_INNER, round(ROUND_S / max(epoch_s, 1e-6))))
 
 
 def measure(
-    name: str, data: dict[str, Any], workers_list: list[int], repeats: int, rank: int = 0, world: int = 1
+    name: str,
+    data: dict[str, Any],
+    workers_list: list[int],
+    repeats: int,
+    rank: int = 0,
+    world: int = 1,
+    inner: int | None = None,
 ) -> list[dict]:
     make = S.sources(name, data, rank, world)
     names = S.variants(name)
@@ -170,18 +215,25 @@ def measure(
     out = []
     for workers in workers_list:
         loaders = {v: build_loader(make(v), v, workers) for v in names}
-        for v in names:  # warm-up: imports, first file reads, first worker start
-            _epoch_everywhere(loaders[v], world)
+        # warm-up: imports, first file reads, first worker start; its time (the slowest rank's) sets
+        # the epochs per round, the same on every rank
+        k = inner_epochs(max(_epoch_everywhere(loaders[v], world)[0] for v in names), inner)
         times: dict[str, list[float]] = {v: [] for v in names}
+        cpu: dict[str, list[float]] = {v: [] for v in names}
         for r in range(repeats):
-            for v in C.rotated(names, r):
-                seconds, n = _epoch_everywhere(loaders[v], world)
-                if n != samples // world:
-                    raise SystemExit(
-                        f"{name}, {v}, num_workers={workers}, rank {rank} of {world}: read {n} samples, "
-                        f"expected {samples // world}"
-                    )
-                times[v].append(seconds)
+            best = {v: [float("inf"), float("inf")] for v in names}
+            for i in range(k):  # k epochs of each variant, interleaved; a round keeps each one's least
+                for v in C.rotated(names, r + i):
+                    seconds, cpu_s, n = _epoch_everywhere(loaders[v], world)
+                    if n != samples // world:
+                        raise SystemExit(
+                            f"{name}, {v}, num_workers={workers}, rank {rank} of {world}: read {n} samples, "
+                            f"expected {samples // world}"
+                        )
+                    best[v] = [min(best[v][0], seconds), min(best[v][1], cpu_s)]
+            for v in names:
+                times[v].append(best[v][0])
+                cpu[v].append(best[v][1])
         state: dict[str, Any] = {}
         if world == 1:
             states = [data_state(make, workers, samples) for _ in range(max(1, min(repeats, 3)))]
@@ -196,12 +248,16 @@ def measure(
             "num_workers": workers,
             "samples": samples,
             "repeats": repeats,
+            "epochs_per_round": k,
             "samples_per_s": {v: samples / C.median(times[v]) for v in names},
             "epoch_s": {v: times[v] for v in names},
             "spread": {v: C.spread(times[v]) for v in names},
             "ratio_to_raw": ratio,
             "ratio_of_medians": C.median(times["unison"]) / C.median(times["raw"]),
             "ratio_ci95": list(C.ratio_ci(times["unison"], times["raw"])),
+            "cpu_s": {v: cpu[v] for v in names},
+            "cpu_ratio_to_raw": C.paired_ratio(cpu["unison"], cpu["raw"]),
+            "cpu_ratio_ci95": list(C.ratio_ci(cpu["unison"], cpu["raw"])),
             "data_state": state,
         }
         if "raw_own" in names:
@@ -210,10 +266,32 @@ def measure(
         if rank == 0:
             print(
                 f"  {name}, {world} rank(s), num_workers={workers}: raw {row['samples_per_s']['raw']:.0f}/s, "
-                f"unison {row['samples_per_s']['unison']:.0f}/s, x raw {ratio:.3f}",
+                f"unison {row['samples_per_s']['unison']:.0f}/s, x raw {ratio:.3f}, "
+                f"x raw (CPU) {row['cpu_ratio_to_raw']:.3f}",
                 flush=True,
             )
     return out
+
+
+def judge(row: dict[str, Any]) -> dict[str, Any]:
+    """The 2% target of one row, judged on the epoch's wall time where its interval resolves 2%, else
+    on its CPU time (which other jobs' load barely moves), saying so."""
+    name = (
+        f"{row['source']}, {row['ranks']} rank(s), num_workers={row['num_workers']}: unison within 2% of raw"
+    )
+    wall = C.judge(f"{name} (epoch time, x raw)", row["ratio_to_raw"], TARGET, tuple(row["ratio_ci95"]))
+    if wall["conclusive"]:
+        return {**wall, "measure": "wall"}
+    low, high = row["ratio_ci95"]
+    return {
+        **C.judge(
+            f"{name} (CPU time, x raw (CPU); the wall-clock interval {low:.3f}-{high:.3f} cannot resolve 2%)",
+            row["cpu_ratio_to_raw"],
+            TARGET,
+            tuple(row["cpu_ratio_ci95"]),
+        ),
+        "measure": "cpu",
+    }
 
 
 def rank_worker(cfg: dict[str, Any]) -> list[dict]:
@@ -228,7 +306,7 @@ def rank_worker(cfg: dict[str, Any]) -> list[dict]:
     rank, world = ud.get_rank(), ud.get_world_size()
     results: list[dict] = []
     for name in cfg["sources"]:
-        results += measure(name, data, cfg["workers"], cfg["repeats"], rank, world)
+        results += measure(name, data, cfg["workers"], cfg["repeats"], rank, world, cfg["inner"])
     return results
 
 
@@ -251,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ranks", nargs="+", type=int, default=None, help="world sizes (default 1 2; 1 with --quick)"
     )
+    parser.add_argument(
+        "--inner",
+        type=int,
+        default=None,
+        help=f"epochs of each variant per round, the least kept (default: about {ROUND_S:g} s of them, "
+        f"at most {MAX_INNER}; 1 with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rounds and samples: a smoke run")
     parser.add_argument("--json", type=Path, default=None, help="write the report here, as JSON")
     args = parser.parse_args(argv)
@@ -262,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     workers_list = args.workers if args.workers is not None else ([0] if args.quick else list(WORKERS))
     if repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {repeats}")
+    inner = 1 if args.quick and args.inner is None else args.inner
+    if inner is not None and inner < 1:
+        raise SystemExit(f"--inner must be >= 1, got {inner}")
     if samples < 4 * BATCH * SHARDS:
         raise SystemExit(f"--samples must be >= {4 * BATCH * SHARDS} (4 batches per shard), got {samples}")
     if any(w < 0 for w in workers_list):
@@ -281,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         for world in ranks_list:
             if world == 1:
                 for name in args.sources:
-                    results += measure(name, data, workers_list, repeats)
+                    results += measure(name, data, workers_list, repeats, inner=inner)
                 continue
             from unison.distributed import launch
 
@@ -291,14 +379,15 @@ def main(argv: list[str] | None = None) -> int:
                 "sources": args.sources,
                 "workers": workers_list,
                 "repeats": repeats,
+                "inner": inner,
             }
             results += launch(rank_worker, cfg, nproc_per_node=world, backend="gloo", start_method="spawn")[0]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
     C.print_table(
-        f"One epoch of {samples} samples, batch {BATCH}, median of {repeats} rounds "
-        "(x raw: median of paired ratios of epoch times)",
+        f"One epoch of {samples} samples, batch {BATCH}, median of {repeats} rounds, each the least of "
+        "its epochs (x raw: median of paired ratios of epoch times; CPU: of the epochs' CPU times)",
         [
             "source",
             "ranks",
@@ -307,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             "unison samples/s",
             "x raw",
             "95% CI",
+            "x raw (CPU)",
+            "95% CI (CPU)",
             "spread raw/unison",
         ],
         [
@@ -318,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['samples_per_s']['unison']:.0f}",
                 f"{r['ratio_to_raw']:.3f}",
                 f"{r['ratio_ci95'][0]:.3f}-{r['ratio_ci95'][1]:.3f}",
+                f"{r['cpu_ratio_to_raw']:.3f}",
+                f"{r['cpu_ratio_ci95'][0]:.3f}-{r['cpu_ratio_ci95'][1]:.3f}",
                 f"{r['spread']['raw']:.2f}/{r['spread']['unison']:.2f}",
             ]
             for r in results
@@ -372,16 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
     )
-    targets = [
-        C.judge(
-            f"{r['source']}, {r['ranks']} rank(s), num_workers={r['num_workers']}: unison within 2% of raw "
-            "(epoch time, x raw)",
-            r["ratio_to_raw"],
-            TARGET,
-            (r["ratio_ci95"][0], r["ratio_ci95"][1]),
-        )
-        for r in results
-    ]
+    targets = [judge(r) for r in results]
     C.print_targets(targets)
     try:
         env["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -397,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             "shards": SHARDS,
             "files": S.FILES,
             "repeats": repeats,
+            "inner": inner,
+            "round_s": ROUND_S,
             "ranks": ranks_list,
         },
         "results": results,

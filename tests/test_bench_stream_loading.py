@@ -37,12 +37,18 @@ def test_stream_loading_benchmark_runs_and_resumes_each_saved_position(tmp_path)
         assert row["num_workers"] == 0 and row["samples"] == 512 and row["ranks"] == 1
         assert all(v > 0 for v in row["samples_per_s"].values())
         assert row["ratio_ci95"][0] <= row["ratio_to_raw"] <= row["ratio_ci95"][1]
+        # each epoch's CPU time too, of the process and its workers, and its ratio
+        assert all(t > 0 for times in row["cpu_s"].values() for t in times)
+        assert row["cpu_ratio_ci95"][0] <= row["cpu_ratio_to_raw"] <= row["cpu_ratio_ci95"][1]
     # the script exits non-zero when a resumed loader's first batch is not the next one
     for name in ("generator", "files", "hf"):
         state = rows[name]["data_state"]
         assert state["kind"] == "stateful" and state["state_bytes"] > 0
     assert rows["webdataset"]["data_state"]["kind"] == "none"
     assert len(report["targets"]) == 4
+    for target in report["targets"]:  # judged on CPU time where the wall-clock interval holds 1.02
+        assert target["measure"] == ("wall" if target["target"].endswith("(epoch time, x raw)") else "cpu")
+        assert (target["measure"] == "cpu") == ("cannot resolve 2%" in target["target"])
     assert rows["generator"]["ratio_to_raw_own"] > 0
 
 
@@ -110,3 +116,4 @@ def test_stream_loading_reads_each_source_at_two_ranks(tmp_path):
     # each rank read its 256 samples (the script exits non-zero otherwise), timed on the slower rank
     assert [(r["source"], r["ranks"]) for r in rows] == [("generator", 2), ("files", 2)]
     assert all(r["data_state"] == {} for r in rows)
+    assert all(r["cpu_ratio_to_raw"] > 0 and len(r["cpu_s"]["raw"]) == 1 for r in rows)  # summed over ranks
