@@ -48,3 +48,18 @@ def test_the_remembered_kinds_stay_bounded(monkeypatch):
         collate_module._holds_graphs_once(kind())
     assert len(collate_module._graph_kinds) == 2
     assert collate_module.collate([(torch.zeros(1), 1), (torch.ones(1), 2)])[1].tolist() == [1, 2]
+
+
+def test_without_torch_geometric_imported_no_item_is_walked(monkeypatch):
+    """A graph's class is defined in torch_geometric: where it is not imported, no item is a graph."""
+    import sys
+    import types
+
+    walked = []
+    monkeypatch.setattr(collate_module, "_holds_graphs_once", lambda item: walked.append(item) or False)
+    monkeypatch.delitem(sys.modules, "torch_geometric", raising=False)
+    batch = collate_module.collate([(torch.zeros(1), 1), (torch.ones(1), 2)])
+    assert batch[1].tolist() == [1, 2] and walked == []
+    monkeypatch.setitem(sys.modules, "torch_geometric", types.ModuleType("torch_geometric"))
+    collate_module.collate([(torch.zeros(1), 1)])
+    assert len(walked) == 1, "once torch_geometric is imported, the first item is looked at"

@@ -9,12 +9,15 @@ are met: never on a machine without it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import default_collate
 
 _GRAPH_PACKAGE = "torch_geometric."
+_GRAPH_MODULE = "torch_geometric"
+"""Imported in any process that holds a graph: its class (or a base) was defined in it."""
 _KINDS_KEPT = 1024
 """How many item kinds :func:`collate` remembers the verdict of (a bound: kinds are few)."""
 _graph_kinds: dict[Any, bool] = {}
@@ -79,7 +82,7 @@ def collate(items: list[Any]) -> Any:
         >>> collate([(torch.zeros(2), 0), (torch.ones(2), 1)])[1]
         tensor([0, 1])
     """
-    if items and _holds_graphs_once(items[0]):
+    if items and _GRAPH_MODULE in sys.modules and _holds_graphs_once(items[0]):
         from torch_geometric.loader.dataloader import Collater  # only where graphs are met
 
         return Collater(items)(items)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sized
-from itertools import islice, zip_longest
+from itertools import compress, islice, zip_longest
 from operator import itemgetter, length_hint
 from typing import Any
 
@@ -44,8 +44,8 @@ class ShardedStream(IterableDataset):
         # j % K. Items are read in rounds of W: with equal_length, an incomplete last round
         # is dropped, so every rank yields the same number of items whatever the length.
         # The rounds are cut, the other workers' rounds skipped and this process's items
-        # counted by zip, islice and map, in C: no Python call per item, and an item this
-        # process does not yield costs only the source's own reading.
+        # counted by zip, islice, map and compress, in C: no Python call per item, and an
+        # item this process does not yield costs only the source's own reading.
         width = self.world_size
         source = iter(self.source)
         if start and next(islice(source, start - 1, None), _END) is _END:
@@ -57,12 +57,14 @@ class ShardedStream(IterableDataset):
         if not self.equal_length:
             return self._unequal(source, first, workers)
         if width == 1:
-            items: Iterator[Any] = islice(source, first, None, workers)
+            items: Iterator[Any] = source if workers == 1 else islice(source, first, None, workers)
         else:
             rounds = zip(*[source] * width, strict=False)
             items = map(itemgetter(self.rank), islice(rounds, first, None, workers))
-        self._yielded = iter(range(_MANY))  # operator.length_hint tells how many were taken
-        return map(itemgetter(0), zip(items, self._yielded, strict=False))
+        # compress takes one of these (all true) with each item it passes on, after the item:
+        # operator.length_hint tells how many were taken
+        self._yielded = iter(range(1, _MANY + 1))
+        return compress(items, self._yielded)
 
     def _unequal(self, source: Iterator[Any], first: int, workers: int) -> Iterator[Any]:
         """equal_length=False: the rounds padded with _END, the incomplete last one yielded too."""
