@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sized
-from itertools import compress, islice, zip_longest
+from itertools import compress, islice, repeat, zip_longest
 from operator import itemgetter, length_hint
 from typing import Any
 
@@ -23,7 +23,7 @@ class ShardedStream(IterableDataset):
         self.epoch = 0
         self._consumed = 0  # source items read by this process in the current epoch
         self._resume_from: int | None = None
-        self._yielded: Iterator[int] | None = None  # counts the items handed out (equal_length)
+        self._yielded: Iterator[bool] | None = None  # counts the items handed out (equal_length)
         self._ends = (0, 1)  # the position after the first item handed out, and between two
 
     def set_epoch(self, epoch: int) -> None:
@@ -61,9 +61,9 @@ class ShardedStream(IterableDataset):
         else:
             rounds = zip(*[source] * width, strict=False)
             items = map(itemgetter(self.rank), islice(rounds, first, None, workers))
-        # compress takes one of these (all true) with each item it passes on, after the item:
-        # operator.length_hint tells how many were taken
-        self._yielded = iter(range(1, _MANY + 1))
+        # compress takes one True of these with each item it passes on, after the item (the same
+        # object each time: nothing made per item); operator.length_hint tells how many were taken
+        self._yielded = repeat(True, _MANY)
         return compress(items, self._yielded)
 
     def _unequal(self, source: Iterator[Any], first: int, workers: int) -> Iterator[Any]:
