@@ -111,13 +111,28 @@ def cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
+def settle() -> None:
+    """Waits for the threads an epoch's loader leaves behind (its queues' feeder threads) to end.
+
+    A worker forked while one of them is ending can hang for good in CPython 3.11's after-fork
+    clean-up (it waits for a lock that thread held at the fork): seen here at 2 ranks, 2 workers.
+    """
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and thread.name == "QueueFeederThread":
+            thread.join(timeout=10)
+
+
 def epoch(loader: Any) -> tuple[float, float, int]:
     """Wall seconds to read one epoch, CPU seconds spent on it (this process and its workers), and
     its samples."""
     start, cpu, n = time.perf_counter(), cpu_seconds(), 0
     for batch in loader:
         n += count(batch)
-    return time.perf_counter() - start, cpu_seconds() - cpu, n
+    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    settle()
+    return seconds, cpu, n
 
 
 def _first(batch: Any) -> Any:
