@@ -57,6 +57,7 @@ its row says so.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import resource
@@ -111,28 +112,13 @@ def cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def settle() -> None:
-    """Waits for the threads an epoch's loader leaves behind (its queues' feeder threads) to end.
-
-    A worker forked while one of them is ending can hang for good in CPython 3.11's after-fork
-    clean-up (it waits for a lock that thread held at the fork): seen here at 2 ranks, 2 workers.
-    """
-    import threading
-
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and thread.name == "QueueFeederThread":
-            thread.join(timeout=10)
-
-
 def epoch(loader: Any) -> tuple[float, float, int]:
     """Wall seconds to read one epoch, CPU seconds spent on it (this process and its workers), and
     its samples."""
     start, cpu, n = time.perf_counter(), cpu_seconds(), 0
     for batch in loader:
         n += count(batch)
-    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
-    settle()
-    return seconds, cpu, n
+    return time.perf_counter() - start, cpu_seconds() - cpu, n
 
 
 def _first(batch: Any) -> Any:
@@ -188,24 +174,43 @@ def data_state(make: Callable[[str], Any], workers: int, samples: int) -> dict[s
     }
 
 
-def _summed(value: float) -> float:
-    """Collective: the sum of ``value`` over all ranks."""
-    import torch
-    import torch.distributed as dist
+class _Exchanges:
+    """Every rank's values, through the process group's store rather than a collective.
 
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item()
+    A gloo collective's thread can create a Python thread state (taking CPython's lock on them)
+    just as the rank forks a loader worker, and a worker forked then waits for that lock for good
+    in CPython 3.11's after-fork clean-up: seen here at 2 ranks and 2 workers, one epoch in ~40.
+    The store's client works in the calling thread.
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank, self.world, self.count = dist.get_rank(), dist.get_world_size(), 0
+
+    def __call__(self, values: list[float]) -> list[list[float]]:
+        """Waits for every rank's ``values`` (a barrier too), in rank order."""
+        self.count += 1
+        key = f"stream_loading/{self.count}"
+        self.store.set(f"{key}/{self.rank}", json.dumps(values))
+        return [json.loads(self.store.get(f"{key}/{r}")) for r in range(self.world)]
+
+
+_exchange: _Exchanges | None = None
 
 
 def _epoch_everywhere(loader: Any, world: int) -> tuple[float, float, int]:
     """One epoch on every rank, started together: the slowest rank's wall seconds, the CPU seconds
     of every rank and worker summed (the work the epoch cost the machine), and this rank's samples."""
+    global _exchange
     if world == 1:
         return epoch(loader)
-    C.barrier("cpu")
+    _exchange = _exchange or _Exchanges()
+    _exchange([])
     seconds, cpu, n = epoch(loader)
-    return C.slowest([seconds], "cpu")[0], _summed(cpu), n
+    ranks = _exchange([seconds, cpu])
+    return max(r[0] for r in ranks), sum(r[1] for r in ranks), n
 
 
 def inner_epochs(epoch_s: float, inner: int | None) -> int:
