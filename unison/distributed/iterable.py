@@ -59,8 +59,10 @@ class ShardedStream(IterableDataset):
         if width == 1:
             items: Iterator[Any] = source if workers == 1 else islice(source, first, None, workers)
         else:
-            rounds = zip(*[source] * width, strict=False)
-            items = map(itemgetter(self.rank), islice(rounds, first, None, workers))
+            rounds: Iterator[Any] = zip(*[source] * width, strict=False)
+            if workers > 1:
+                rounds = islice(rounds, first, None, workers)
+            items = map(itemgetter(self.rank), rounds)
         # compress takes one True of these with each item it passes on, after the item (the same
         # object each time: nothing made per item); operator.length_hint tells how many were taken
         self._yielded = repeat(True, _MANY)
