@@ -471,6 +471,9 @@ def test_at_most_one_async_write_is_in_flight(tmp_path, monkeypatch):
     trainer_thread.start()
     try:
         assert second_waits.wait(timeout=60), "the second save never waited for the first write"
+        # The first write checks its copy in the writer's thread before it writes: under load the
+        # second save can come to wait before that write reaches the file; it is held there.
+        assert gate.entered.wait(timeout=60), "the first write never started"
         assert gate.calls == 1 and gate.active == 1, "a second write started while the first was in flight"
         assert run.trainer.state.iteration == 2, "training did not go on while the first write was pending"
     finally:
