@@ -44,8 +44,10 @@ def record_pid_then(folder: str, what: str) -> None:
     partial = final.with_suffix(".part")  # renamed whole: a reader never sees it half written
     partial.write_text(str(os.getpid()))
     os.replace(partial, final)
-    if what == "kill-parent" and dist.get_rank() == 1:
-        os.kill(os.getppid(), signal.SIGKILL)
+    if what == "kill-parent":
+        dist.barrier()  # every rank's file is written before the warm process (and so the ranks) dies
+        if dist.get_rank() == 1:
+            os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(300)
 
 

@@ -42,11 +42,15 @@ def wait_gone(pids: list[int], within_s: float = 20.0) -> list[int]:
     return [pid for pid in pids if not gone(pid)]
 
 
-def pids_in(folder: Path, count: int) -> list[int]:
+def pids_in(folder: Path, count: int, within_s: float = 60.0) -> list[int]:
     """The process ids the ranks wrote to ``folder``, once all ``count`` are there."""
     event = threading.Event()
-    while len(list(folder.glob("rank-*.pid"))) < count:
+    for _ in range(int(within_s * 20)):
+        if len(list(folder.glob("rank-*.pid"))) >= count:
+            break
         event.wait(0.05)
+    else:
+        raise AssertionError(f"the ranks wrote {sorted(folder.glob('rank-*.pid'))}, not {count} pid files")
     return [int(p.read_text()) for p in sorted(folder.glob("rank-*.pid"))]
 
 
