@@ -89,7 +89,7 @@ def launch(
         start_method: multiprocessing start method when spawning. ``"forkserver"`` (the default
             where there is one: Linux, macOS): the ranks are forks of a server process that
             imported torch, ignite and unison once, started at the first launch and kept for the
-            next (as Python 3.14 defaults to on POSIX); each rank then imports only the
+            next (Python 3.14's own default on Linux); each rank then imports only the
             function's module. ``"spawn"`` (the default on Windows): each rank a new interpreter
             that imports everything itself. Both run ``fn`` with the caller's environment
             variables, working folder and ``sys.path`` of the moment of the call.
