@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(w < 2 for w in args.ranks):
         raise SystemExit(f"--ranks must be >= 2 (a world of one has no collective), got {args.ranks}")
     from unison.distributed import launch
-    from unison.distributed.spawn import start_fork_server
+    from unison.distributed.fork_server import start_fork_server
 
     start_fork_server()  # every world size's ranks fork from one process that imported torch once
 

@@ -43,10 +43,11 @@ def kill_tree(*procs: subprocess.Popen) -> None:
 
 
 def run_in_session(
-    cmd: list[str], timeout: float, cwd: Path, *, merge_output: bool = False
+    cmd: list[str], timeout: float, cwd: Path, *, merge_output: bool = False, pass_fds: tuple[int, ...] = ()
 ) -> subprocess.CompletedProcess:
     """Runs ``cmd`` in a session of its own; on a timeout ends its whole process tree and fails
-    the test with the end of its output (stderr folded into stdout with ``merge_output``)."""
+    the test with the end of its output (stderr folded into stdout with ``merge_output``;
+    ``pass_fds`` left open in it, as its parent's descriptors)."""
     import pytest
 
     proc = subprocess.Popen(
@@ -56,6 +57,7 @@ def run_in_session(
         stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
         text=True,
         start_new_session=True,
+        pass_fds=pass_fds,
     )
     try:
         out, err = proc.communicate(timeout=timeout)

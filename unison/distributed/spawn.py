@@ -20,7 +20,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -29,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from unison.distributed.env import SPAWNED_VAR, find_free_port, slurm_batch_placement, usable_cores
+from unison.distributed.fork_server import start_fork_server
 from unison.distributed.rank_setup import (
     _PEER_FAILURE_MARKERS,
     _configure_rank,
@@ -123,43 +123,6 @@ def _spawn(
 
 
 _PORT_TRIES = 3
-_PRELOAD = ["torch", "torch._dynamo", "ignite.engine", "unison"]
-
-
-def start_fork_server() -> tuple[int, ...]:
-    """Starts the fork server that a ``start_method="forkserver"`` launch forks its ranks from,
-    if it is not running yet, and returns the signals its ranks unblock (see ``_start_helpers``).
-
-    The server imports torch, ignite and unison once, in the background; each rank is then a
-    fork of it and starts in a fraction of a second instead of importing them again. Called
-    early, as ``unison run`` does before it plans and checks the config, the imports overlap
-    that work.
-    """
-    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    return _start_helpers("forkserver")
-
-
-@contextlib.contextmanager
-def fork_server_ahead(start: bool) -> Iterator[None]:
-    """Starts the fork server (when ``start``) for the block that checks a run before its ranks
-    start, so that its imports overlap the checks; if the block raises (the run is refused) and
-    this call started the server, ends it at once, even in the middle of its imports, which would
-    otherwise run to their end, orphaned, after the refusal's exit."""
-    server = forkserver._forkserver
-    started = start and getattr(server, "_forkserver_pid", None) is None
-    if start:
-        start_fork_server()
-    try:
-        yield
-    except BaseException:
-        pid = getattr(server, "_forkserver_pid", None)
-        if started and pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            stop = getattr(server, "_stop", None)
-            if callable(stop):  # closes its pipe, reaps it, removes its socket: the next start is fresh
-                stop()
-        raise
 
 
 def _port_was_taken(err: mp.ProcessRaisedException, results: Path) -> bool:

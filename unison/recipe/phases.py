@@ -32,7 +32,7 @@ from unison.checkpoint.lock import hold_folder
 from unison.config import Config, load_config
 from unison.config.main_script import script, use_main
 from unison.distributed import barrier, detect_launcher, get_rank, get_world_size, launch
-from unison.distributed.spawn import fork_server_ahead
+from unison.distributed.fork_server import fork_server_ahead
 from unison.engine.empty_epochs import EmptyDataError
 from unison.handlers import EXIT_PREEMPTED
 from unison.recipe.build.assemble import build_run

@@ -49,6 +49,7 @@ from typing import Any
 
 from unison.config import load_config
 from unison.distributed import detect_launcher
+from unison.distributed.fork_server import fork_server_now
 from unison.recipe.build.preflight import check_port, preflight
 from unison.recipe.build.tracking_wandb import wandb_trial_overrides
 from unison.recipe.phases import launch_config
@@ -316,6 +317,8 @@ def tune(
         )
     plan = plan_sweep(config, list(overrides or []), nproc=nproc)
     nproc = nproc if nproc is not None else plan.config.parallel.nproc_per_node
+    if nproc is not None:  # every trial's ranks fork from this process's imports, config's included
+        fork_server_now()  # now, before the study's storage is open and a trial's threads run
     plan.folder.mkdir(parents=True, exist_ok=True)
     study = open_study(plan)
     before = counts(study)

@@ -1,0 +1,67 @@
+"""The fork server is a fork of the launching process where that forks safely: it holds what the
+launching process imported and none of its files or signal handlers; elsewhere it starts as
+Python starts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+from _procs import run_in_session
+
+from unison.distributed import fork_server
+
+SCRIPT = Path(__file__).resolve().parent / "_fork_server_script.py"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forked server is Linux's")
+def test_a_clean_launcher_forks_its_server_which_keeps_its_imports_and_drops_its_files_and_handlers(tmp_path):
+    read_end, write_end = os.pipe()  # inherited by the launcher: not close-on-exec
+    os.set_inheritable(read_end, True)
+    try:
+        proc = run_in_session(
+            [sys.executable, str(SCRIPT), str(read_end)], 150, tmp_path, pass_fds=(read_end,)
+        )
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the server is this script's own process image, not a fresh `python -c ...forkserver...`
+    assert "multiprocessing.forkserver" not in seen["cmdline"] and str(SCRIPT) in seen["cmdline"]
+    ranks = seen["ranks"]
+    assert len(ranks) == 4 and {rank["server"] for rank in ranks} == {seen["server"]}
+    assert all(rank["imported_by_the_launcher"] for rank in ranks), ranks
+    assert not any(rank["launchers_sigterm_handler"] for rank in ranks), ranks
+    assert seen["passed_fd"] not in seen["server_fds"], seen["server_fds"]
+
+
+def test_a_running_python_thread_keeps_the_server_from_forking():
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert not fork_server.forks_safely()
+    finally:
+        stop.set()
+        thread.join()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
+def test_a_file_this_process_opened_counts_and_one_it_inherited_does_not():
+    with tempfile.TemporaryFile() as opened:
+        assert opened.fileno() in fork_server._opened_here(())
+        assert opened.fileno() not in fork_server._opened_here((opened.fileno(),))
+    inherited = os.dup(0)
+    os.set_inheritable(inherited, True)  # as a descriptor the parent process left open
+    try:
+        assert inherited not in fork_server._opened_here(())
+    finally:
+        os.close(inherited)

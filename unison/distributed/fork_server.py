@@ -1,0 +1,235 @@
+"""The fork server that spawned ranks fork from, and how it starts.
+
+multiprocessing's fork server is a process that imported torch, ignite and unison once; each
+rank is a fork of it. Python starts that server by running a fresh interpreter, which then
+imports those modules again: about 4 CPU-seconds per run, paid again in every process that
+launches ranks, while the launching process has imported them all already.
+
+Where the launching process is in a state that forks safely, the server is instead a fork of
+it (:func:`start_fork_server`): it starts in milliseconds, holding every module the launching
+process imported, a config's modules included, and the ranks import none of them again. The
+server still runs multiprocessing's own loop (``multiprocessing.forkserver.main``), and ranks
+reach it as they reach a started one. The state that forks safely is one Python thread, no
+CUDA driver loaded, and no open file beyond the standard streams and those the server is
+handed; anything else, and on platforms other than Linux, the server starts as Python starts
+it. The server's process is then, as a started one, free of the launching process's files
+and signal handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator, Sequence
+from multiprocessing import forkserver, resource_tracker, util
+
+import torch.multiprocessing as mp
+
+from unison.distributed.signals import _start_helpers
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
+
+PRELOAD = ["torch", "torch._dynamo", "ignite.engine", "unison"]
+_SERVER_CODE = "from multiprocessing.forkserver import main"  # the -c code Python starts it with
+
+
+def start_fork_server() -> tuple[int, ...]:
+    """Starts the fork server that a ``start_method="forkserver"`` launch forks its ranks from,
+    if it is not running yet, and returns the signals its ranks unblock (see ``_start_helpers``).
+
+    The server holds torch, ignite and unison imported; each rank is a fork of it and starts in
+    a fraction of a second instead of importing them again. Where this process forks safely
+    (see the module's docs), the server is a fork of it, with everything it imported; else a
+    fresh interpreter that imports them in the background. Called early, as ``unison run`` does
+    before it plans and checks the config, either overlaps that work.
+    """
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    if _server_running():
+        return _start_helpers("forkserver")
+    hazard = fork_hazard()
+    if hazard is None:
+        for name in PRELOAD:  # what the server would import, and this process needs anyway
+            importlib.import_module(name)
+        with _servers_forked_from_here() as forked:
+            unblock = _start_helpers("forkserver")
+        if forked:
+            _log.debug("the fork server is a fork of this process (pid %d)", forked[0])
+        return unblock
+    _log.debug("the fork server starts as a new interpreter: %s", hazard)
+    return _start_helpers("forkserver")
+
+
+def fork_server_now() -> bool:
+    """Starts the fork server now if it is not running and can be a fork of this process, for a
+    caller that is about to open files or start threads and launches ranks only later (a sweep,
+    before its study's storage and its trials' decision servers). Returns whether a server runs."""
+    if not _server_running() and fork_hazard() is None:
+        start_fork_server()
+    return _server_running()
+
+
+@contextlib.contextmanager
+def fork_server_ahead(start: bool) -> Iterator[None]:
+    """Starts the fork server (when ``start``) for the block that checks a run before its ranks
+    start, so that its start overlaps the checks; if the block raises (the run is refused) and
+    this call started the server, ends it at once (a fresh interpreter would otherwise import on,
+    orphaned, after the refusal's exit)."""
+    server = forkserver._forkserver
+    started = start and not _server_running()
+    if start:
+        start_fork_server()
+    try:
+        yield
+    except BaseException:
+        pid = getattr(server, "_forkserver_pid", None)
+        if started and pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            stop = getattr(server, "_stop", None)
+            if callable(stop):  # closes its pipe, reaps it, removes its socket: the next start is fresh
+                stop()
+        raise
+
+
+def server_pid() -> int | None:
+    """The running fork server's process id, or None."""
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def forks_safely(keep_fds: Sequence[int] = ()) -> bool:
+    """Whether this process may fork a long-lived child that goes on running Python (see
+    :func:`fork_hazard`)."""
+    return fork_hazard(keep_fds) is None
+
+
+def fork_hazard(keep_fds: Sequence[int] = ()) -> str | None:
+    """What keeps this process from forking a long-lived child that goes on running Python, or
+    None: a platform other than Linux, another Python thread, the CUDA driver loaded (a CUDA
+    context does not survive a fork), or a file this process opened still open beyond the
+    standard streams and ``keep_fds`` (the child closes it, and an object that holds it would
+    hold a stale number that a later open reuses)."""
+    if not sys.platform.startswith("linux"):
+        return f"the platform is {sys.platform}, not Linux"
+    if threading.active_count() != 1:
+        names = [thread.name for thread in threading.enumerate() if thread is not threading.current_thread()]
+        return f"other Python threads run: {names}"
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            if "libcuda" in maps.read():
+                return "the CUDA driver is loaded"
+        opened = _opened_here(keep_fds)
+    except OSError as err:
+        return f"/proc/self is unreadable: {err}"
+    if opened:
+        return "files opened here are open: " + ", ".join(f"{fd} ({_link(fd)})" for fd in opened)
+    return None
+
+
+def _server_running() -> bool:
+    return server_pid() is not None
+
+
+def _opened_here(keep_fds: Sequence[int]) -> list[int]:
+    """File descriptors this process opened, other than the standard streams, ``keep_fds``, the
+    resource tracker's pipe and the other end of a pipe in ``keep_fds`` (the fork server's
+    ``alive`` pipe, whose write end stays with this process). Python opens every file
+    close-on-exec; one without that flag was inherited from the process that started this
+    one, is held by no object here, and the server closes it as a fresh interpreter's start would."""
+    known = {0, 1, 2, *keep_fds}
+    tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    if tracker_fd is not None:
+        known.add(tracker_fd)
+    kept_pipes = {_link(fd) for fd in keep_fds}
+    opened = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in known:
+            continue
+        link = _link(fd)
+        if link is None:  # the descriptor of the listing itself, closed meanwhile
+            continue
+        if link.startswith("pipe:") and link in kept_pipes:
+            continue
+        with contextlib.suppress(OSError):
+            if not os.get_inheritable(fd):  # close-on-exec: opened by this process
+                opened.append(fd)
+    return opened
+
+
+def _link(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _servers_forked_from_here() -> Iterator[list[int]]:
+    """While inside, multiprocessing starts a fork server by forking this process (see
+    :func:`_fork_server_process`) instead of running a fresh interpreter; any other process it
+    starts, and a server it starts in a form not recognised, as before. Yields the list that
+    receives the forked server's process id."""
+    original = util.spawnv_passfds
+    forked: list[int] = []
+
+    def spawnv_passfds(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+        code = args[-1] if len(args) >= 2 and args[-2] == "-c" else ""
+        hazard = fork_hazard(passfds) if code.startswith(_SERVER_CODE) else "not the fork server"
+        if hazard is not None:
+            if code.startswith(_SERVER_CODE):
+                _log.debug("the fork server starts as a new interpreter: %s", hazard)
+            return original(path, args, passfds)
+        forked.append(_fork_server_process(code, passfds))
+        return forked[-1]
+
+    util.spawnv_passfds = spawnv_passfds
+    try:
+        yield forked
+    finally:
+        util.spawnv_passfds = original
+
+
+def _fork_server_process(code: str, passfds: Sequence[int]) -> int:
+    """Forks the fork server: the child runs ``code``, multiprocessing's own start of the
+    server, as a fresh interpreter would, and never returns to this process's code."""
+    for stream in (sys.stdout, sys.stderr):  # else the child writes what is buffered a second time
+        with contextlib.suppress(Exception):
+            stream.flush()
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    status = 1
+    try:
+        _become_fresh(passfds)
+        exec(code, {"__name__": "__mp_fork_server__"})  # noqa: S102 - multiprocessing's own -c code
+        status = 0
+    except SystemExit as end:  # the server's loop ends with SystemExit once its parent is gone
+        status = end.code if isinstance(end.code, int) else 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(status)  # never this process's exit handlers, buffers or finalizers
+
+
+def _become_fresh(passfds: Sequence[int]) -> None:
+    """What a fresh interpreter would not have: the parent's other files (closed), its Python
+    signal handlers (back to Python's defaults; ignored signals stay ignored, as across exec),
+    and multiprocessing's record of its fork server, whose lock the parent held as it forked.
+    The parent's exit handlers stay registered and never run: the server and every rank it
+    forks end with ``os._exit``."""
+    keep = sorted({0, 1, 2, *passfds})
+    for low, high in zip([-1, *keep], [*keep, os.sysconf("SC_OPEN_MAX")], strict=True):
+        if high > low + 1:  # closerange of an empty range closes every descriptor on some Pythons
+            os.closerange(low + 1, high)
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, RuntimeError, TypeError):
+            handler = signal.getsignal(sig)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    forkserver._forkserver.__init__()  # type: ignore[misc]  # unlocked, no server, no preload
