@@ -27,6 +27,7 @@ import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from multiprocessing import forkserver, resource_tracker, util
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -178,8 +179,8 @@ def _servers_forked_from_here() -> Iterator[list[int]]:
     original = util.spawnv_passfds
     forked: list[int] = []
 
-    def spawnv_passfds(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
-        code = args[-1] if len(args) >= 2 and args[-2] == "-c" else ""
+    def spawnv_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
+        code = args[-1] if len(args) >= 2 and args[-2] == "-c" and isinstance(args[-1], str) else ""
         hazard = fork_hazard(passfds) if code.startswith(_SERVER_CODE) else "not the fork server"
         if hazard is not None:
             if code.startswith(_SERVER_CODE):
@@ -188,7 +189,7 @@ def _servers_forked_from_here() -> Iterator[list[int]]:
         forked.append(_fork_server_process(code, passfds))
         return forked[-1]
 
-    util.spawnv_passfds = spawnv_passfds
+    util.spawnv_passfds = spawnv_passfds  # type: ignore[assignment]
     try:
         yield forked
     finally:
