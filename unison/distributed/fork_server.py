@@ -189,7 +189,7 @@ def _servers_forked_from_here() -> Iterator[list[int]]:
         forked.append(_fork_server_process(code, passfds))
         return forked[-1]
 
-    util.spawnv_passfds = spawnv_passfds  # type: ignore[assignment]
+    util.spawnv_passfds = spawnv_passfds
     try:
         yield forked
     finally:
