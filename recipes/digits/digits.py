@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from sklearn.datasets import load_digits  # with the config: a spawned run's ranks fork with it imported
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -11,8 +12,6 @@ from unison.distributed import split_dataset
 
 def load_all() -> TensorDataset:
     """The 1,797 digits as (1, 8, 8) float images in [0, 1] and integer labels."""
-    from sklearn.datasets import load_digits
-
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(digits.target, dtype=torch.long)
