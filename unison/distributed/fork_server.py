@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from multiprocessing import forkserver, resource_tracker, util
 from typing import Any
@@ -202,7 +203,14 @@ def _fork_server_process(code: str, passfds: Sequence[int]) -> int:
     for stream in (sys.stdout, sys.stderr):  # else the child writes what is buffered a second time
         with contextlib.suppress(Exception):
             stream.flush()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns of any fork of a process with more than one thread: here the others
+        # are native pools of torch's libraries (BLAS, the allocator), which handle a fork, as in
+        # the fork server Python starts, which forks every rank after importing torch.
+        warnings.filterwarnings(
+            "ignore", message=r"This process .* is multi-threaded", category=DeprecationWarning
+        )
+        pid = os.fork()
     if pid != 0:
         return pid
     status = 1
