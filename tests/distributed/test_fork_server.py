@@ -65,3 +65,16 @@ def test_a_file_this_process_opened_counts_and_one_it_inherited_does_not():
         assert inherited not in fork_server._opened_here(())
     finally:
         os.close(inherited)
+
+
+def test_initialized_cuda_keeps_the_server_from_forking(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert fork_server.fork_hazard() == "CUDA is initialized"
+
+
+def test_the_cuda_driver_counts_and_the_runtime_that_torch_maps_at_import_does_not():
+    driver = "7f00-7f01 r-xp 0 fe:00 1   /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
+    runtime = "7f00-7f01 r-xp 0 fe:00 1   /venv/lib/nvidia/cuda_runtime/lib/libcudart.so.13\n"
+    assert fork_server._CUDA_DRIVER.search(driver) and not fork_server._CUDA_DRIVER.search(runtime)

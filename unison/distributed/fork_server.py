@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -39,6 +40,7 @@ _log = get_logger(__name__)
 
 PRELOAD = ["torch", "torch._dynamo", "ignite.engine", "unison"]
 _SERVER_CODE = "from multiprocessing.forkserver import main"  # the -c code Python starts it with
+_CUDA_DRIVER = re.compile(r"/libcuda\.so")
 
 
 def start_fork_server() -> tuple[int, ...]:
@@ -112,8 +114,8 @@ def forks_safely(keep_fds: Sequence[int] = ()) -> bool:
 
 def fork_hazard(keep_fds: Sequence[int] = ()) -> str | None:
     """What keeps this process from forking a long-lived child that goes on running Python, or
-    None: a platform other than Linux, another Python thread, the CUDA driver loaded (a CUDA
-    context does not survive a fork), or a file this process opened still open beyond the
+    None: a platform other than Linux, another Python thread, CUDA initialized or its driver
+    loaded (a CUDA context does not survive a fork), or a file this process opened still open beyond the
     standard streams and ``keep_fds`` (the child closes it, and an object that holds it would
     hold a stale number that a later open reuses)."""
     if not sys.platform.startswith("linux"):
@@ -121,9 +123,13 @@ def fork_hazard(keep_fds: Sequence[int] = ()) -> str | None:
     if threading.active_count() != 1:
         names = [thread.name for thread in threading.enumerate() if thread is not threading.current_thread()]
         return f"other Python threads run: {names}"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialized"
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            if "libcuda" in maps.read():
+            # the driver, loaded by the first CUDA call (torch's CUDA build maps libcudart at import)
+            if _CUDA_DRIVER.search(maps.read()):
                 return "the CUDA driver is loaded"
         opened = _opened_here(keep_fds)
     except OSError as err:
