@@ -27,7 +27,7 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import forkserver, resource_tracker, util
 from typing import Any
 
@@ -79,17 +79,25 @@ def fork_server_now() -> bool:
 
 
 @contextlib.contextmanager
-def fork_server_ahead(start: bool) -> Iterator[None]:
-    """Starts the fork server (when ``start``) for the block that checks a run before its ranks
-    start, so that its start overlaps the checks; if the block raises (the run is refused) and
-    this call started the server, ends it at once (a fresh interpreter would otherwise import on,
-    orphaned, after the refusal's exit)."""
+def fork_server_ahead(start: bool) -> Iterator[Callable[[], None]]:
+    """The fork server (when ``start``) for a block that plans and checks a run before its ranks
+    start. Where this process cannot fork it, a new interpreter starts at once, so that its
+    imports overlap the block; else the block calls the function it is given once it has
+    imported what the ranks need (the config's modules), and the server is forked then. If the
+    block raises (the run is refused) and this call started the server, ends it at once (a new
+    interpreter would otherwise import on, orphaned, after the refusal's exit)."""
     server = forkserver._forkserver
     started = start and not _server_running()
-    if start:
+    forked = started and fork_hazard() is None
+    if started and not forked:
         start_fork_server()
+
+    def ready() -> None:
+        if forked and not _server_running():
+            start_fork_server()  # a fork, or a new interpreter if the block left this process unsafe
+
     try:
-        yield
+        yield ready
     except BaseException:
         pid = getattr(server, "_forkserver_pid", None)
         if started and pid is not None:

@@ -106,9 +106,10 @@ def run(
         raise ValueError("run(overrides=...) applies to a config file; edit the Config object instead.")
     mark("config")
     spawns = detect_launcher().kind == "none" and (nproc or config.parallel.nproc_per_node) is not None
-    with fork_server_ahead(spawns):  # the ranks' imports, done while this process plans and checks
+    with fork_server_ahead(spawns) as server_ready:  # what the ranks fork from (spawn.py)
         planned = plan(config, world_size=launch_world_size(config, nproc))  # every value derived once
         mark("plan")
+        server_ready()  # forked now where it can be: with the config's modules, which plan imported
         nproc_per_node = _ranks_to_spawn(planned, nproc)
         check_before_spawning(planned, resume, nproc_per_node)
     mark("checks")
