@@ -128,12 +128,12 @@ def fork_hazard(keep_fds: Sequence[int] = ()) -> str | None:
     hold a stale number that a later open reuses)."""
     if not sys.platform.startswith("linux"):
         return f"the platform is {sys.platform}, not Linux"
-    if threading.active_count() != 1:
-        names = [thread.name for thread in threading.enumerate() if thread is not threading.current_thread()]
-        return f"other Python threads run: {names}"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA is initialized"
+    if threading.active_count() != 1:
+        names = [thread.name for thread in threading.enumerate() if thread is not threading.current_thread()]
+        return f"other Python threads run: {names}"
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             # the driver, loaded by the first CUDA call (torch's CUDA build maps libcudart at import)
