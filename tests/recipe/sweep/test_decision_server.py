@@ -157,3 +157,25 @@ def test_a_rank_ends_when_the_sweep_process_is_killed_outright() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_close_returns_once_every_caller_s_thread_has_ended_and_logged(caplog) -> None:
+    # A caller that connects and stays silent holds a thread in the handshake; closing the
+    # server hangs it up, and close returns only once that thread has dropped it (and said so),
+    # never leaving a thread to log after the server, and after its logging, is gone.
+    with DecisionServer(FakeTrial(), "loss", handshake_s=30) as server:
+        silent = socket.create_connection(server.address, timeout=10)
+        deadline = time.monotonic() + 10
+        while not (callers := _caller_threads()) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the server accepts it in its own thread
+        (caller,) = callers
+    try:
+        assert not caller.is_alive()
+        assert any("dropped a caller" in r.getMessage() for r in caplog.records), caplog.records
+    finally:
+        silent.close()
+
+
+def _caller_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("unison-tune-caller-")]

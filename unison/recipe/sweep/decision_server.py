@@ -107,6 +107,7 @@ class DecisionServer:
         self._closing = False
         self._decide = threading.Lock()  # one question at a time reaches the trial
         self._open: set[socket.socket] = set()
+        self._callers: set[threading.Thread] = set()
         self._guard = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="unison-tune-decisions", daemon=True)
 
@@ -142,10 +143,12 @@ class DecisionServer:
                 continue
             except OSError:
                 return  # closed
+            name = f"unison-tune-caller-{sock.fileno()}"
+            caller = threading.Thread(target=self._caller, args=(sock,), name=name, daemon=True)
             with self._guard:
                 self._open.add(sock)
-            name = f"unison-tune-caller-{sock.fileno()}"
-            threading.Thread(target=self._caller, args=(sock,), name=name, daemon=True).start()
+                self._callers.add(caller)
+            caller.start()
 
     def _caller(self, sock: socket.socket) -> None:
         sock.setblocking(True)
@@ -174,6 +177,7 @@ class DecisionServer:
             sock.close()
             with self._guard:
                 self._open.discard(sock)
+                self._callers.discard(threading.current_thread())
 
     def _answer(self, conn: Connection) -> None:
         while not self._closing:
@@ -190,7 +194,8 @@ class DecisionServer:
             conn.send(reply)
 
     def close(self) -> None:
-        """Stops serving; a rank still connected gets an error on its next question."""
+        """Stops serving; a rank still connected gets an error on its next question. Returns once
+        every caller's thread has ended (a few seconds at most): none logs after the server."""
         if self._closing:
             return
         self._closing = True
@@ -199,6 +204,10 @@ class DecisionServer:
         with self._guard:
             for sock in list(self._open):
                 _hang_up(sock)
+            callers = list(self._callers)
+        deadline = time.monotonic() + 5
+        for caller in callers:  # hung up: each leaves its read at once
+            caller.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _hang_up(sock: socket.socket) -> None:
