@@ -50,8 +50,8 @@ def start_fork_server() -> tuple[int, ...]:
     The server holds torch, ignite and unison imported; each rank is a fork of it and starts in
     a fraction of a second instead of importing them again. Where this process forks safely
     (see the module's docs), the server is a fork of it, with everything it imported; else a
-    fresh interpreter that imports them in the background. Called early, as ``unison run`` does
-    before it plans and checks the config, either overlaps that work.
+    fresh interpreter that imports them in the background (started early, those imports overlap
+    the caller's work: see :func:`fork_server_ahead`).
     """
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
     if _server_running():
@@ -69,13 +69,12 @@ def start_fork_server() -> tuple[int, ...]:
     return _start_helpers("forkserver")
 
 
-def fork_server_now() -> bool:
+def fork_server_now() -> None:
     """Starts the fork server now if it is not running and can be a fork of this process, for a
     caller that is about to open files or start threads and launches ranks only later (a sweep,
-    before its study's storage and its trials' decision servers). Returns whether a server runs."""
+    before its study's storage and its trials' decision servers)."""
     if not _server_running() and fork_hazard() is None:
         start_fork_server()
-    return _server_running()
 
 
 @contextlib.contextmanager
@@ -112,12 +111,6 @@ def fork_server_ahead(start: bool) -> Iterator[Callable[[], None]]:
 def server_pid() -> int | None:
     """The running fork server's process id, or None."""
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
-
-
-def forks_safely(keep_fds: Sequence[int] = ()) -> bool:
-    """Whether this process may fork a long-lived child that goes on running Python (see
-    :func:`fork_hazard`)."""
-    return fork_hazard(keep_fds) is None
 
 
 def fork_hazard(keep_fds: Sequence[int] = ()) -> str | None:
