@@ -9,6 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _warm_exec
+
+# The programs tests start (`python -m unison run`, `unison tune`, torchrun, scripts) fork from
+# a warm interpreter that has imported torch and unison (tests/_warm_exec.py says when not).
+_warm_exec.install(dict(os.environ))
+
 # Tests use tiny models; on a shared 2-core machine two compute threads per process only
 # fight each other (a cross-entropy of 8x2 took 85x longer with 2 threads than with 1).
 torch.set_num_threads(1)
@@ -29,6 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=left_out)
         dropped = set(left_out)
         items[:] = [item for item in items if item not in dropped]
+
+
+@pytest.fixture(autouse=True)
+def _program_start(request: pytest.FixtureRequest):
+    """A ``cold_process`` test's programs start as new interpreters; the others', warm."""
+    cold = request.node.get_closest_marker("cold_process") is not None
+    _warm_exec.set_cold(cold)
+    yield
+    _warm_exec.set_cold(False)
 
 
 @pytest.fixture(autouse=True)
