@@ -13,9 +13,10 @@ included); signal handlers and mask as Python sets them at start; ``random`` and
 then the module (``-m``), the script (a console script such as ``unison`` too) or the ``-c`` code
 runs as ``__main__``, and the interpreter ends as usual (threads joined, ``atexit``, exit status).
 
-:class:`WarmPopen` replaces :class:`subprocess.Popen` in the test process (``conftest.py``) and
-in each warm child, so a program's own Python children (torchrun's ranks) are warm too. It
-starts a new interpreter as before whenever the warm one could not honour the call: a command
+:class:`WarmPopen` replaces :class:`subprocess.Popen` in the test process only
+(``conftest.py``). A program's own children (torchrun's ranks, a launcher's fork server) start as
+they always do, as its children: a test that ends a process tree, as a lost node would, still
+ends them all. It starts a new interpreter as before whenever the warm one could not honour the call: a command
 that is not Python, Python options beyond ``-u``, ``-B``, ``-s`` and ``-X faulthandler``,
 ``preexec_fn``, ``pass_fds``, ``close_fds=False``, another user or group, or an environment
 that differs in a variable read at import (:data:`READ_AT_START`). A test marked
@@ -38,10 +39,17 @@ import struct
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-PRELOAD = ("torch", "torch._dynamo", "ignite.engine", "ignite.distributed", "unison", "unison.cli", "unison.recipe")
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "ignite.engine",
+    "ignite.distributed",
+    "unison",
+    "unison.cli",
+    "unison.recipe",
+)
 """What the server imports before it forks: what each of the suite's programs imports first."""
 
 READ_AT_START = (
@@ -67,6 +75,9 @@ from the server's gets a new interpreter. ``PYTHONPATH``, ``PYTHONUNBUFFERED``,
 ``PYTHONFAULTHANDLER`` and ``PYTHONDONTWRITEBYTECODE`` are applied in the child instead."""
 
 _APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
+_THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""Read by OpenMP and MKL as torch loads them; a child given one (the server being given none)
+sets torch's thread count to it, as a new interpreter's torch would start with it."""
 _STATUS = struct.Struct("!i")
 _ORIGINAL_POPEN = subprocess.Popen
 
@@ -74,9 +85,9 @@ _ORIGINAL_POPEN = subprocess.Popen
 class _Client:
     """How this process reaches its server: started on the first warm call, ended with this process."""
 
-    def __init__(self, env: dict[str, str], address: str | None = None) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         self.env = env
-        self.address = address
+        self.address: str | None = None
         self.server: subprocess.Popen | None = None
         self.cold = False
 
@@ -170,6 +181,7 @@ def _python_command(args: list[str], env: dict[str, str]) -> dict[str, Any] | No
             if not os.path.isfile(rest[0]):
                 return None
             request.update(kind="path", target=rest[0], argv=list(rest))
+        request["command"] = [exe, *args[1:]]
         return request
     if os.path.isfile(exe):
         try:
@@ -178,7 +190,7 @@ def _python_command(args: list[str], env: dict[str, str]) -> dict[str, Any] | No
         except OSError:
             return None
         if first.startswith(b"#!") and _same_file(first[2:].decode(errors="replace").strip(), sys.executable):
-            request.update(kind="path", target=exe, argv=[args[0], *args[1:]])
+            request.update(kind="path", target=exe, argv=[args[0], *args[1:]], command=[exe, *args[1:]])
             return request
     return None
 
@@ -190,13 +202,23 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _env_fits(env: dict[str, str], server_env: dict[str, str]) -> bool:
-    for key in set(env) | set(server_env):
+def _env_misfit(env: dict[str, str], server_env: dict[str, str]) -> str | None:
+    """The first variable of ``env`` a warm child could not honour, if any."""
+    for key in sorted(set(env) | set(server_env)):
         if key in _APPLIED or env.get(key) == server_env.get(key):
             continue
+        if key in _THREADS and key not in server_env and env[key].isdigit() and int(env[key]) > 0:
+            continue
         if key.startswith(READ_AT_START):
-            return False
-    return True
+            return key
+    return None
+
+
+def _trace(how: str, argv: list[str]) -> None:
+    folder = os.environ.get("UNISON_WARM_TRACE")
+    if folder:
+        with open(os.path.join(folder, f"{os.getpid()}.txt"), "a") as out:
+            out.write(f"{how} {' '.join(argv[:6])[:300]}\n")
 
 
 class WarmPopen(subprocess.Popen):
@@ -216,26 +238,34 @@ class WarmPopen(subprocess.Popen):
         call_env = {k: v for k, v in (os.environ if env is None else env).items()}
         call_env = {os.fsdecode(k): os.fsdecode(v) for k, v in call_env.items()}
         argv = [os.fsdecode(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
-        request = None
-        client = _client
-        if (
-            client is not None
-            and not client.cold
-            and not shell
-            and preexec_fn is None
-            and close_fds
-            and not pass_fds
-            and gid is None
-            and not gids
-            and uid is None
-            and (executable is None or _same_file(os.fsdecode(executable), argv[0]))
-            and _env_fits(call_env, client.env)
+        request, client = None, _client
+        if client is None or client.cold:
+            why = "cold_process"
+        elif (
+            shell
+            or preexec_fn is not None
+            or not close_fds
+            or pass_fds
+            or gid is not None
+            or gids
+            or uid is not None
         ):
-            request = _python_command(argv, call_env)
+            why = "Popen arguments"
+        elif executable is not None and not _same_file(os.fsdecode(executable), argv[0]):
+            why = "executable"
+        else:
+            why = _env_misfit(call_env, client.env) or ""
+            request = None if why else _python_command(argv, call_env)
+            why = why or ("" if request is not None else "not a Python program")
         sock = client.connect() if request is not None and client is not None else None
+        _trace("warm" if sock is not None else f"cold ({why or 'no server'})", argv)
         if sock is None:
             return super()._execute_child(*everything)
-        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
+        fds = [
+            p2cread if p2cread != -1 else 0,
+            c2pwrite if c2pwrite != -1 else 1,
+            errwrite if errwrite != -1 else 2,
+        ]
         request.update(
             env=call_env,
             cwd=os.fsdecode(cwd) if cwd is not None else os.getcwd(),
@@ -299,7 +329,7 @@ class WarmPopen(subprocess.Popen):
 # ---- the server -----------------------------------------------------------------------------
 
 
-def _serve(listener_fd: int) -> tuple[dict[str, Any], list[int], str] | None:
+def _serve(listener_fd: int) -> tuple[dict[str, Any], list[int]] | None:
     """Forks one child per request; returns, in a child, what it is to run (None: time to exit)."""
     from unison.testing.zygote import receive, send
 
@@ -310,7 +340,6 @@ def _serve(listener_fd: int) -> tuple[dict[str, Any], list[int], str] | None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     waiting: dict[int, socket.socket] = {}
-    address = listener.getsockname()
     while True:
         ready, _, _ = select.select([0, listener, wake_r], [], [])
         if 0 in ready and not os.read(0, 4096):
@@ -360,7 +389,7 @@ def _serve(listener_fd: int) -> tuple[dict[str, Any], list[int], str] | None:
                     os._exit(127)
                 send(conn, (os.getpid(), None))
                 os.close(conn.detach())
-                return request, fds, address
+                return request, fds
             for fd in fds:
                 os.close(fd)
             waiting[pid] = conn  # the child reports its start; this process, its end
@@ -396,7 +425,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def _run(request: dict[str, Any], address: str) -> None:
+def _run(request: dict[str, Any]) -> None:
     """Runs the program as ``__main__``, as a new interpreter would."""
     import random
     import runpy
@@ -410,6 +439,11 @@ def _run(request: dict[str, Any], address: str) -> None:
     if request["unbuffered"] or env.get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
         sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
+    threads = [int(env[key]) for key in _THREADS if key in env and key not in _SERVER_ENV]
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads[0])
     if request["faulthandler"] or env.get("PYTHONFAULTHANDLER"):
         import faulthandler
 
@@ -419,15 +453,12 @@ def _run(request: dict[str, Any], address: str) -> None:
     base = [p for p in sys.path[1:] if p not in _SERVER_PYTHONPATH]
     kind, target = request["kind"], request["target"]
     first = {"module": os.getcwd(), "code": "", "path": os.path.dirname(os.path.realpath(target))}[kind]
+    if _shadows_a_loaded_module([first, *served_path]):
+        # The program would import its own copy of a module the server has loaded (a copy of the
+        # package under test, say): only a new interpreter can run it as it is.
+        os.execv(request["command"][0], request["command"])
     sys.path[:] = [first, *served_path, *base]
     sys.argv[:] = request["argv"]
-    # The program's own Python children are warm too.
-    global _client
-    _client = _Client(_SERVER_ENV, address)
-    subprocess.Popen = WarmPopen  # type: ignore[misc]
-    handler = sys.modules.get("torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler")
-    if handler is not None:
-        handler.Popen = WarmPopen  # type: ignore[attr-defined]
     if kind == "module":
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     elif kind == "path":
@@ -439,6 +470,24 @@ def _run(request: dict[str, Any], address: str) -> None:
         exec(compile(target, "<string>", "exec"), main.__dict__)
 
 
+def _shadows_a_loaded_module(entries: list[str]) -> bool:
+    """Whether a folder of ``entries`` holds a top-level module other than the one loaded by that name."""
+    for entry in entries:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            module = sys.modules.get(name.split(".")[0] if name.endswith((".py", ".so")) else name)
+            where = getattr(module, "__file__", None)
+            if module is None or where is None:
+                continue
+            loaded = os.path.dirname(where) if os.path.basename(where).startswith("__init__.") else where
+            if os.path.realpath(os.path.join(entry or ".", name)) != os.path.realpath(loaded):
+                return True
+    return False
+
+
 if __name__ == "__main__":
     import gc
     import importlib
@@ -447,11 +496,10 @@ if __name__ == "__main__":
     _SERVER_PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     for _name in PRELOAD:
         importlib.import_module(_name)
-    importlib.import_module("torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler")
     gc.collect()
     gc.freeze()
     _child = _serve(int(sys.argv[1]))
     if _child is not None:
-        _request, _fds, _address = _child
+        _request, _fds = _child
         del _child, _fds, _name
-        _run(_request, _address)
+        _run(_request)

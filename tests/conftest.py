@@ -5,11 +5,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+import _warm_exec
 import pytest
 import torch
 import torch.distributed as dist
-
-import _warm_exec
 
 # The programs tests start (`python -m unison run`, `unison tune`, torchrun, scripts) fork from
 # a warm interpreter that has imported torch and unison (tests/_warm_exec.py says when not).
