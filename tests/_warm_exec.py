@@ -209,9 +209,23 @@ def _env_misfit(env: dict[str, str], server_env: dict[str, str]) -> str | None:
             continue
         if key in _THREADS and key not in server_env and env[key].isdigit() and int(env[key]) > 0:
             continue
+        if key.startswith("KMP_") and not _INTEL_OPENMP:
+            continue  # read by Intel's and LLVM's OpenMP as they load; torch's wheel has GNU's
         if key.startswith(READ_AT_START):
             return key
     return None
+
+
+def _maps_intel_openmp() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            text = maps.read()
+    except OSError:
+        return True
+    return "libiomp" in text or "/libomp" in text
+
+
+_INTEL_OPENMP = _maps_intel_openmp()
 
 
 def _trace(how: str, argv: list[str]) -> None:
