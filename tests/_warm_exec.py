@@ -30,6 +30,7 @@ process; only the parent differs (the server, not the caller).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -286,6 +287,7 @@ class WarmPopen(subprocess.Popen):
             new_session=bool(start_new_session),
             process_group=process_group,
             umask=umask,
+            pgid=os.getpgid(0),
         )
         from unison.testing.zygote import receive, send
 
@@ -343,8 +345,9 @@ class WarmPopen(subprocess.Popen):
 # ---- the server -----------------------------------------------------------------------------
 
 
-def _serve(listener_fd: int) -> tuple[dict[str, Any], list[int]] | None:
-    """Forks one child per request; returns, in a child, what it is to run (None: time to exit)."""
+def _serve(listener_fd: int, control_fd: int = 0) -> tuple[dict[str, Any], list[int]] | None:
+    """Forks one child per request; returns, in a child, what it is to run (None: time to exit,
+    which is when ``control_fd`` reads the end of its pipe)."""
     from unison.testing.zygote import receive, send
 
     listener = socket.socket(fileno=listener_fd)
@@ -355,8 +358,8 @@ def _serve(listener_fd: int) -> tuple[dict[str, Any], list[int]] | None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     waiting: dict[int, socket.socket] = {}
     while True:
-        ready, _, _ = select.select([0, listener, wake_r], [], [])
-        if 0 in ready and not os.read(0, 4096):
+        ready, _, _ = select.select([control_fd, listener, wake_r], [], [])
+        if control_fd in ready and not os.read(control_fd, 4096):
             return None
         if wake_r in ready:
             while True:
@@ -396,6 +399,8 @@ def _serve(listener_fd: int) -> tuple[dict[str, Any], list[int]] | None:
                     os.close(held.detach())
                 os.close(wake_r)
                 os.close(wake_w)
+                if control_fd > 2:
+                    os.close(control_fd)
                 try:
                     _become(request, fds)
                 except BaseException as error:  # noqa: BLE001 - reported to the caller, as exec's errors are
@@ -420,6 +425,9 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         os.setsid()
     elif request["process_group"] is not None and request["process_group"] >= 0:
         os.setpgid(0, request["process_group"])
+    else:
+        with contextlib.suppress(OSError):  # the caller's group, where it is in this session
+            os.setpgid(0, request["pgid"])
     if request["umask"] >= 0:
         os.umask(request["umask"])
     os.chdir(request["cwd"])
@@ -445,6 +453,10 @@ def _run(request: dict[str, Any]) -> None:
     import runpy
     import types
 
+    if _launches_python(request):
+        rank = _start_nest()
+        if rank is not None:
+            return _run(rank[0])
     env = request["env"]
     random.seed()
     if "numpy" in sys.modules:
@@ -482,6 +494,51 @@ def _run(request: dict[str, Any]) -> None:
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main
         exec(compile(target, "<string>", "exec"), main.__dict__)
+
+
+LAUNCHERS = ("torch.distributed.run", "torchrun")
+"""Programs that start Python programs of their own with ``subprocess.Popen`` (torchrun's ranks)."""
+
+
+def _launches_python(request: dict[str, Any]) -> bool:
+    target = request["target"] if request["kind"] == "module" else os.path.basename(request["target"])
+    return request["kind"] != "code" and target in LAUNCHERS
+
+
+def _start_nest() -> tuple[dict[str, Any], list[int]] | None:
+    """Forks, for a launcher, a server of its own in this pre-program state: its Python children
+    fork from it, so they are its descendants (ends of its process tree, one parent per
+    launcher) and start warm. Returns None in the launcher, and a child's request in the child."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = f"\0unison-warm-{os.getpid()}-{os.urandom(6).hex()}"
+    listener.bind(address)
+    listener.listen(64)
+    control_r, control_w = os.pipe()
+    if os.fork() == 0:
+        os.close(control_w)
+        os.setpgid(0, 0)  # the launcher's group signals are for it and its children, not for this
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(signum, signal.SIG_IGN)
+        child = _serve(listener.detach(), control_r)
+        if child is None:
+            os._exit(0)
+        return child
+    os.close(control_r)
+    listener.close()
+    _NEST_CONTROL.append(control_w)  # held open as long as the launcher runs
+    global _client
+    _client = _Client(_SERVER_ENV)
+    _client.address = address
+    subprocess.Popen = WarmPopen  # type: ignore[misc]
+    handler = sys.modules.get(
+        "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
+    )
+    if handler is not None:
+        handler.Popen = WarmPopen  # type: ignore[attr-defined]
+    return None
+
+
+_NEST_CONTROL: list[int] = []
 
 
 def _shadows_a_loaded_module(entries: list[str]) -> bool:

@@ -157,3 +157,54 @@ def test_polling_a_warm_program_sees_it_run_then_end(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+RANK_PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+
+    def ancestors():
+        pid, chain = os.getpid(), []
+        while pid > 1:
+            with open(f"/proc/{pid}/stat") as stat:
+                pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            chain.append(pid)
+        return chain
+
+    out = sys.argv[1]
+    with open(os.path.join(out, os.environ["RANK"] + ".json"), "w") as f:
+        json.dump({
+            "warm": "torch" in sys.modules,
+            "ancestors": ancestors(),
+            "env": {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")},
+            "session_leader": os.getsid(0) == os.getpid(),
+        }, f)
+    """
+)
+
+
+@pytest.mark.slow
+def test_torchrun_s_ranks_start_warm_as_descendants_of_their_agent(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_PROBE)
+    seen = {}
+    for cold in (True, False):
+        out = tmp_path / ("cold" if cold else "warm")
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        _warm_exec.set_cold(cold)
+        try:
+            agent = subprocess.Popen([*cmd, str(script), str(out)], start_new_session=True)
+            assert agent.wait(timeout=120) == 0
+        finally:
+            _warm_exec.set_cold(False)
+        ranks = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+        for rank in ranks:
+            assert agent.pid in rank["ancestors"], "a rank outside its agent's process tree"
+            assert rank["session_leader"]  # torchrun starts each rank in a session of its own
+        seen[cold] = ranks
+    assert [r["warm"] for r in seen[True]] == [False, False]
+    assert [r["warm"] for r in seen[False]] == [True, True]
+    assert [r["env"] for r in seen[True]] == [r["env"] for r in seen[False]]
+    # One parent per agent: what tests/multinode/test_two_node_torchrun.py tells agents apart by.
+    assert seen[False][0]["ancestors"][0] == seen[False][1]["ancestors"][0]
