@@ -18,7 +18,7 @@ runs as ``__main__``, and the interpreter ends as usual (threads joined, ``atexi
 they always do, as its children: a test that ends a process tree, as a lost node would, still
 ends them all. It starts a new interpreter as before whenever the warm one could not honour the call: a command
 that is not Python, Python options beyond ``-u``, ``-B``, ``-s`` and ``-X faulthandler``,
-``preexec_fn``, ``pass_fds``, ``close_fds=False``, another user or group, or an environment
+``preexec_fn``, ``close_fds=False``, another user or group, or an environment
 that differs in a variable read at import (:data:`READ_AT_START`). A test marked
 ``cold_process`` (whose subject is the interpreter's own start: what it imports, how long it
 takes) gets new interpreters throughout.
@@ -68,11 +68,11 @@ READ_AT_START = (
     "GOMP_",
     "LD_",
     "MALLOC_",
-    "CUDA_",
 )
 """Prefixes of variables a program reads as it starts or imports (Python's own, torch's logging
 and compiler settings, the OpenMP and allocator libraries'): a call whose value of one differs
-from the server's gets a new interpreter. ``PYTHONPATH``, ``PYTHONUNBUFFERED``,
+from the server's gets a new interpreter. CUDA's variables are not among them: the server never
+initialises CUDA, and CUDA reads them as it does. ``PYTHONPATH``, ``PYTHONUNBUFFERED``,
 ``PYTHONFAULTHANDLER`` and ``PYTHONDONTWRITEBYTECODE`` are applied in the child instead."""
 
 _APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
@@ -256,15 +256,7 @@ class WarmPopen(subprocess.Popen):
         request, client = None, _client
         if client is None or client.cold:
             why = "cold_process"
-        elif (
-            shell
-            or preexec_fn is not None
-            or not close_fds
-            or pass_fds
-            or gid is not None
-            or gids
-            or uid is not None
-        ):
+        elif shell or preexec_fn is not None or not close_fds or gid is not None or gids or uid is not None:
             why = "Popen arguments"
         elif executable is not None and not _same_file(os.fsdecode(executable), argv[0]):
             why = "executable"
@@ -280,6 +272,7 @@ class WarmPopen(subprocess.Popen):
             p2cread if p2cread != -1 else 0,
             c2pwrite if c2pwrite != -1 else 1,
             errwrite if errwrite != -1 else 2,
+            *pass_fds,
         ]
         request.update(
             env=call_env,
@@ -288,6 +281,7 @@ class WarmPopen(subprocess.Popen):
             process_group=process_group,
             umask=umask,
             pgid=os.getpgid(0),
+            pass_fds=list(pass_fds),
         )
         from unison.testing.zygote import receive, send
 
@@ -416,11 +410,17 @@ def _serve(listener_fd: int, control_fd: int = 0) -> tuple[dict[str, Any], list[
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """Turns this fork into the start of the program ``request`` names (before it runs)."""
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
+    # The standard streams, then ``pass_fds`` at their numbers in the caller; out of the way first,
+    # since a number received may be one of those wanted.
+    import fcntl
+
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
     for fd in fds:
-        if fd > 2 and fd not in fds[: fds.index(fd)]:
-            os.close(fd)
+        os.close(fd)
+    for target, fd in zip([0, 1, 2, *request["pass_fds"]], high, strict=True):
+        os.dup2(fd, target)
+    for fd in high:
+        os.close(fd)
     if request["new_session"]:
         os.setsid()
     elif request["process_group"] is not None and request["process_group"] >= 0:

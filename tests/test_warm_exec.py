@@ -208,3 +208,18 @@ def test_torchrun_s_ranks_start_warm_as_descendants_of_their_agent(tmp_path: Pat
     assert [r["env"] for r in seen[True]] == [r["env"] for r in seen[False]]
     # One parent per agent: what tests/multinode/test_two_node_torchrun.py tells agents apart by.
     assert seen[False][0]["ancestors"][0] == seen[False][1]["ancestors"][0]
+
+
+def test_pass_fds_reach_a_warm_program_at_their_numbers() -> None:
+    code = "import os, sys; fd = int(sys.argv[1]); os.write(fd, b'through %d' % fd); print(sorted(os.listdir('/proc/self/fd')))"
+    outputs = []
+    for cold in (True, False):
+        read, write = os.pipe()
+        try:
+            result = _run([sys.executable, "-c", code, str(write)], cold=cold, pass_fds=(write,))
+        finally:
+            os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            outputs.append((pipe.read(), result.returncode))
+        assert result.returncode == 0, result.stderr
+    assert outputs[0] == outputs[1] and outputs[0][0].startswith(b"through ")
