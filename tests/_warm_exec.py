@@ -289,10 +289,7 @@ class WarmPopen(subprocess.Popen):
             send(sock, request, tuple(fds))
             (pid, error), _ = receive(sock)
         finally:
-            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
-            devnull = getattr(self, "_devnull", None)
-            if devnull is not None:
-                os.close(devnull)
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # and DEVNULL's
         if error is not None:
             sock.close()
             raise error
@@ -567,8 +564,7 @@ if __name__ == "__main__":
     _SERVER_PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     for _name in PRELOAD:
         importlib.import_module(_name)
-    gc.collect()
-    gc.freeze()
+    gc.collect()  # nothing frozen: a new interpreter's collector sees every object, and so does a child's
     _child = _serve(int(sys.argv[1]))
     if _child is not None:
         _request, _fds = _child

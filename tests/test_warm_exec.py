@@ -20,7 +20,7 @@ import pytest
 
 PROBE = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import gc, json, os, signal, sys
     ignored = [int(s) for s in signal.valid_signals()
                if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) == signal.SIG_IGN]
     mask = os.umask(0)
@@ -40,6 +40,7 @@ PROBE = textwrap.dedent(
         "stdin": sys.stdin.read(),
         "threads": len(os.listdir("/proc/self/task")),
         "random": __import__("random").random(),
+        "frozen": gc.get_freeze_count(),
     }))
     print("to stderr", file=sys.stderr)
     sys.exit(int(sys.argv[-1]))
@@ -223,3 +224,14 @@ def test_pass_fds_reach_a_warm_program_at_their_numbers() -> None:
             outputs.append((pipe.read(), result.returncode))
         assert result.returncode == 0, result.stderr
     assert outputs[0] == outputs[1] and outputs[0][0].startswith(b"through ")
+
+
+def test_devnull_streams_of_a_warm_program_are_closed_once(tmp_path: Path) -> None:
+    for _ in range(2):  # a descriptor closed twice would fail the second start, or another file
+        result = subprocess.run(
+            [sys.executable, "-c", "import sys; print('out'); sys.exit(sys.stdin.read() == '')"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            timeout=60,
+        )
+        assert result.returncode == 1

@@ -22,6 +22,7 @@ SCRIPT = Path(__file__).resolve().parent / "_fork_server_script.py"
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forked server is Linux's")
+@pytest.mark.cold_process  # the server's command line tells a fork of the script from a new interpreter
 def test_a_clean_launcher_forks_its_server_which_keeps_its_imports_and_drops_its_files_and_handlers(tmp_path):
     read_end, write_end = os.pipe()  # inherited by the launcher: not close-on-exec
     os.set_inheritable(read_end, True)
