@@ -220,3 +220,32 @@ def test_a_preempted_spawn_run_leaves_no_leaked_semaphore_warning(tmp_path):
     assert code == EXIT_PREEMPTED, output[-3000:]
     assert (marks / "rank0-tearing-down").exists(), output[-3000:]
     assert "leaked semaphore" not in output, output[-3000:]
+
+
+BLOCKED_CALLER = """
+import json, signal, sys
+from unison.distributed import launch
+
+def blocked() -> list[int]:
+    return sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+if __name__ == "__main__":
+    # The caller blocks the signals before its first launch, which starts the fork server.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    print(json.dumps(launch(blocked, nproc_per_node=2, backend="gloo", start_method="forkserver")))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ranks_take_sigterm_even_from_a_caller_that_blocks_it(tmp_path):
+    """A rank must take the launcher's SIGTERM (the first failure ends the others with it; a
+    preemption is relayed with it) whatever the mask of the thread that started its fork server.
+    A rank that kept it blocked waited out the 30 s before its SIGKILL instead."""
+    script = tmp_path / "caller.py"
+    script.write_text(BLOCKED_CALLER)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    masks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(masks) == 2
+    for mask in masks:
+        assert int(signal.SIGTERM) not in mask and int(signal.SIGUSR1) not in mask, masks

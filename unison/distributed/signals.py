@@ -134,8 +134,10 @@ def _start_helpers(start_method: str) -> tuple[int, ...]:
     fork server makes every rank it forked look as if it had exited with 255. Started
     with the signals blocked (in this thread, whose mask they inherit), they never receive
     them. Ranks forked by the fork server inherit the block: returned, for them to lift it
-    (a signal that came meanwhile is then delivered, not lost). Helpers already running
-    are left as they are.
+    (a signal that came meanwhile is then delivered, not lost). All of them, even those the
+    calling thread had blocked already: a rank takes the launcher's SIGTERM and SIGUSR1 whatever
+    its caller's mask (one that kept SIGTERM blocked outlived a failed peer until its SIGKILL,
+    30 s later). Helpers already running are left as they are.
     """
     from multiprocessing import forkserver, resource_tracker
 
@@ -148,4 +150,4 @@ def _start_helpers(start_method: str) -> tuple[int, ...]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     if start_method != "forkserver":
         return ()
-    return tuple(int(s) for s in _PREEMPTION_SIGNALS if s not in previous)
+    return tuple(int(s) for s in _PREEMPTION_SIGNALS)
