@@ -243,7 +243,9 @@ def test_ranks_take_sigterm_even_from_a_caller_that_blocks_it(tmp_path):
     A rank that kept it blocked waited out the 30 s before its SIGKILL instead."""
     script = tmp_path / "caller.py"
     script.write_text(BLOCKED_CALLER)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=100
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     masks = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(masks) == 2
