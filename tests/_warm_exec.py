@@ -25,7 +25,9 @@ takes) gets new interpreters throughout.
 
 The caller waits through the server: it reaps its children and sends each one's wait status on
 the connection that asked for it. ``pid``, signals, ``killpg`` and ``/proc`` behave as for any
-process; only the parent differs (the server, not the caller).
+process; only the parent differs (the server, not the caller), and ``/proc/PID/cmdline`` shows
+the server's command line. With ``UNISON_WARM_TRACE=<folder>`` set, each pytest process writes
+there one line per program it starts: warm, or why not.
 """
 
 from __future__ import annotations
@@ -499,7 +501,8 @@ LAUNCHERS = ("torch.distributed.run", "torchrun")
 
 def _launches_python(request: dict[str, Any]) -> bool:
     target = request["target"] if request["kind"] == "module" else os.path.basename(request["target"])
-    return request["kind"] != "code" and target in LAUNCHERS
+    # The launcher's server listens on an abstract socket: Linux's.
+    return sys.platform.startswith("linux") and request["kind"] != "code" and target in LAUNCHERS
 
 
 def _start_nest() -> tuple[dict[str, Any], list[int]] | None:
