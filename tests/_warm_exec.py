@@ -489,6 +489,10 @@ def _run(request: dict[str, Any]) -> None:
     elif kind == "path":
         runpy.run_path(target, run_name="__main__")
     else:
+        if sys.version_info >= (3, 13):  # its tracebacks show the lines of -c code, as Python's own does
+            import linecache
+
+            linecache.cache["<string>"] = (len(target), None, target.splitlines(True), "<string>")
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main
