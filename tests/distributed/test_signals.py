@@ -237,10 +237,10 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(120)
-def test_ranks_take_sigterm_even_from_a_caller_that_blocks_it(tmp_path):
-    """A rank must take the launcher's SIGTERM (the first failure ends the others with it; a
-    preemption is relayed with it) whatever the mask of the thread that started its fork server.
-    A rank that kept it blocked waited out the 30 s before its SIGKILL instead."""
+def test_ranks_take_sigterm_and_sigusr1_even_from_a_caller_that_blocks_them(tmp_path):
+    """A rank must take the launcher's SIGTERM and SIGUSR1 (the first failure ends the others
+    with SIGTERM; a preemption is relayed with them) whatever the mask of the thread that started
+    its fork server. Before, such a rank kept SIGUSR1 blocked."""
     script = tmp_path / "caller.py"
     script.write_text(BLOCKED_CALLER)
     proc = subprocess.run(

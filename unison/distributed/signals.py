@@ -136,8 +136,9 @@ def _start_helpers(start_method: str) -> tuple[int, ...]:
     them. Ranks forked by the fork server inherit the block: returned, for them to lift it
     (a signal that came meanwhile is then delivered, not lost). All of them, even those the
     calling thread had blocked already: a rank takes the launcher's SIGTERM and SIGUSR1 whatever
-    its caller's mask (one that kept SIGTERM blocked outlived a failed peer until its SIGKILL,
-    30 s later). Helpers already running are left as they are.
+    its caller's mask (a rank forked from a server that a blocking caller started kept SIGUSR1
+    blocked, and a relayed preemption never reached it). Helpers already running are left as
+    they are.
     """
     from multiprocessing import forkserver, resource_tracker
 
