@@ -79,7 +79,9 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen, tmp_path: Path, seconds
     deadline = time.monotonic() + seconds
     while not all(p.exists() for p in paths):
         if proc.poll() is not None:
-            pytest.fail(f"the job ended (code {proc.returncode}) before training was under way:\n{_output(tmp_path)[-3000:]}")
+            pytest.fail(
+                f"the job ended (code {proc.returncode}) before training was under way:\n{_output(tmp_path)[-3000:]}"
+            )
         if time.monotonic() > deadline:
             pytest.fail(f"training was not under way after {seconds:g} s:\n{_output(tmp_path)[-3000:]}")
         time.sleep(0.05)
@@ -251,3 +253,64 @@ def test_ranks_take_sigterm_and_sigusr1_even_from_a_caller_that_blocks_them(tmp_
     assert len(masks) == 2
     for mask in masks:
         assert int(signal.SIGTERM) not in mask and int(signal.SIGUSR1) not in mask, masks
+
+
+SERVER_MASKS = """
+import json, multiprocessing, signal, sys, threading
+from multiprocessing import forkserver, resource_tracker
+from unison.distributed.fork_server import start_fork_server
+
+def blocked(queue) -> None:  # a rank's first instruction, before any group
+    queue.put(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+
+def mask_of(pid: int) -> list[int]:
+    line = next(l for l in open(f"/proc/{pid}/status") if l.startswith("SigBlk:"))
+    bits = int(line.split()[1], 16)
+    return [n for n in range(1, 65) if bits >> (n - 1) & 1]
+
+if __name__ == "__main__":
+    tracker_first, new_interpreter = sys.argv[1] == "1", sys.argv[2] == "1"
+    if tracker_first:  # a DataLoader or a launch earlier in this process started it
+        resource_tracker.ensure_running()
+    if new_interpreter:  # another thread: the server starts as a new interpreter, not a fork of this one
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+    start_fork_server()
+    context = multiprocessing.get_context("forkserver")
+    queue = context.SimpleQueue()
+    child = context.Process(target=blocked, args=(queue,))
+    child.start()
+    print(json.dumps({"server": mask_of(forkserver._forkserver._forkserver_pid), "rank": queue.get()}))
+    child.join()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("tracker_first", "new_interpreter"),
+    [(True, False), (False, False), (False, True)],
+    ids=[
+        "tracker-running-forked-server",
+        "tracker-started-with-forked-server",
+        "tracker-started-with-new-server",
+    ],
+)
+def test_the_fork_server_blocks_the_preemption_signals_and_its_ranks_take_them_from_their_start(
+    tmp_path, tracker_first, new_interpreter
+):
+    """The server must hold SIGTERM and SIGUSR1 blocked (a job-wide signal must not end it), and a
+    rank must take them from its first instruction: a rank still forming its group, for a peer
+    that had failed, kept the launcher's SIGTERM pending until its SIGKILL 30 s later. Before, the
+    tracker's start lifted SIGTERM in the starting thread (a server started with it deliverable),
+    and a server started after the tracker handed its ranks SIGTERM blocked until their group existed."""
+    script = tmp_path / "masks.py"
+    script.write_text(SERVER_MASKS)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(int(tracker_first)), str(int(new_interpreter))],
+        cwd=tmp_path, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    masks = json.loads(proc.stdout.strip().splitlines()[-1])
+    preemption = {int(signal.SIGTERM), int(signal.SIGUSR1)}
+    assert preemption <= set(masks["server"]), masks
+    assert not preemption & set(masks["rank"]), masks

@@ -39,6 +39,7 @@ from unison.utils.logging import get_logger
 _log = get_logger(__name__)
 
 PRELOAD = ["torch", "torch._dynamo", "ignite.engine", "unison"]
+_SERVER_ONLY = "unison.distributed.fork_server_ranks"  # the server's own preload: never a launcher's import
 _SERVER_CODE = "from multiprocessing.forkserver import main"  # the -c code Python starts it with
 _CUDA_DRIVER = re.compile(r"/libcuda\.so")
 
@@ -53,7 +54,7 @@ def start_fork_server() -> tuple[int, ...]:
     fresh interpreter that imports them in the background (started early, those imports overlap
     the caller's work: see :func:`fork_server_ahead`).
     """
-    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.get_context("forkserver").set_forkserver_preload([*PRELOAD, _SERVER_ONLY])
     if _server_running():
         return _start_helpers("forkserver")
     hazard = fork_hazard()
@@ -249,3 +250,4 @@ def _become_fresh(passfds: Sequence[int]) -> None:
             if callable(handler) and handler is not signal.default_int_handler:
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     forkserver._forkserver.__init__()  # type: ignore[misc]  # unlocked, no server, no preload
+    importlib.import_module(_SERVER_ONLY).install()  # its ranks take SIGTERM and SIGUSR1 at once

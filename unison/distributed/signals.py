@@ -133,8 +133,12 @@ def _start_helpers(start_method: str) -> tuple[int, ...]:
     tracker ignores SIGTERM and SIGINT only, the fork server SIGINT only), and a dead
     fork server makes every rank it forked look as if it had exited with 255. Started
     with the signals blocked (in this thread, whose mask they inherit), they never receive
-    them. Ranks forked by the fork server inherit the block: returned, for them to lift it
-    (a signal that came meanwhile is then delivered, not lost). All of them, even those the
+    them. Ranks forked by the fork server inherit the block. A server started by
+    :func:`~unison.distributed.fork_server.start_fork_server` lifts it in each process it forks,
+    at the fork (:mod:`unison.distributed.fork_server_ranks`), so that a rank still forming its
+    group dies of the launcher's SIGTERM at once; for a server started otherwise the signals are
+    returned, for the ranks to lift the block as they start (a signal that came meanwhile is
+    then delivered, not lost). All of them, even those the
     calling thread had blocked already: a rank takes the launcher's SIGTERM and SIGUSR1 whatever
     its caller's mask (a rank forked from a server that a blocking caller started kept SIGUSR1
     blocked, and a relayed preemption never reached it). Helpers already running are left as
@@ -145,6 +149,10 @@ def _start_helpers(start_method: str) -> tuple[int, ...]:
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPTION_SIGNALS)
     try:
         resource_tracker.ensure_running()
+        # Starting the tracker unblocks SIGINT and SIGTERM in this thread as it ends (multiprocessing
+        # blocks them around the start, then lifts them whatever the mask was): block them again,
+        # or a fork server started next would run with SIGTERM deliverable.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPTION_SIGNALS)
         if start_method == "forkserver":
             forkserver.ensure_running()
     finally:
