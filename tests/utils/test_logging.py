@@ -1,7 +1,10 @@
-"""unison/utils/logging.py: console_level quiets the console only, and puts it back."""
+"""unison/utils/logging.py: console_level quiets the console only, and puts it back; the console
+writes to the stderr of the moment."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from pathlib import Path
 
@@ -40,3 +43,18 @@ def test_console_level_none_changes_nothing(unison_logger, capsys) -> None:
     with console_level(None):
         get_logger("unison.test").info("shown")
     assert "shown" in capsys.readouterr().err
+
+
+def test_the_console_writes_to_the_stderr_of_the_moment_not_a_closed_one(unison_logger, capsys) -> None:
+    """Set up while a capture held sys.stderr (a notebook cell, a test), it still writes once that
+    capture is closed and replaced: Python's logging printed "--- Logging error ---" for every record."""
+    first = io.StringIO()
+    with contextlib.redirect_stderr(first):
+        setup_logging()
+        get_logger("unison.test").info("during the first capture")
+    first.close()
+    second = io.StringIO()
+    with contextlib.redirect_stderr(second):
+        get_logger("unison.test").info("after it closed")
+    assert "after it closed" in second.getvalue()
+    assert "Logging error" not in capsys.readouterr().err

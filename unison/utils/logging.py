@@ -32,7 +32,21 @@ def get_logger(name: str) -> logging.Logger:
 class _ConsoleHandler(logging.StreamHandler):
     """A stderr handler that writes around progress bars: a record printed while a tqdm bar
     is on screen clears the bar, prints its line, and the bar is drawn again below it,
-    instead of the two overwriting each other on one line."""
+    instead of the two overwriting each other on one line.
+
+    It writes to ``sys.stderr`` as it is when each record comes, as Python's own last-resort
+    handler does, not to the stream that was ``sys.stderr`` when :func:`setup_logging` ran: a
+    notebook's or a test runner's capture replaces ``sys.stderr`` and closes its stream later,
+    and a handler holding that stream would then fail every record ("I/O operation on closed
+    file") instead of writing it to the stderr of the moment.
+    """
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # no stream kept: see ``stream``
+
+    @property  # type: ignore[override]  # read-only: the stderr of the moment
+    def stream(self) -> Any:
+        return sys.stderr
 
     def emit(self, record: logging.LogRecord) -> None:
         std = sys.modules.get("tqdm.std")  # only when some bar may exist: no import otherwise
@@ -80,7 +94,7 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int | None = None) 
     for handler in list(logger.handlers):
         if handler.get_name() == _HANDLER_NAME:
             logger.removeHandler(handler)
-    handler = _ConsoleHandler(sys.stderr)
+    handler = _ConsoleHandler()
     handler.set_name(_HANDLER_NAME)
     handler.addFilter(RedactingFilter())  # no URL credentials on screen
     prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
