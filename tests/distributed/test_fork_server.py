@@ -81,3 +81,21 @@ def test_the_cuda_driver_counts_and_the_runtime_that_torch_maps_at_import_does_n
     driver = "7f00-7f01 r-xp 0 fe:00 1   /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
     runtime = "7f00-7f01 r-xp 0 fe:00 1   /venv/lib/nvidia/cuda_runtime/lib/libcudart.so.13\n"
     assert fork_server._CUDA_DRIVER.search(driver) and not fork_server._CUDA_DRIVER.search(runtime)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_launch_after_a_torch_variable_changed_gets_ranks_made_in_the_new_environment(monkeypatch):
+    """torch reads TORCH_DISTRIBUTED_DEBUG as torch.distributed is imported and as a group is created;
+    ranks forked from a server started before the caller set it had the old setting (as a new
+    process started now would not)."""
+    from _dist_workers import torch_debug_setting
+
+    from unison.distributed import launch
+
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    before = launch(torch_debug_setting, nproc_per_node=2, backend="gloo", start_method="forkserver")
+    assert before == [("DebugLevel.OFF", "ProcessGroupGloo")] * 2
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    after = launch(torch_debug_setting, nproc_per_node=2, backend="gloo", start_method="forkserver")
+    assert after == [("DebugLevel.DETAIL", "_ProcessGroupWrapper")] * 2

@@ -114,6 +114,19 @@ def device_for_local_rank(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+GROUP_ENV = ("TORCH_", "GLOO_", "NCCL_", "PYTORCH_")
+"""Prefixes of the environment variables torch reads as ``torch.distributed`` is imported or as a
+process group is created (the debug level and its checking wrapper, gloo's interface and transport,
+NCCL's settings, torch's logging). A process that hands out ranks forked from an earlier state (a
+fork server, run_distributed's warm process) must have had the same ones."""
+
+
+def group_env(environ: os._Environ[str] | dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` (default: this process's) with a :data:`GROUP_ENV` prefix."""
+    environ = os.environ if environ is None else environ
+    return {key: value for key, value in environ.items() if key.startswith(GROUP_ENV)}
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on right now, for a rendezvous store.
 

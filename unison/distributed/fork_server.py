@@ -33,6 +33,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from unison.distributed.env import group_env
 from unison.distributed.signals import _start_helpers
 from unison.utils.logging import get_logger
 
@@ -42,6 +43,10 @@ PRELOAD = ["torch", "torch._dynamo", "ignite.engine", "unison"]
 _SERVER_ONLY = "unison.distributed.fork_server_ranks"  # the server's own preload: never a launcher's import
 _SERVER_CODE = "from multiprocessing.forkserver import main"  # the -c code Python starts it with
 _CUDA_DRIVER = re.compile(r"/libcuda\.so")
+
+_served_env: dict[str, str] | None = None
+"""The torch variables (:func:`~unison.distributed.env.group_env`) of the environment the running
+fork server was started in, when this process started it."""
 
 
 def start_fork_server() -> tuple[int, ...]:
@@ -54,9 +59,16 @@ def start_fork_server() -> tuple[int, ...]:
     fresh interpreter that imports them in the background (started early, those imports overlap
     the caller's work: see :func:`fork_server_ahead`).
     """
+    global _served_env
     mp.get_context("forkserver").set_forkserver_preload([*PRELOAD, _SERVER_ONLY])
     if _server_running():
-        return _start_helpers("forkserver")
+        if _served_env is None or _served_env == group_env():
+            return _start_helpers("forkserver")
+        # Its ranks would import torch.distributed and create their group in the environment of
+        # its start, not the caller's (TORCH_DISTRIBUTED_DEBUG, GLOO_SOCKET_IFNAME, ...).
+        _log.debug("the fork server's torch variables differ from this process's now: starting a new one")
+        _stop_server()
+    _served_env = group_env()
     hazard = fork_hazard()
     if hazard is None:
         for name in PRELOAD:  # what the server would import, and this process needs anyway
@@ -86,7 +98,6 @@ def fork_server_ahead(start: bool) -> Iterator[Callable[[], None]]:
     imported what the ranks need (the config's modules), and the server is forked then. If the
     block raises (the run is refused) and this call started the server, ends it at once (a new
     interpreter would otherwise import on, orphaned, after the refusal's exit)."""
-    server = forkserver._forkserver
     started = start and not _server_running()
     forked = started and fork_hazard() is None
     if started and not forked:
@@ -99,14 +110,23 @@ def fork_server_ahead(start: bool) -> Iterator[Callable[[], None]]:
     try:
         yield ready
     except BaseException:
-        pid = getattr(server, "_forkserver_pid", None)
-        if started and pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            stop = getattr(server, "_stop", None)
-            if callable(stop):  # closes its pipe, reaps it, removes its socket: the next start is fresh
-                stop()
+        if started:
+            _stop_server()
         raise
+
+
+def _stop_server() -> None:
+    """Ends the running fork server now (SIGKILL: it holds nothing but its imports); the next
+    start is a fresh one."""
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    stop = getattr(server, "_stop", None)
+    if callable(stop):  # closes its pipe, reaps it, removes its socket: the next start is fresh
+        stop()
 
 
 def server_pid() -> int | None:
