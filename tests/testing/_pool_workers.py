@@ -38,12 +38,16 @@ def setting() -> dict:
     return {"cwd": os.getcwd(), "path0": sys.path[0], "threads": torch.get_num_threads()}
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a rename: a reader never sees it half written."""
+    partial = path.with_suffix(".part")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def record_pid_then(folder: str, what: str) -> None:
     """Writes this rank's process id to ``folder``, then sleeps, or kills the warm process."""
-    final = Path(folder) / f"rank-{dist.get_rank()}.pid"
-    partial = final.with_suffix(".part")  # renamed whole: a reader never sees it half written
-    partial.write_text(str(os.getpid()))
-    os.replace(partial, final)
+    write_whole(Path(folder) / f"rank-{dist.get_rank()}.pid", str(os.getpid()))
     if what == "kill-parent":
         dist.barrier()  # every rank's file is written before the warm process (and so the ranks) dies
         if dist.get_rank() == 1:
@@ -69,7 +73,7 @@ def frozen_at_leave(folder: str) -> int:
     collect, path = gc.collect, Path(folder) / f"rank-{dist.get_rank()}.frozen"
 
     def recording(*args: int) -> int:
-        path.write_text(str(gc.get_freeze_count()))
+        write_whole(path, str(gc.get_freeze_count()))
         return collect(*args)
 
     gc.collect = recording  # this rank's own gc module: it exits after the leave
@@ -83,7 +87,7 @@ def sharded_then_group_threads(folder: str) -> float:
 
     def recording() -> list[str]:
         left = threads()
-        path.write_text(json.dumps(left))
+        write_whole(path, json.dumps(left))
         return left
 
     rank_setup._group_threads = recording
@@ -94,3 +98,35 @@ def sharded_then_group_threads(folder: str) -> float:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a global norm: redistributions
     optimizer.step()
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def group_settings() -> dict:
+    """What this rank's process group is: its store's port, the timeouts of the group and of its
+    store, torch's debug level and the backend's type (checked, or not, by torch's wrapper)."""
+    from torch.distributed import distributed_c10d
+
+    backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    total = torch.tensor([1.0])
+    dist.all_reduce(total)
+    return {
+        "pid": os.getpid(),
+        "port": int(os.environ["MASTER_PORT"]),
+        "group_timeout": backend.options._timeout.total_seconds(),
+        "store_timeout": distributed_c10d._get_default_store().timeout.total_seconds(),
+        "debug": str(dist.get_debug_level()),
+        "backend": type(backend).__name__,
+        "world": total.item(),
+    }
+
+
+def fail_as_it_leaves(folder: str) -> int:
+    """Returns, then fails as it leaves its group (after the call has its results): rank 1 only."""
+    write_whole(Path(folder) / f"rank-{dist.get_rank()}.pid", str(os.getpid()))
+    if dist.get_rank() == 1:
+        from unison.distributed import spawn
+
+        def failing() -> None:
+            raise RuntimeError("this rank's leave fails on purpose")
+
+        spawn._leave_group = failing  # this rank's own module: it exits after the leave
+    return dist.get_rank()

@@ -42,16 +42,22 @@ def wait_gone(pids: list[int], within_s: float = 20.0) -> list[int]:
     return [pid for pid in pids if not gone(pid)]
 
 
-def pids_in(folder: Path, count: int, within_s: float = 60.0) -> list[int]:
-    """The process ids the ranks wrote to ``folder``, once all ``count`` are there."""
+def written(folder: Path, suffix: str, count: int, within_s: float = 60.0) -> list[str]:
+    """What the ranks wrote to ``folder``'s ``rank-*<suffix>`` files, once all ``count`` are there
+    (polled: a rank writes some of them as it leaves its group, after its call returned)."""
     event = threading.Event()
     for _ in range(int(within_s * 20)):
-        if len(list(folder.glob("rank-*.pid"))) >= count:
+        if len(list(folder.glob(f"rank-*{suffix}"))) >= count:
             break
         event.wait(0.05)
     else:
-        raise AssertionError(f"the ranks wrote {sorted(folder.glob('rank-*.pid'))}, not {count} pid files")
-    return [int(p.read_text()) for p in sorted(folder.glob("rank-*.pid"))]
+        raise AssertionError(f"the ranks wrote {sorted(folder.glob(f'rank-*{suffix}'))}, not {count} files")
+    return [p.read_text() for p in sorted(folder.glob(f"rank-*{suffix}"))]
+
+
+def pids_in(folder: Path, count: int, within_s: float = 60.0) -> list[int]:
+    """The process ids the ranks wrote to ``folder``, once all ``count`` are there."""
+    return [int(text) for text in written(folder, ".pid", count, within_s)]
 
 
 def threads_of(pid: int) -> int:
@@ -206,7 +212,7 @@ def test_a_rank_leaves_its_group_without_unfreezing_the_warm_processs_objects(tm
     """Its last garbage collection then walks what the rank made, not every object of torch."""
     frozen = run_distributed(_pool_workers.frozen_at_leave, str(tmp_path), nproc=2)
     assert min(frozen) > 10_000, f"the warm process froze only {frozen} objects"
-    at_leave = [int((tmp_path / f"rank-{rank}.frozen").read_text()) for rank in range(2)]
+    at_leave = [int(text) for text in written(tmp_path, ".frozen", 2)]
     assert at_leave == frozen, f"frozen: {frozen} when the function ran, {at_leave} at the leave"
 
 
@@ -215,5 +221,68 @@ def test_a_sharded_models_group_ends_as_its_forked_rank_leaves(tmp_path):
     """DTensor's caches created in the warm process (and frozen there) are emptied too."""
     norms = run_distributed(_pool_workers.sharded_then_group_threads, str(tmp_path), nproc=2)
     assert norms[0] == norms[1] > 0
-    left = {rank: (tmp_path / f"rank-{rank}.threads").read_text() for rank in range(2)}
+    left = dict(enumerate(written(tmp_path, ".threads", 2)))
     assert left == {0: "[]", 1: "[]"}, f"process-group threads still running after the leave: {left}"
+
+
+@pytest.mark.timeout(300)
+def test_a_call_runs_in_a_new_group_formed_ahead_with_the_calls_timeout():
+    """The ranks of a call form their group before the call comes; it is still a group of its own,
+    on a port of its own, and it has the timeout the call gives, as if created with it."""
+    run_distributed(_pool_workers.group_settings, nproc=2)  # the ranks of the next calls form ahead
+    ahead = pool.formed_ahead
+    first = run_distributed(_pool_workers.group_settings, nproc=2, timeout=37)
+    second = run_distributed(_pool_workers.group_settings, nproc=2, timeout=53)
+    assert pool.formed_ahead == ahead + 2
+    for results, timeout in ((first, 37.0), (second, 53.0)):
+        assert [r["world"] for r in results] == [2.0, 2.0]
+        assert {(r["group_timeout"], r["store_timeout"]) for r in results} == {(timeout, timeout)}
+    assert first[0]["port"] != second[0]["port"]
+    assert not {r["pid"] for r in first} & {r["pid"] for r in second}
+    cold = run_distributed(_pool_workers.group_settings, nproc=2, timeout=37, fresh=True)  # the truth
+    assert [(r["group_timeout"], r["store_timeout"], r["debug"], r["backend"]) for r in cold] == [
+        (r["group_timeout"], r["store_timeout"], r["debug"], r["backend"]) for r in first
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_a_call_whose_environment_a_group_reads_differs_gets_a_group_made_in_it(monkeypatch):
+    """TORCH_DISTRIBUTED_DEBUG is read as a group is created: a group formed ahead without it must
+    not serve a call with it, nor one formed with it a call without it."""
+    run_distributed(_pool_workers.group_settings, nproc=2)
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")
+    for _ in range(2):  # formed at the call, then ahead in the new environment
+        assert {r["debug"] for r in run_distributed(_pool_workers.group_settings, nproc=2)} == {
+            "DebugLevel.INFO"
+        }
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # torch wraps the group in its checks
+    detail = run_distributed(_pool_workers.group_settings, nproc=2, timeout=41)
+    truth = run_distributed(_pool_workers.group_settings, nproc=2, timeout=41, fresh=True)
+    assert [(r["debug"], r["backend"], r["store_timeout"]) for r in detail] == [
+        (r["debug"], r["backend"], r["store_timeout"]) for r in truth
+    ]
+    assert {r["backend"] for r in detail} == {"_ProcessGroupWrapper"}
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    assert {r["debug"] for r in run_distributed(_pool_workers.group_settings, nproc=2)} == {"DebugLevel.OFF"}
+
+
+@pytest.mark.timeout(300)
+def test_a_call_of_another_world_size_forms_its_own_group_and_the_next_ones_form_ahead_at_it():
+    run_distributed(_pool_workers.group_settings, nproc=2)
+    ahead = pool.formed_ahead
+    assert [r["world"] for r in run_distributed(_pool_workers.group_settings, nproc=3)] == [3.0] * 3
+    assert [r["world"] for r in run_distributed(_pool_workers.group_settings, nproc=3)] == [3.0] * 3
+    assert pool.formed_ahead == ahead + 1
+
+
+@pytest.mark.timeout(300)
+def test_a_call_returns_before_its_ranks_leave_and_a_rank_that_fails_to_leave_is_reported(tmp_path):
+    """The call does not wait for its ranks to destroy their group and exit; a rank that fails
+    there is reported (a warning) by the call that sees it, and the calls go on."""
+    assert_pool_works()
+    warm = pool.warm_pid()
+    with pytest.warns(RuntimeWarning, match=r"fail_as_it_leaves\).*exited with code 1 as it left its group"):
+        assert run_distributed(_pool_workers.fail_as_it_leaves, str(tmp_path), nproc=2) == [0, 1]
+        assert wait_gone(pids_in(tmp_path, 2)) == []
+        assert_pool_works()
+    assert pool.warm_pid() == warm

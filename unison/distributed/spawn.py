@@ -341,8 +341,13 @@ def _spawned_rank(
     deadline: float | None,
     environ: dict[str, str],
     unblock: tuple[int, ...] = (),
+    on_return: Callable[[], None] | None = None,
 ) -> None:
-    """Entry point of each spawned process; the process group already exists."""
+    """Entry point of each spawned process; the process group already exists.
+
+    ``on_return`` is called once the function's result is written, before the rank leaves its
+    group (:mod:`unison.testing.zygote` tells its caller then, so that the call does not wait for
+    the leave and the exit)."""
     mark("process_group")  # UNISON_STARTUP_TRACE (unison.utils.startup): a line per phase, when set
     # A rank killed by a signal (a backend's abort, a segfault) records its Python stack,
     # which the launcher reports, instead of leaving only "died with signal SIGABRT".
@@ -388,6 +393,8 @@ def _spawned_rank(
                 ) from err
             os.replace(tmp, path)
             del result  # it may hold a model, and the process group with it
+            if on_return is not None:
+                on_return()
         finally:
             # This rank is leaving. When another rank exits first with a non-zero code (every
             # rank of a preempted job exits with 75), the launcher SIGTERMs the others at once;

@@ -4,9 +4,11 @@ hundredths of a second instead of a second or more.
 The warm process (:mod:`unison.testing.zygote`) is started at the first call, one per calling
 process (each pytest-xdist worker has its own), and ended when this process exits. A call sends it
 the function (pickled by name), the arguments, and the caller's environment, working folder,
-``sys.path``, stdout and stderr; it forks the ranks, each of which creates a process group of its
-own on a free port and destroys it before it exits. A rank is a fork of the warm process, never of
-an earlier rank: module globals start as a fresh import left them, whatever an earlier call did.
+``sys.path``, stdout and stderr; its ranks, forked ahead, run the function in a process group of
+their own, on a port of its own, formed ahead for the call (see :mod:`unison.testing.zygote`), and
+destroy it before they exit; the call returns once every rank's function has returned. A rank is a
+fork of the warm process, never of an earlier rank: module globals start as a fresh import left
+them, whatever an earlier call did.
 
 What a call cannot poison: a rank that crashes or hangs past ``timeout`` fails its call as a
 spawned rank would (its traceback, or the stacks of its threads); the warm process kills the
@@ -30,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,6 +92,8 @@ class _Warm:
         if "pids" not in reply:
             return reply
         self.ranks = reply["pids"]
+        global formed_ahead
+        formed_ahead += bool(reply.get("formed_ahead"))
         reply, _ = self._receive(guard_s - (time.monotonic() - started), "call")
         self.ranks = []
         return reply
@@ -134,6 +139,8 @@ _warm: _Warm | None = None
 _cold_modules: set[str] = set()
 started = 0
 """How many warm processes this process started (a counted check that calls reuse one)."""
+formed_ahead = 0
+"""How many calls ran in a group their ranks formed before the call (a counted check)."""
 
 
 def warm_pid() -> int | None:
@@ -152,9 +159,11 @@ def run(
 ) -> list[Any]:
     """Runs ``fn`` on ``nproc`` ranks forked by the warm process; see :func:`run_distributed`."""
     payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-    with _lock, tempfile.TemporaryDirectory(prefix="unison-launch-") as tmp:
+    # A rank may still be leaving its group as the folder is removed (the call does not wait for that).
+    with _lock, tempfile.TemporaryDirectory(prefix="unison-launch-", ignore_cleanup_errors=True) as tmp:
         request = {
             "module": fn.__module__,
+            "name": f"run_distributed({fn.__module__}.{getattr(fn, '__qualname__', fn)})",
             "payload": payload,
             "nproc": nproc,
             "backend": backend,
@@ -173,6 +182,8 @@ def run(
         if "tainted" in reply:  # that module's import started threads: its ranks import it themselves
             _cold_modules.add(fn.__module__)
             reply = _call(request, timeout + SLACK_S)
+        for note in reply.get("late", ()):
+            warnings.warn(f"run_distributed: {note}.", RuntimeWarning, stacklevel=3)
         failed = reply["failed"]
         if failed is None:
             return _read_results(Path(tmp), nproc)

@@ -24,17 +24,22 @@ def run_distributed(
     """Runs ``fn(*args, **kwargs)`` on ``nproc`` ranks and returns each rank's result.
 
     Each rank has a gloo process group of its own on a free port, so tests can run side by
-    side, and destroys it before it exits. A rank that raises fails the call with
-    :class:`~unison.distributed.RankFailedError`, carrying that rank and its traceback;
-    the other ranks are ended. A rank still running after ``timeout`` seconds prints the
+    side, and destroys it before it exits. The call returns once every rank's function has
+    returned and its result is back: the ranks leave their group and exit after that, and a
+    rank that fails there is reported as a ``RuntimeWarning`` by a later call. A rank that
+    raises fails the call with :class:`~unison.distributed.RankFailedError`, carrying that
+    rank and its traceback; the other ranks are ended. A rank still running after ``timeout`` seconds prints the
     stacks of all its threads and exits, so a hang fails fast and shows where it was.
 
     The ranks are forked by a warm process that imported torch, ignite and unison once
-    (:mod:`unison.testing.pool`; one per calling process, ended at exit): after the first
-    call, a call costs a few hundredths of a second, not the second or more of starting
-    processes. Every rank is still a new process, forked from a state no call has touched:
-    a module global one call sets is not there in the next, and a crashed or hung call
-    leaves nothing behind. The ranks get the caller's environment variables, working
+    (:mod:`unison.testing.pool`; one per calling process, ended at exit), ahead of the call,
+    and form their group ahead too, on a port of their own; the call gives the group its
+    timeout (a group that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps is formed at the call, and
+    so is one for a call whose number of ranks, or whose ``TORCH_``, ``GLOO_``, ``NCCL_`` or
+    ``PYTORCH_`` variables, differ from the last call's). After the first call, a call costs a few hundredths of a second, not the second
+    or more of starting processes. Every rank is still a new process, in a new group, forked
+    from a state no call has touched: a module global one call sets is not there in the
+    next, and a crashed or hung call leaves nothing behind. The ranks get the caller's environment variables, working
     folder, ``sys.path``, stdout and stderr of the moment of the call. The function's module
     is imported once in the warm process, with the environment of the first call that
     needed it (a module that reads a variable as it is imported sees that one); a module

@@ -4,12 +4,21 @@ It runs as a program of its own, started by :mod:`unison.testing.pool`: it impor
 and unison once, runs no torch operation (so torch's thread pools and OpenMP have not started)
 and no thread of its own, freezes what it imported out of the garbage collector's way, and then
 serves calls. For each call it imports the module of the function to run (once: a later call of
-the same module finds it), forks one process per rank, reports their process ids, waits for them
+the same module finds it), hands the call to its ranks, reports their process ids, waits for them
 as torch's spawn does (the first rank that fails ends the others: SIGTERM, then SIGKILL 30 s
-later) and reports their exit codes. Each rank is a fork of this state, so it starts with the
+later) and reports how they ended. Each rank is a fork of this state, so it starts with the
 module globals of a fresh import, whatever an earlier call did; it takes the caller's environment,
-working folder, ``sys.path``, stdout and stderr, creates its own process group and leaves through
-:func:`unison.distributed.spawn._spawned_rank`, like a spawned rank.
+working folder, ``sys.path``, stdout and stderr, runs the function and leaves its process group
+through :func:`unison.distributed.spawn._spawned_rank`, like a spawned rank.
+
+What a call does not wait for (:class:`_Standby`, :class:`_Leaving`): the ranks of the next call
+are forked, and form a new process group of their own on a new port, while the caller runs the
+rest of its test; the call gives that group its timeout, and uses it only if its environment
+agrees with the call's in every variable a group reads as it is created (:data:`~unison.distributed.env.GROUP_ENV`;
+otherwise the call's ranks are forked and form their group at the call). A call returns once every
+rank's function has returned and its result is written; the ranks then destroy their group and
+exit on their own, and one that fails there, or is still running :data:`GRACE_S` later, is
+reported with the next reply (a warning in the caller).
 
 Messages are pickles with a length in front, over a Unix socket; the caller's stdout and stderr
 come with each call as file descriptors. A rank dies with this process (``PR_SET_PDEATHSIG``),
@@ -32,18 +41,28 @@ import struct
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+from unison.distributed.env import GROUP_ENV, find_free_port, group_env
 from unison.distributed.rank_setup import freeze_heap
 
 PRELOAD = ("torch", "ignite.engine", "ignite.distributed", "unison")
 """What the warm process imports before serving: what every rank would import anyway."""
 
 GRACE_S = 30.0
-"""After a rank failed, how long the others have to exit on SIGTERM before SIGKILL (as torch's spawn)."""
+"""After a rank failed, how long the others have to exit on SIGTERM before SIGKILL (as torch's spawn);
+also how long a rank whose function returned may take to leave its group and exit."""
+
+FORM_WAIT_S = 60.0
+"""How long a call waits for the group its standby ranks are forming (they form it while the caller
+runs the rest of its test); past it, or if forming it failed, the call forms its own."""
+
+FORMING_TIMEOUT_S = 600.0
+"""The timeout of a group formed ahead, until a call gives it the call's own."""
 
 _HEADER = struct.Struct("!Q")
 
@@ -111,7 +130,7 @@ def serve(fd: int) -> None:
     _settle()
     baseline = thread_count()
     freeze_heap()  # a rank's collections then skip these objects, and leave their pages shared
-    standby = _Standby()
+    standby, leaving = _Standby(), _Leaving()
     send(sock, {"ready": os.getpid(), "threads": baseline, "torch_threads": torch.get_num_threads()})
     try:
         while True:
@@ -121,7 +140,7 @@ def serve(fd: int) -> None:
             except (EOFError, OSError):
                 return
             try:
-                reply = _call(sock, request, fds, baseline, standby)
+                reply = _call(sock, request, fds, baseline, standby, leaving)
             finally:
                 for fd_ in fds:
                     os.close(fd_)
@@ -132,6 +151,7 @@ def serve(fd: int) -> None:
                 return
     finally:
         standby.clear()
+        leaving.end()
 
 
 def _settle() -> None:
@@ -143,39 +163,68 @@ def _settle() -> None:
     os.waitpid(pid, 0)
 
 
-class _Standby:
-    """Ranks forked ahead of the next call, each waiting for its request on a socket of its own.
+def _formable(env: dict[str, str]) -> bool:
+    """Whether a group formed ahead in ``env`` can take a call's timeout: not one that
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps in torch's checking group (whose helper group keeps
+    the timeout it was created with)."""
+    return env.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL"
 
-    Forking is the most of what starting a rank costs here (tens of milliseconds for a process
-    with torch imported); forked while the caller runs the rest of its test, the ranks of the
-    next call are ready when it comes. They are forks of this process's state as it is between
-    calls, as a rank forked at the call would be; they are replaced when that state changes (a
-    module imported for a call).
+
+class _Standby:
+    """The ranks of the next call, forked ahead, in a process group they formed ahead.
+
+    Forking a rank and creating its group are most of what starting the ranks costs here (tens of
+    milliseconds each, for processes with torch imported); done while the caller runs the rest of
+    its test, the ranks of the next call are ready when it comes. They are forks of this process's
+    state as it is between calls, as ranks forked at the call would be, and their group is new, on
+    a port chosen for it; they are replaced when that state changes (a module imported for a
+    call). They are formed for the shape of the last call (its number of ranks, and the variables
+    of :data:`~unison.distributed.env.GROUP_ENV` in its environment): a call of another shape ends them and forms its own.
     """
 
     def __init__(self) -> None:
         self.size = 2
+        self.env = group_env(dict(os.environ))
         self.ranks: list[tuple[Any, socket.socket]] = []
+        self.team: dict[str, Any] = {}
 
     def fill(self) -> None:
+        if len(self.ranks) == self.size or not _formable(self.env):
+            return
+        self.clear()
         context = multiprocessing.get_context("fork")
-        while len(self.ranks) < self.size:
+        self.team = {"nproc": self.size, "master_addr": "127.0.0.1", "env": self.env}
+        self.team["port"] = find_free_port(self.team["master_addr"])
+        for local_rank in range(self.size):
             ours, theirs = socket.socketpair()
-            process = context.Process(target=_wait_for_call, args=(theirs, ours, os.getpid()), name="rank")
+            process = context.Process(
+                target=_wait_for_call, args=(theirs, ours, os.getpid(), local_rank, self.team), name="rank"
+            )
             process.start()
             theirs.close()
             _held.append(ours)
             self.ranks.append((process, ours))
 
-    def take(self, count: int) -> list[tuple[Any, socket.socket]]:
-        self.size = max(count, 1)
-        taken, self.ranks = self.ranks[:count], self.ranks[count:]
-        for _, sock in taken:
-            _held.remove(sock)
-        return taken
+    def take(self, request: dict[str, Any]) -> tuple[list[tuple[Any, socket.socket]], dict[str, Any]]:
+        """The standby ranks and their group's settings, if they can serve ``request``; else none
+        (they are ended). The next ones are formed for this request's shape."""
+        env = group_env(request["environ"])
+        fits = (
+            len(self.ranks) == request["nproc"]
+            and request["backend"] == "gloo"
+            and request["master_addr"] == self.team.get("master_addr")
+            and env == self.team.get("env")
+            and _formable(env)
+        )
+        self.size, self.env = max(request["nproc"], 1), env
+        if fits and all(_formed(sock) for _, sock in self.ranks):
+            taken, self.ranks, team = self.ranks, [], self.team
+            return taken, team
+        self.clear()
+        return [], {}
 
     def clear(self) -> None:
-        """Ends the standby ranks (they hold nothing yet)."""
+        """Ends the standby ranks (they ran nothing but their group)."""
         for process, sock in self.ranks:
             process.kill()
             _held.remove(sock)
@@ -185,40 +234,150 @@ class _Standby:
         self.ranks = []
 
 
-def _wait_for_call(sock: socket.socket, other: socket.socket, parent: int) -> None:
-    """A standby rank: waits for its call, then runs it; exits when the warm process closes its socket."""
+def _formed(sock: socket.socket) -> bool:
+    """Whether the standby rank at the other end of ``sock`` says its group is formed."""
+    sock.settimeout(FORM_WAIT_S)
+    try:
+        message, _ = receive(sock)
+    except (EOFError, OSError):
+        return False
+    finally:
+        sock.settimeout(None)
+    return bool(message.get("formed"))
+
+
+class _Leaving:
+    """Ranks whose call returned (every rank's function did), now leaving their group and exiting.
+
+    The call does not wait for them. One that exits with an error, or is still running
+    :data:`GRACE_S` after its call returned (it is then killed), is reported with the next reply.
+    """
+
+    def __init__(self) -> None:
+        self.ranks: list[tuple[Any, float, str]] = []
+
+    def add(self, processes: list[Any], name: str) -> None:
+        now = time.monotonic()
+        self.ranks += [(process, now, name) for process in processes]
+
+    def reap(self) -> list[str]:
+        """What went wrong with the ranks that have exited since the last reap (or outlived the grace)."""
+        notes, running = [], []
+        for process, since, name in self.ranks:
+            if process.is_alive() and time.monotonic() - since > GRACE_S:
+                process.kill()
+                process.join()
+                notes.append(
+                    f"a rank of {name} (pid {process.pid}) was still leaving its group {GRACE_S:.0f} s "
+                    "after the call returned, and was killed"
+                )
+            elif process.is_alive():
+                running.append((process, since, name))
+            else:
+                process.join()
+                if process.exitcode != 0:
+                    notes.append(
+                        f"a rank of {name} (pid {process.pid}) exited with code {process.exitcode} "
+                        "as it left its group, after the call returned (its stderr says why)"
+                    )
+        self.ranks = running
+        return notes
+
+    def end(self) -> None:
+        """This process is ending: the ranks still leaving get a moment, then are killed."""
+        until = time.monotonic() + 5.0
+        for process, _, _ in self.ranks:
+            process.join(max(0.0, until - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.ranks = []
+
+
+def _wait_for_call(
+    sock: socket.socket, other: socket.socket, parent: int, local_rank: int, team: dict[str, Any]
+) -> None:
+    """A standby rank: forms its group with the others, says so, waits for its call and runs it;
+    exits when the warm process closes its socket."""
     _close_held(other)
     _die_with(parent)
+    problem = _form_group(local_rank, team)
     try:
+        send(sock, {"formed": problem is None, "problem": problem})
+        if problem is not None:
+            return
         (local_rank, request), fds = receive(sock)
     except (EOFError, OSError):
         return
-    sock.close()
-    _rank(local_rank, request, fds, parent)
+    _rank(local_rank, request, fds, parent, team, sock)
+
+
+def _form_group(local_rank: int, team: dict[str, Any]) -> str | None:
+    """Creates this standby rank's process group (ignite's context with it); why not, if it failed."""
+    import ignite.distributed as idist
+
+    for key in [key for key in os.environ if key.startswith((*GROUP_ENV, "SLURM_"))]:
+        del os.environ[key]  # ignite places the ranks by SLURM's variables when it sees them
+    os.environ.update(team["env"])
+    os.environ.update(_placement(local_rank, team["nproc"], team["master_addr"], team["port"]))
+    try:
+        _debug_level_from_env()
+        idist.initialize("gloo", timeout=timedelta(seconds=FORMING_TIMEOUT_S))
+    except Exception:
+        return traceback.format_exc()
+    return None
+
+
+def _placement(local_rank: int, nproc: int, master_addr: str, port: int) -> dict[str, str]:
+    return {
+        "LOCAL_RANK": str(local_rank),
+        "RANK": str(local_rank),
+        "WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
+    }
 
 
 def _call(
-    sock: socket.socket, request: dict[str, Any], fds: list[int], baseline: int, standby: _Standby
+    sock: socket.socket,
+    request: dict[str, Any],
+    fds: list[int],
+    baseline: int,
+    standby: _Standby,
+    leaving: _Leaving,
 ) -> dict[str, Any] | None:
+    late = leaving.reap()
     if request.get("preload"):
         problem, imported = _preload(request, baseline)
         if problem:
-            return {"tainted": problem}
+            return {"tainted": problem, "late": late}
         if imported:  # ranks forked before the import would import it again
             standby.clear()
     nproc = request["nproc"]
-    ranks = []
-    for local_rank, (process, rank_sock) in enumerate(standby.take(nproc)):
+    taken, team = standby.take(request)
+    ranks, socks = [], {}
+    for local_rank, (process, rank_sock) in enumerate(taken):
         send(rank_sock, (local_rank, request), tuple(fds))
-        rank_sock.close()
         ranks.append(process)
+        socks[rank_sock] = local_rank
     context = multiprocessing.get_context("fork")
     for local_rank in range(len(ranks), nproc):
         process = context.Process(target=_rank, args=(local_rank, request, fds, os.getpid()), name="rank")
         process.start()
         ranks.append(process)
-    send(sock, {"pids": [process.pid for process in ranks]})
-    return _wait(sock, ranks)
+    send(sock, {"pids": [process.pid for process in ranks], "formed_ahead": bool(team)})
+    try:
+        reply = _wait(sock, ranks, socks)
+    finally:
+        for rank_sock in socks:
+            _held.remove(rank_sock)
+            rank_sock.close()
+    if reply is None:
+        return None
+    if reply["failed"] is None:  # the ranks still leave their group and exit: reaped later
+        leaving.add(ranks, request.get("name", "a call"))
+    reply["late"] = late + leaving.reap()
+    return reply
 
 
 def _preload(request: dict[str, Any], baseline: int) -> tuple[str | None, bool]:
@@ -247,19 +406,29 @@ def _preload(request: dict[str, Any], baseline: int) -> tuple[str | None, bool]:
     return None, True
 
 
-def _wait(sock: socket.socket, ranks: list[Any]) -> dict[str, Any] | None:
-    """Waits for the ranks as torch's spawn does; None when the caller went away meanwhile."""
+def _wait(sock: socket.socket, ranks: list[Any], socks: dict[socket.socket, int]) -> dict[str, Any] | None:
+    """Waits for the ranks as torch's spawn does, until every rank's function returned (it says so
+    on its socket in ``socks``, or exits with 0); None when the caller went away meanwhile."""
     sentinels = {process.sentinel: index for index, process in enumerate(ranks)}
+    socks = dict(socks)
+    returned: set[int] = set()
     failed = None
-    while sentinels and failed is None:
-        ready = connection.wait([*sentinels, sock])
+    while len(returned) < len(ranks) and failed is None:
+        ready = connection.wait([*socks, *sentinels, sock])
         if sock in ready:  # nothing is sent during a call: the caller is gone
             _end(ranks, signal.SIGKILL, 5.0)
             return None
-        for sentinel in ready:
+        for rank_sock in [ready_ for ready_ in ready if ready_ in socks]:  # before the exits they precede
+            index = socks.pop(rank_sock)
+            with contextlib.suppress(EOFError, OSError):  # a rank that died: its exit code says how
+                if receive(rank_sock)[0].get("returned"):
+                    returned.add(index)
+        for sentinel in [ready_ for ready_ in ready if ready_ in sentinels]:
             index = sentinels.pop(sentinel)
             ranks[index].join()
-            if ranks[index].exitcode != 0:
+            if ranks[index].exitcode == 0 or index in returned:
+                returned.add(index)  # one that fails as it leaves, after its function returned, is late
+            else:
                 failed = index
                 break
     if failed is not None:
@@ -294,8 +463,17 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _rank(local_rank: int, request: dict[str, Any], fds: list[int], parent: int) -> None:
-    """A rank: the caller's setting, a new process group, then the function, as a spawned rank runs it."""
+def _rank(
+    local_rank: int,
+    request: dict[str, Any],
+    fds: list[int],
+    parent: int,
+    team: dict[str, Any] | None = None,
+    sock: socket.socket | None = None,
+) -> None:
+    """A rank: the caller's setting, its process group (``team``'s, formed ahead, given the call's
+    timeout; else a new one now), then the function, as a spawned rank runs it. A rank of a team
+    tells the warm process on ``sock`` when its function returned."""
     _close_held()
     _die_with(parent)
     for target, fd in zip((1, 2), fds, strict=False):
@@ -309,6 +487,7 @@ def _rank(local_rank: int, request: dict[str, Any], fds: list[int], parent: int)
     from unison.distributed.spawn import _record_error, _spawned_rank
 
     environ, nproc, results = request["environ"], request["nproc"], Path(request["result_dir"])
+    port = team["port"] if team is not None else request["port"]
     try:
         sys.path[:] = request["sys_path"]
         os.chdir(request["cwd"])
@@ -316,24 +495,62 @@ def _rank(local_rank: int, request: dict[str, Any], fds: list[int], parent: int)
         # ignite places the ranks by SLURM's variables when it sees them; the ranks get them back
         # once their group exists (_spawned_rank restores the caller's environment).
         os.environ.update({k: v for k, v in environ.items() if not k.startswith("SLURM_")})
-        os.environ.update(
-            LOCAL_RANK=str(local_rank),
-            RANK=str(local_rank),
-            WORLD_SIZE=str(nproc),
-            MASTER_ADDR=request["master_addr"],
-            MASTER_PORT=str(request["port"]),
-        )
+        os.environ.update(_placement(local_rank, nproc, request["master_addr"], port))
         multiprocessing.set_start_method(request["start_method"], force=True)
         threads = environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:  # OpenMP read it as it loaded, in the warm process
             torch.set_num_threads(int(threads))
         fn, args, kwargs = pickle.loads(request["payload"])
-        idist.initialize(request["backend"], timeout=timedelta(seconds=request["timeout"]))
+        timeout = timedelta(seconds=request["timeout"])
+        if team is None:
+            _debug_level_from_env()
+            idist.initialize(request["backend"], timeout=timeout)
+        else:
+            set_group_timeout(timeout)
     except Exception:  # reported as a spawned rank's error before its function: with its traceback
         _record_error(results / f"error-rank-{local_rank}.txt")
         (results / f"raised-rank-{local_rank}").touch()
         raise SystemExit(1) from None
-    _spawned_rank(local_rank, fn, args, kwargs, str(results), nproc, request["deadline"], environ)
+
+    def returned() -> None:
+        assert sock is not None
+        with contextlib.suppress(OSError):  # the warm process is gone: this rank dies with it
+            send(sock, {"returned": True})
+            sock.close()
+
+    on_return = returned if sock is not None else None
+    _spawned_rank(
+        local_rank, fn, args, kwargs, str(results), nproc, request["deadline"], environ, on_return=on_return
+    )
+
+
+def _debug_level_from_env() -> None:
+    """torch reads ``TORCH_DISTRIBUTED_DEBUG`` as ``torch.distributed`` is imported, which was in the
+    warm process: read it again from this rank's environment, as a process importing it now would."""
+    import torch.distributed as dist
+
+    dist.set_debug_level_from_env()
+
+
+def set_group_timeout(timeout: timedelta) -> None:
+    """Gives the default process group, and the store it rendezvoused through, ``timeout``: what
+    ``init_process_group(timeout=timeout)`` would have given them."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timeout)
+    backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    if getattr(getattr(backend, "options", None), "_timeout", None) != timeout:  # a wrapped group
+        raise RuntimeError(
+            f"the group formed ahead ({type(backend).__name__}) did not take the timeout {timeout}"
+        )
+    store = distributed_c10d._get_default_store()
+    while True:
+        store.set_timeout(timeout)
+        if not isinstance(store, dist.PrefixStore):
+            break
+        store = store.underlying_store
 
 
 if __name__ == "__main__":
