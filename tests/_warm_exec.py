@@ -285,7 +285,7 @@ class WarmPopen(subprocess.Popen):
             pgid=os.getpgid(0),
             pass_fds=list(pass_fds),
         )
-        from unison.testing.zygote import receive, send
+        from unison.testing.wire import receive, send
 
         try:
             send(sock, request, tuple(fds))
@@ -341,7 +341,7 @@ class WarmPopen(subprocess.Popen):
 def _serve(listener_fd: int, control_fd: int = 0) -> tuple[dict[str, Any], list[int]] | None:
     """Forks one child per request; returns, in a child, what it is to run (None: time to exit,
     which is when ``control_fd`` reads the end of its pipe)."""
-    from unison.testing.zygote import receive, send
+    from unison.testing.wire import receive, send
 
     listener = socket.socket(fileno=listener_fd)
     wake_r, wake_w = os.pipe()

@@ -3,6 +3,7 @@ or prints: its files, its MLflow parameters and tags, its log lines, its errors.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import sys
@@ -98,14 +99,13 @@ def store(tmp_path: Path, monkeypatch):
 
 
 @pytest.fixture
-def console(monkeypatch) -> io.StringIO:
-    """What unison's own console handler (as ``unison run`` sets it up) prints, at DEBUG."""
+def console() -> io.StringIO:
+    """What unison's own console handler (as ``unison run`` sets it up) prints, at DEBUG, where the
+    test redirects stderr to it (the handler writes to the stderr of the moment)."""
     logger = logging.getLogger("unison")
     saved = (list(logger.handlers), logger.level, logger.propagate)
-    screen = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", screen)
     setup_logging(level=logging.DEBUG)
-    yield screen
+    yield io.StringIO()
     logger.handlers[:] = saved[0]
     logger.setLevel(saved[1])
     logger.propagate = saved[2]
@@ -136,8 +136,9 @@ def test_a_run_and_its_resume_open_the_real_url_and_write_no_password(
 ) -> None:
     opened, local = store
     monkeypatch.setattr(sys, "path", list(sys.path))
-    first = train_from_config(load_config(_config(tmp_path, epochs=1)))
-    again = train_from_config(load_config(_config(tmp_path, epochs=2)), resume="auto")
+    with contextlib.redirect_stderr(console):
+        first = train_from_config(load_config(_config(tmp_path, epochs=1)))
+        again = train_from_config(load_config(_config(tmp_path, epochs=2)), resume="auto")
     assert again["run_dir"] == first["run_dir"] and again["epochs"] == 2
     assert opened and set(opened) == {TRACKING_URI}  # the store is opened with the password
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from unison.distributed.env import find_free_port
 from unison.distributed.spawn import _failure, _read_results
-from unison.testing import zygote
+from unison.testing import wire
 
 SLACK_S = 60.0
 """How long past ``timeout`` a call may go before its ranks and the warm process are killed: the
@@ -86,14 +86,13 @@ class _Warm:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        zygote.send(self.sock, request, (1, 2))
+        wire.send(self.sock, request, (1, 2))
         started = time.monotonic()
         reply, _ = self._receive(guard_s, "call")
         if "pids" not in reply:
             return reply
         self.ranks = reply["pids"]
-        global formed_ahead
-        formed_ahead += bool(reply.get("formed_ahead"))
+        _count_formed_ahead(reply)
         reply, _ = self._receive(guard_s - (time.monotonic() - started), "call")
         self.ranks = []
         return reply
@@ -101,7 +100,7 @@ class _Warm:
     def _receive(self, timeout_s: float, what: str) -> tuple[Any, list[int]]:
         self.sock.settimeout(max(timeout_s, 0.001))
         try:
-            return zygote.receive(self.sock)
+            return wire.receive(self.sock)
         except TimeoutError:
             raise PoolDied(
                 f"run_distributed's warm process (pid {self.process.pid}) did not answer within "
@@ -141,6 +140,11 @@ started = 0
 """How many warm processes this process started (a counted check that calls reuse one)."""
 formed_ahead = 0
 """How many calls ran in a group their ranks formed before the call (a counted check)."""
+
+
+def _count_formed_ahead(reply: dict[str, Any]) -> None:
+    global formed_ahead
+    formed_ahead += bool(reply.get("formed_ahead"))
 
 
 def warm_pid() -> int | None:

@@ -14,41 +14,37 @@ through :func:`unison.distributed.spawn._spawned_rank`, like a spawned rank.
 What a call does not wait for (:class:`_Standby`, :class:`_Leaving`): the ranks of the next call
 are forked, and form a new process group of their own on a new port, while the caller runs the
 rest of its test; the call gives that group its timeout, and uses it only if its environment
-agrees with the call's in every variable a group reads as it is created (:data:`~unison.distributed.env.GROUP_ENV`;
-otherwise the call's ranks are forked and form their group at the call). A call returns once every
-rank's function has returned and its result is written; the ranks then destroy their group and
-exit on their own, and one that fails there, or is still running :data:`GRACE_S` later, is
-reported with the next reply (a warning in the caller).
+agrees with the call's in every variable a group reads as it is created
+(:data:`~unison.distributed.env.GROUP_ENV`; otherwise the call's ranks are forked and form their
+group at the call). A call returns once every rank's function has returned and its result is
+written; the ranks then destroy their group and exit on their own, and one that fails there, or
+is still running :data:`GRACE_S` later, is reported with the next reply (a warning in the caller).
 
-Messages are pickles with a length in front, over a Unix socket; the caller's stdout and stderr
-come with each call as file descriptors. A rank dies with this process (``PR_SET_PDEATHSIG``),
+What a rank runs is :mod:`unison.testing.warm_rank`. Messages (:mod:`unison.testing.wire`) are
+pickles over a Unix socket; the caller's stdout and stderr come with each call as file descriptors. A rank dies with this process (``PR_SET_PDEATHSIG``),
 and this process ends its ranks and exits when the caller goes away.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
-import ctypes
 import importlib
 import logging
 import multiprocessing
 import os
-import pickle
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
-import traceback
-from datetime import timedelta
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
-from unison.distributed.env import GROUP_ENV, find_free_port, group_env
+from unison.distributed.env import find_free_port, group_env
 from unison.distributed.rank_setup import freeze_heap
+from unison.testing.warm_rank import held, run_rank, wait_for_call
+from unison.testing.wire import receive, send
 
 PRELOAD = ("torch", "ignite.engine", "ignite.distributed", "unison")
 """What the warm process imports before serving: what every rank would import anyway."""
@@ -60,49 +56,6 @@ also how long a rank whose function returned may take to leave its group and exi
 FORM_WAIT_S = 60.0
 """How long a call waits for the group its standby ranks are forming (they form it while the caller
 runs the rest of its test); past it, or if forming it failed, the call forms its own."""
-
-FORMING_TIMEOUT_S = 600.0
-"""The timeout of a group formed ahead, until a call gives it the call's own."""
-
-_HEADER = struct.Struct("!Q")
-
-_held: list[socket.socket] = []
-"""This process's ends of its sockets (to the caller, to the standby ranks): a forked rank closes
-its copies, so that the rank on the other end of one sees it closed when this process closes it."""
-
-
-def send(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
-    """Sends ``message`` (a pickle) and, with it, duplicates of the file descriptors ``fds``."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    header = _HEADER.pack(len(data))
-    if fds:
-        sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.sendall(header)
-    sock.sendall(data)
-
-
-def receive(sock: socket.socket) -> tuple[Any, list[int]]:
-    """The next message and the file descriptors that came with it; EOFError when the peer is gone."""
-    header, fds = b"", []
-    while len(header) < _HEADER.size:
-        chunk, ancillary, _, _ = sock.recvmsg(_HEADER.size - len(header), socket.CMSG_SPACE(8 * 4))
-        if not chunk:
-            raise EOFError("the other end of the pool's socket closed")
-        header += chunk
-        for level, kind, passed in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds += array.array("i", passed[: len(passed) - len(passed) % 4]).tolist()
-    (size,) = _HEADER.unpack(header)
-    data = bytearray(size)
-    view, got = memoryview(data), 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise EOFError("the other end of the pool's socket closed")
-        got += n
-    return pickle.loads(data), fds
-
 
 FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
 """Threads of a library that makes a fork safe itself (it holds its locks across the fork and
@@ -121,7 +74,7 @@ def thread_count() -> int:
 def serve(fd: int) -> None:
     """The warm process's main loop, on the socket ``fd`` its caller passed."""
     sock = socket.socket(fileno=fd)
-    _held.append(sock)
+    held.append(sock)
     for name in PRELOAD:
         importlib.import_module(name)
     logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
@@ -179,7 +132,8 @@ class _Standby:
     state as it is between calls, as ranks forked at the call would be, and their group is new, on
     a port chosen for it; they are replaced when that state changes (a module imported for a
     call). They are formed for the shape of the last call (its number of ranks, and the variables
-    of :data:`~unison.distributed.env.GROUP_ENV` in its environment): a call of another shape ends them and forms its own.
+    of :data:`~unison.distributed.env.GROUP_ENV` in its environment): a call of another shape ends
+    them and forms its own.
     """
 
     def __init__(self) -> None:
@@ -198,11 +152,11 @@ class _Standby:
         for local_rank in range(self.size):
             ours, theirs = socket.socketpair()
             process = context.Process(
-                target=_wait_for_call, args=(theirs, ours, os.getpid(), local_rank, self.team), name="rank"
+                target=wait_for_call, args=(theirs, ours, os.getpid(), local_rank, self.team), name="rank"
             )
             process.start()
             theirs.close()
-            _held.append(ours)
+            held.append(ours)
             self.ranks.append((process, ours))
 
     def take(self, request: dict[str, Any]) -> tuple[list[tuple[Any, socket.socket]], dict[str, Any]]:
@@ -227,7 +181,7 @@ class _Standby:
         """Ends the standby ranks (they ran nothing but their group)."""
         for process, sock in self.ranks:
             process.kill()
-            _held.remove(sock)
+            held.remove(sock)
             sock.close()
         for process, _ in self.ranks:
             process.join()
@@ -294,50 +248,6 @@ class _Leaving:
         self.ranks = []
 
 
-def _wait_for_call(
-    sock: socket.socket, other: socket.socket, parent: int, local_rank: int, team: dict[str, Any]
-) -> None:
-    """A standby rank: forms its group with the others, says so, waits for its call and runs it;
-    exits when the warm process closes its socket."""
-    _close_held(other)
-    _die_with(parent)
-    problem = _form_group(local_rank, team)
-    try:
-        send(sock, {"formed": problem is None, "problem": problem})
-        if problem is not None:
-            return
-        (local_rank, request), fds = receive(sock)
-    except (EOFError, OSError):
-        return
-    _rank(local_rank, request, fds, parent, team, sock)
-
-
-def _form_group(local_rank: int, team: dict[str, Any]) -> str | None:
-    """Creates this standby rank's process group (ignite's context with it); why not, if it failed."""
-    import ignite.distributed as idist
-
-    for key in [key for key in os.environ if key.startswith((*GROUP_ENV, "SLURM_"))]:
-        del os.environ[key]  # ignite places the ranks by SLURM's variables when it sees them
-    os.environ.update(team["env"])
-    os.environ.update(_placement(local_rank, team["nproc"], team["master_addr"], team["port"]))
-    try:
-        _debug_level_from_env()
-        idist.initialize("gloo", timeout=timedelta(seconds=FORMING_TIMEOUT_S))
-    except Exception:
-        return traceback.format_exc()
-    return None
-
-
-def _placement(local_rank: int, nproc: int, master_addr: str, port: int) -> dict[str, str]:
-    return {
-        "LOCAL_RANK": str(local_rank),
-        "RANK": str(local_rank),
-        "WORLD_SIZE": str(nproc),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(port),
-    }
-
-
 def _call(
     sock: socket.socket,
     request: dict[str, Any],
@@ -362,7 +272,7 @@ def _call(
         socks[rank_sock] = local_rank
     context = multiprocessing.get_context("fork")
     for local_rank in range(len(ranks), nproc):
-        process = context.Process(target=_rank, args=(local_rank, request, fds, os.getpid()), name="rank")
+        process = context.Process(target=run_rank, args=(local_rank, request, fds, os.getpid()), name="rank")
         process.start()
         ranks.append(process)
     send(sock, {"pids": [process.pid for process in ranks], "formed_ahead": bool(team)})
@@ -370,7 +280,7 @@ def _call(
         reply = _wait(sock, ranks, socks)
     finally:
         for rank_sock in socks:
-            _held.remove(rank_sock)
+            held.remove(rank_sock)
             rank_sock.close()
     if reply is None:
         return None
@@ -446,111 +356,6 @@ def _end(ranks: list[Any], sig: int, wait_s: float) -> None:
     until = time.monotonic() + wait_s
     for process in alive:
         process.join(max(0.0, until - time.monotonic()))
-
-
-def _close_held(*more: socket.socket) -> None:
-    """In a forked rank: closes the copies of the warm process's sockets."""
-    for sock in (*_held, *more):
-        sock.close()
-    _held.clear()
-
-
-def _die_with(parent: int) -> None:
-    """SIGKILL this process when ``parent`` ends (Linux), and end it now if that happened already."""
-    with contextlib.suppress(AttributeError, OSError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def _rank(
-    local_rank: int,
-    request: dict[str, Any],
-    fds: list[int],
-    parent: int,
-    team: dict[str, Any] | None = None,
-    sock: socket.socket | None = None,
-) -> None:
-    """A rank: the caller's setting, its process group (``team``'s, formed ahead, given the call's
-    timeout; else a new one now), then the function, as a spawned rank runs it. A rank of a team
-    tells the warm process on ``sock`` when its function returned."""
-    _close_held()
-    _die_with(parent)
-    for target, fd in zip((1, 2), fds, strict=False):
-        os.dup2(fd, target)
-    for fd in fds:
-        os.close(fd)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    import ignite.distributed as idist
-    import torch
-
-    from unison.distributed.spawn import _record_error, _spawned_rank
-
-    environ, nproc, results = request["environ"], request["nproc"], Path(request["result_dir"])
-    port = team["port"] if team is not None else request["port"]
-    try:
-        sys.path[:] = request["sys_path"]
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        # ignite places the ranks by SLURM's variables when it sees them; the ranks get them back
-        # once their group exists (_spawned_rank restores the caller's environment).
-        os.environ.update({k: v for k, v in environ.items() if not k.startswith("SLURM_")})
-        os.environ.update(_placement(local_rank, nproc, request["master_addr"], port))
-        multiprocessing.set_start_method(request["start_method"], force=True)
-        threads = environ.get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:  # OpenMP read it as it loaded, in the warm process
-            torch.set_num_threads(int(threads))
-        fn, args, kwargs = pickle.loads(request["payload"])
-        timeout = timedelta(seconds=request["timeout"])
-        if team is None:
-            _debug_level_from_env()
-            idist.initialize(request["backend"], timeout=timeout)
-        else:
-            set_group_timeout(timeout)
-    except Exception:  # reported as a spawned rank's error before its function: with its traceback
-        _record_error(results / f"error-rank-{local_rank}.txt")
-        (results / f"raised-rank-{local_rank}").touch()
-        raise SystemExit(1) from None
-
-    def returned() -> None:
-        assert sock is not None
-        with contextlib.suppress(OSError):  # the warm process is gone: this rank dies with it
-            send(sock, {"returned": True})
-            sock.close()
-
-    on_return = returned if sock is not None else None
-    _spawned_rank(
-        local_rank, fn, args, kwargs, str(results), nproc, request["deadline"], environ, on_return=on_return
-    )
-
-
-def _debug_level_from_env() -> None:
-    """torch reads ``TORCH_DISTRIBUTED_DEBUG`` as ``torch.distributed`` is imported, which was in the
-    warm process: read it again from this rank's environment, as a process importing it now would."""
-    import torch.distributed as dist
-
-    dist.set_debug_level_from_env()
-
-
-def set_group_timeout(timeout: timedelta) -> None:
-    """Gives the default process group, and the store it rendezvoused through, ``timeout``: what
-    ``init_process_group(timeout=timeout)`` would have given them."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    distributed_c10d._set_pg_timeout(timeout)
-    backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    if getattr(getattr(backend, "options", None), "_timeout", None) != timeout:  # a wrapped group
-        raise RuntimeError(
-            f"the group formed ahead ({type(backend).__name__}) did not take the timeout {timeout}"
-        )
-    store = distributed_c10d._get_default_store()
-    while True:
-        store.set_timeout(timeout)
-        if not isinstance(store, dist.PrefixStore):
-            break
-        store = store.underlying_store
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ class _ConsoleHandler(logging.StreamHandler):
     def __init__(self) -> None:
         logging.Handler.__init__(self)  # no stream kept: see ``stream``
 
-    @property  # type: ignore[override]  # read-only: the stderr of the moment
+    @property  # read-only: the stderr of the moment
     def stream(self) -> Any:
         return sys.stderr
 
