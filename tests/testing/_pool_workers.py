@@ -102,7 +102,9 @@ def sharded_then_group_threads(folder: str) -> float:
 
 def group_settings() -> dict:
     """What this rank's process group is: its store's port, the timeouts of the group and of its
-    store, torch's debug level and the backend's type (checked, or not, by torch's wrapper)."""
+    store, torch's debug level, the backend's type (checked, or not, by torch's wrapper) and where
+    ignite places the rank."""
+    import ignite.distributed as idist
     from torch.distributed import distributed_c10d
 
     backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
@@ -116,6 +118,12 @@ def group_settings() -> dict:
         "debug": str(dist.get_debug_level()),
         "backend": type(backend).__name__,
         "world": total.item(),
+        "placement": (
+            idist.get_local_rank(),
+            idist.get_nproc_per_node(),
+            idist.get_nnodes(),
+            idist.get_node_rank(),
+        ),
     }
 
 

@@ -240,9 +240,8 @@ def test_a_call_runs_in_a_new_group_formed_ahead_with_the_calls_timeout():
     assert first[0]["port"] != second[0]["port"]
     assert not {r["pid"] for r in first} & {r["pid"] for r in second}
     cold = run_distributed(_pool_workers.group_settings, nproc=2, timeout=37, fresh=True)  # the truth
-    assert [(r["group_timeout"], r["store_timeout"], r["debug"], r["backend"]) for r in cold] == [
-        (r["group_timeout"], r["store_timeout"], r["debug"], r["backend"]) for r in first
-    ]
+    keys = ("group_timeout", "store_timeout", "debug", "backend", "placement")
+    assert [[r[k] for k in keys] for r in cold] == [[r[k] for k in keys] for r in first]
 
 
 @pytest.mark.timeout(300)
