@@ -99,3 +99,43 @@ def test_a_launch_after_a_torch_variable_changed_gets_ranks_made_in_the_new_envi
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     after = launch(torch_debug_setting, nproc_per_node=2, backend="gloo", start_method="forkserver")
     assert after == [("DebugLevel.DETAIL", "_ProcessGroupWrapper")] * 2
+
+
+FOREIGN_SERVER = """
+import json, multiprocessing, os
+import torch
+import torch.distributed as dist
+from unison.distributed import launch
+
+def setting() -> list[str]:
+    from torch.distributed import distributed_c10d
+    backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return [str(dist.get_debug_level()), type(backend).__name__]
+
+if __name__ == "__main__":
+    os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    context = multiprocessing.get_context("forkserver")  # started by multiprocessing, as a DataLoader would
+    child = context.Process(target=print, args=("a process of multiprocessing's own server",))
+    child.start()
+    child.join()
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    print(json.dumps(launch(setting, nproc_per_node=2, backend="gloo", start_method="forkserver")))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="a server's starting environment is read from /proc"
+)
+def test_a_server_multiprocessing_started_before_a_torch_variable_changed_is_replaced(tmp_path):
+    """A fork server this process did not start (multiprocessing started it for a DataLoader)
+    is judged by the environment it started in, as Linux keeps it."""
+    script = tmp_path / "foreign.py"
+    script.write_text(FOREIGN_SERVER)
+    proc = run_in_session([sys.executable, str(script)], 200, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        json.loads(proc.stdout.strip().splitlines()[-1])
+        == [["DebugLevel.DETAIL", "_ProcessGroupWrapper"]] * 2
+    )

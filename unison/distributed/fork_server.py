@@ -29,6 +29,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import forkserver, resource_tracker, util
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -44,9 +45,9 @@ _SERVER_ONLY = "unison.distributed.fork_server_ranks"  # the server's own preloa
 _SERVER_CODE = "from multiprocessing.forkserver import main"  # the -c code Python starts it with
 _CUDA_DRIVER = re.compile(r"/libcuda\.so")
 
-_served_env: dict[str, str] | None = None
-"""The torch variables (:func:`~unison.distributed.env.group_env`) of the environment the running
-fork server was started in, when this process started it."""
+_served: tuple[int, dict[str, str]] | None = None
+"""The process id of the last fork server this process started, and the torch variables
+(:func:`~unison.distributed.env.group_env`) of the environment it started in."""
 
 
 def start_fork_server() -> tuple[int, ...]:
@@ -59,16 +60,22 @@ def start_fork_server() -> tuple[int, ...]:
     fresh interpreter that imports them in the background (started early, those imports overlap
     the caller's work: see :func:`fork_server_ahead`).
     """
-    global _served_env
     mp.get_context("forkserver").set_forkserver_preload([*PRELOAD, _SERVER_ONLY])
     if _server_running():
-        if _served_env is None or _served_env == group_env():
+        served = _server_env()
+        if served is None or served == group_env():
             return _start_helpers("forkserver")
         # Its ranks would import torch.distributed and create their group in the environment of
         # its start, not the caller's (TORCH_DISTRIBUTED_DEBUG, GLOO_SOCKET_IFNAME, ...).
         _log.debug("the fork server's torch variables differ from this process's now: starting a new one")
         _stop_server()
-    _served_env = group_env()
+    try:
+        return _start_server()
+    finally:
+        _remember_server(group_env())
+
+
+def _start_server() -> tuple[int, ...]:
     hazard = fork_hazard()
     if hazard is None:
         for name in PRELOAD:  # what the server would import, and this process needs anyway
@@ -80,6 +87,29 @@ def start_fork_server() -> tuple[int, ...]:
         return unblock
     _log.debug("the fork server starts as a new interpreter: %s", hazard)
     return _start_helpers("forkserver")
+
+
+def _remember_server(env: dict[str, str]) -> None:
+    global _served
+    pid = server_pid()
+    _served = (pid, env) if pid is not None else None
+
+
+def _server_env() -> dict[str, str] | None:
+    """The torch variables of the environment the running server started in; None if unknown. A
+    server this process did not start (multiprocessing started it for a DataLoader, say) was
+    started as a new interpreter, whose starting environment Linux keeps in ``/proc``."""
+    pid = server_pid()
+    if pid is None:
+        return None
+    if _served is not None and _served[0] == pid:
+        return _served[1]
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return group_env({key: value for key, _, value in pairs})
 
 
 def fork_server_now() -> None:
