@@ -234,12 +234,3 @@ def rank_one_skips_a_collective() -> None:
 def parent_and_threads() -> tuple[int, int]:
     """This rank's parent process and torch's intra-op thread count."""
     return os.getppid(), torch.get_num_threads()
-
-
-def torch_debug_setting() -> tuple[str, str]:
-    """The debug level torch.distributed has in this rank, and the type of its group's backend
-    (``_ProcessGroupWrapper`` when TORCH_DISTRIBUTED_DEBUG=DETAIL made torch check every collective)."""
-    from torch.distributed import distributed_c10d
-
-    backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    return str(dist.get_debug_level()), type(backend).__name__

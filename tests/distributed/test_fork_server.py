@@ -83,25 +83,7 @@ def test_the_cuda_driver_counts_and_the_runtime_that_torch_maps_at_import_does_n
     assert fork_server._CUDA_DRIVER.search(driver) and not fork_server._CUDA_DRIVER.search(runtime)
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_a_launch_after_a_torch_variable_changed_gets_ranks_made_in_the_new_environment(monkeypatch):
-    """torch reads TORCH_DISTRIBUTED_DEBUG as torch.distributed is imported and as a group is created;
-    ranks forked from a server started before the caller set it had the old setting (as a new
-    process started now would not)."""
-    from _dist_workers import torch_debug_setting
-
-    from unison.distributed import launch
-
-    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
-    before = launch(torch_debug_setting, nproc_per_node=2, backend="gloo", start_method="forkserver")
-    assert before == [("DebugLevel.OFF", "ProcessGroupGloo")] * 2
-    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    after = launch(torch_debug_setting, nproc_per_node=2, backend="gloo", start_method="forkserver")
-    assert after == [("DebugLevel.DETAIL", "_ProcessGroupWrapper")] * 2
-
-
-FOREIGN_SERVER = """
+TORCH_VARIABLE_CHANGES = """
 import json, multiprocessing, os
 import torch
 import torch.distributed as dist
@@ -112,30 +94,41 @@ def setting() -> list[str]:
     backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     return [str(dist.get_debug_level()), type(backend).__name__]
 
+def ranks() -> list[list[str]]:
+    return launch(setting, nproc_per_node=2, backend="gloo", start_method="forkserver")
+
 if __name__ == "__main__":
     os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
     context = multiprocessing.get_context("forkserver")  # started by multiprocessing, as a DataLoader would
     child = context.Process(target=print, args=("a process of multiprocessing's own server",))
     child.start()
     child.join()
+    seen = {}
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    print(json.dumps(launch(setting, nproc_per_node=2, backend="gloo", start_method="forkserver")))
+    seen["set, the server multiprocessing started"] = ranks()
+    del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+    seen["unset, the server launch started"] = ranks()
+    print(json.dumps(seen))
 """
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # multiprocessing starts its server as a new interpreter
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="a server's starting environment is read from /proc"
 )
-def test_a_server_multiprocessing_started_before_a_torch_variable_changed_is_replaced(tmp_path):
-    """A fork server this process did not start (multiprocessing started it for a DataLoader)
-    is judged by the environment it started in, as Linux keeps it."""
-    script = tmp_path / "foreign.py"
-    script.write_text(FOREIGN_SERVER)
+def test_a_launch_after_a_torch_variable_changed_gets_ranks_made_in_the_new_environment(tmp_path):
+    """torch reads TORCH_DISTRIBUTED_DEBUG as torch.distributed is imported and as a group is
+    created; ranks forked from a server started before the caller set it had the old setting (as a
+    new process started now would not). A server this process did not start (multiprocessing
+    started it for a DataLoader) is judged by the environment it started in, as Linux keeps it;
+    one that launch started, by what launch remembers of it."""
+    script = tmp_path / "changes.py"
+    script.write_text(TORCH_VARIABLE_CHANGES)
     proc = run_in_session([sys.executable, str(script)], 200, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (
-        json.loads(proc.stdout.strip().splitlines()[-1])
-        == [["DebugLevel.DETAIL", "_ProcessGroupWrapper"]] * 2
-    )
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "set, the server multiprocessing started": [["DebugLevel.DETAIL", "_ProcessGroupWrapper"]] * 2,
+        "unset, the server launch started": [["DebugLevel.OFF", "ProcessGroupGloo"]] * 2,
+    }

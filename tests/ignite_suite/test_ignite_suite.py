@@ -26,6 +26,7 @@ def _check(run: SuiteRun, record_property: Callable[[str, Any], None]) -> None:
         pytest.fail(report(run), pytrace=False)
 
 
+@pytest.mark.slow  # 444 of ignite's tests in a pytest of their own: about 30 s
 @pytest.mark.timeout(SELECTIONS["engine"].timeout_s + SELECTION_MARGIN_S)
 def test_ignite_engine_and_handler_tests_pass_with_unisons_engine(
     record_property: Callable[[str, Any], None],
