@@ -31,8 +31,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     The slow tests hold about three quarters of the suite's time, in pieces of up to 40 s. Dealt
     out first, they run side by side on the workers while the many short tests wait, and the
-    short ones even the workers out at the end; in file order, a worker that drew a 40 s test
-    last ran it alone while the other had nothing left. The order is the same in every worker
+    short ones even the workers out at the end; in file order, a 40 s test dealt out last can
+    run alone while the other worker has nothing left. The order is the same in every worker
     (pytest-xdist requires it): a stable sort of the collected order."""
     expression = config.getoption("markexpr", "") or ""
     marks = [mark for mark in _OPT_IN_MARKS if mark not in expression]

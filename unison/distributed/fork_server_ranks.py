@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import signal
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from unison.distributed.signals import _PREEMPTION_SIGNALS
 
 _installed = False
 
 
 def install() -> None:
-    """In the fork server: every process it forks from now on unblocks :data:`PREEMPTION_SIGNALS`."""
+    """In the fork server: every process it forks from now on unblocks SIGTERM and SIGUSR1."""
     global _installed
     if not _installed:
         os.register_at_fork(after_in_child=_unblock)
@@ -27,7 +27,7 @@ def install() -> None:
 
 
 def _unblock() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
 
 
 install()  # on import: the fork server started as a new interpreter imports this module with its preload

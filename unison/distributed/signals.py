@@ -138,11 +138,10 @@ def _start_helpers(start_method: str) -> tuple[int, ...]:
     at the fork (:mod:`unison.distributed.fork_server_ranks`), so that a rank still forming its
     group dies of the launcher's SIGTERM at once; for a server started otherwise the signals are
     returned, for the ranks to lift the block as they start (a signal that came meanwhile is
-    then delivered, not lost). All of them, even those the
-    calling thread had blocked already: a rank takes the launcher's SIGTERM and SIGUSR1 whatever
-    its caller's mask (a rank forked from a server that a blocking caller started kept SIGUSR1
-    blocked, and a relayed preemption never reached it). Helpers already running are left as
-    they are.
+    then delivered, not lost). All of them, even those the calling thread had blocked
+    already: a rank takes the launcher's SIGTERM and SIGUSR1 whatever its caller's mask (a
+    rank forked from a server that a blocking caller started kept SIGUSR1 blocked, and a
+    relayed preemption never reached it). Helpers already running are left as they are.
     """
     from multiprocessing import forkserver, resource_tracker
 

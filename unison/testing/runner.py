@@ -28,25 +28,27 @@ def run_distributed(
     returned and its result is back: the ranks leave their group and exit after that, and a
     rank that fails there is reported as a ``RuntimeWarning`` by a later call. A rank that
     raises fails the call with :class:`~unison.distributed.RankFailedError`, carrying that
-    rank and its traceback; the other ranks are ended. A rank still running after ``timeout`` seconds prints the
-    stacks of all its threads and exits, so a hang fails fast and shows where it was.
+    rank and its traceback; the other ranks are ended. A rank still running after
+    ``timeout`` seconds prints the stacks of all its threads and exits, so a hang fails fast
+    and shows where it was.
 
     The ranks are forked by a warm process that imported torch, ignite and unison once
     (:mod:`unison.testing.pool`; one per calling process, ended at exit), ahead of the call,
     and form their group ahead too, on a port of their own; the call gives the group its
     timeout (a group that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps is formed at the call, and
     so is one for a call whose number of ranks, or whose ``TORCH_``, ``GLOO_``, ``NCCL_`` or
-    ``PYTORCH_`` variables, differ from the last call's). After the first call, a call costs a few hundredths of a second, not the second
-    or more of starting processes. Every rank is still a new process, in a new group, forked
-    from a state no call has touched: a module global one call sets is not there in the
-    next, and a crashed or hung call leaves nothing behind. The ranks get the caller's environment variables, working
-    folder, ``sys.path``, stdout and stderr of the moment of the call. The function's module
-    is imported once in the warm process, with the environment of the first call that
-    needed it (a module that reads a variable as it is imported sees that one); a module
-    that starts threads as it is imported is imported by each rank instead. With
-    ``fresh=True``, with ``backend="nccl"``, for a function defined in ``__main__`` (a
-    script) and off Linux, the ranks are spawned anew through
-    :func:`~unison.distributed.launch`, as before the pool: each imports everything itself.
+    ``PYTORCH_`` variables, differ from the last call's). After the first call, a call costs a
+    few hundredths of a second, not the second or more of starting processes. Every rank is
+    still a new process, in a new group, forked from a state no call has touched: a module
+    global one call sets is not there in the next, and a crashed or hung call leaves nothing
+    behind. The ranks get the caller's environment variables, working folder, ``sys.path``,
+    stdout and stderr of the moment of the call. The function's module is imported once in
+    the warm process, with the environment of the first call that needed it (a module that
+    reads a variable as it is imported sees that one); a module that starts threads as it is
+    imported is imported by each rank instead. With ``fresh=True``, with ``backend="nccl"``,
+    for a function defined in ``__main__`` (a script) and off Linux, the ranks are spawned
+    anew through :func:`~unison.distributed.launch`, as before the pool: each imports
+    everything itself.
 
     Args:
         fn: a function defined at the top level of a module (it is sent by name).

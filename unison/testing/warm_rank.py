@@ -54,7 +54,6 @@ def wait_for_call(
 
 def _form_group(local_rank: int, team: dict[str, Any]) -> str | None:
     """Creates this standby rank's process group (ignite's context with it); why not, if it failed."""
-
     for key in [key for key in os.environ if key.startswith((*GROUP_ENV, "SLURM_"))]:
         del os.environ[key]  # ignite places the ranks by SLURM's variables when it sees them
     os.environ.update(team["env"])

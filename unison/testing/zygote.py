@@ -21,8 +21,9 @@ written; the ranks then destroy their group and exit on their own, and one that 
 is still running :data:`GRACE_S` later, is reported with the next reply (a warning in the caller).
 
 What a rank runs is :mod:`unison.testing.warm_rank`. Messages (:mod:`unison.testing.wire`) are
-pickles over a Unix socket; the caller's stdout and stderr come with each call as file descriptors. A rank dies with this process (``PR_SET_PDEATHSIG``),
-and this process ends its ranks and exits when the caller goes away.
+pickles over a Unix socket; the caller's stdout and stderr come with each call as file
+descriptors. A rank dies with this process (``PR_SET_PDEATHSIG``), and this process ends its
+ranks and exits when the caller goes away.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class _Standby:
 
     def __init__(self) -> None:
         self.size = 2
-        self.env = group_env(dict(os.environ))
+        self.env = group_env()
         self.ranks: list[tuple[Any, socket.socket]] = []
         self.team: dict[str, Any] = {}
 
