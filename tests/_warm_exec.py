@@ -78,6 +78,11 @@ initialises CUDA, and CUDA reads them as it does. ``PYTHONPATH``, ``PYTHONUNBUFF
 ``PYTHONFAULTHANDLER`` and ``PYTHONDONTWRITEBYTECODE`` are applied in the child instead."""
 
 _APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
+_READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+"""Under a prefix of :data:`READ_AT_START`, but read from ``os.environ`` each time a compile
+needs them, never at import: the child's environment (the caller's) is what they see. torch sets
+``TORCHINDUCTOR_CACHE_DIR`` in a process's environment the first time it asks for the cache
+folder (importing torch_geometric does), so without this the next program would start cold."""
 _THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 """Read by OpenMP and MKL as torch loads them; a child given one (the server being given none)
 sets torch's thread count to it, as a new interpreter's torch would start with it."""
@@ -208,7 +213,7 @@ def _same_file(a: str, b: str) -> bool:
 def _env_misfit(env: dict[str, str], server_env: dict[str, str]) -> str | None:
     """The first variable of ``env`` a warm child could not honour, if any."""
     for key in sorted(set(env) | set(server_env)):
-        if key in _APPLIED or env.get(key) == server_env.get(key):
+        if key in _APPLIED or key in _READ_WHEN_USED or env.get(key) == server_env.get(key):
             continue
         if key in _THREADS and key not in server_env and env[key].isdigit() and int(env[key]) > 0:
             continue

@@ -121,6 +121,21 @@ def test_a_console_script_runs_warm(tmp_path: Path) -> None:
     assert warm.stdout == cold.stdout and "usage: unison" in warm.stdout
 
 
+def test_a_compile_cache_folder_torch_set_in_the_callers_environment_keeps_programs_warm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch writes TORCHINDUCTOR_CACHE_DIR into os.environ the first time it asks for its cache
+    # folder (importing torch_geometric does); a compile reads it then, never at import.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    code = (
+        "import sys; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+        "print('torch' in sys.modules and 'unison' in sys.modules, cache_dir())"
+    )
+    cold, warm = _both([sys.executable, "-c", code])
+    assert cold.stdout.split() == ["False", str(tmp_path / "inductor")], cold.stderr
+    assert warm.stdout.split() == ["True", str(tmp_path / "inductor")], warm.stderr
+
+
 def test_a_program_with_its_own_copy_of_a_loaded_package_gets_a_new_interpreter(tmp_path: Path) -> None:
     # A copy of the package under test (as tests/test_layers.py makes) must be the one imported.
     (tmp_path / "unison").mkdir()

@@ -1,9 +1,10 @@
 """Config-named parts for ``unison run`` replica-group runs (this folder goes on PYTHONPATH).
 
 - ``build_regression(seed)``: fixed regression data (the same in every group) and a validation set.
-- ``ProbeNet(kill_at, pace)``: a tiny MLP; in training, its ``kill_at``-th forward pass (0: never)
-  SIGKILLs its own process (a replica group lost mid-step), and each forward pass waits ``pace``
-  seconds (it paces a group, so that a peer has the time to restart and rejoin).
+- ``ProbeNet(kill_at, pace, pace_until)``: a tiny MLP; in training, its ``kill_at``-th forward pass
+  (0: never) SIGKILLs its own process (a replica group lost mid-step), and each forward pass waits
+  ``pace`` seconds (it paces a group, so that a peer has the time to restart and rejoin) until
+  the file ``pace_until`` exists (the test creates it once the peer has rejoined).
 - ``record_commit(engine, out)``: a handler at ITERATION_COMPLETED that appends a JSON line to
   ``out/trace<replica id>.jsonl``: the quorum's committed step, the pid, the time and a digest of the model's weights.
 """
@@ -29,10 +30,10 @@ def build_regression(seed: int) -> tuple[TensorDataset, TensorDataset]:
 
 
 class ProbeNet(nn.Module):
-    def __init__(self, kill_at: int = 0, pace: float = 0.0) -> None:
+    def __init__(self, kill_at: int = 0, pace: float = 0.0, pace_until: str = "") -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-        self.kill_at, self.pace = int(kill_at), float(pace)
+        self.kill_at, self.pace, self.pace_until = int(kill_at), float(pace), pace_until
         self.steps = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,10 @@ class ProbeNet(nn.Module):
             if self.steps == self.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.pace:
-                time.sleep(self.pace)
+                if self.pace_until and os.path.exists(self.pace_until):
+                    self.pace = 0.0
+                else:
+                    time.sleep(self.pace)
         return self.net(x)
 
 

@@ -109,7 +109,10 @@ def test_unison_run_survives_a_killed_replica_group_that_rejoins_from_a_live_pee
             CONFIG.format(epochs=EPOCHS, root=tmp_path / "runs", out=tmp_path, lighthouse=lighthouse.address)
         )
         try:
-            zero = _start(config, tmp_path, 0, "model.kwargs={pace: 0.2}")
+            # Replica 0 is paced until replica 1 has rejoined: long enough for the kill, the
+            # restart and the heal to happen while it trains; then both run at full speed.
+            rejoined_flag = tmp_path / "rejoined"
+            zero = _start(config, tmp_path, 0, f"model.kwargs={{pace: 0.2, pace_until: {rejoined_flag}}}")
             one = _start(config, tmp_path, 1, f"model.kwargs={{kill_at: {KILL_AT}}}")
             procs += [zero, one]
             assert one.wait(timeout=180) == 1, _outputs(tmp_path)  # its rank was SIGKILLed
@@ -124,6 +127,15 @@ def test_unison_run_survives_a_killed_replica_group_that_rejoins_from_a_live_pee
             )
             again = _start(config, tmp_path, 1)
             procs.append(again)
+            first_life = _commits(tmp_path, 1)[0]["pid"]
+            _wait(
+                lambda: [x for x in _commits(tmp_path, 1) if x["pid"] != first_life],
+                120,
+                "replica 1's first commit after its restart",
+                tmp_path,
+            )
+            assert zero.poll() is None, _outputs(tmp_path)  # it healed from a live replica 0
+            rejoined_flag.touch()
             assert zero.wait(timeout=300) == 0, _outputs(tmp_path)
             assert again.wait(timeout=60) == 0, _outputs(tmp_path)
         finally:

@@ -27,6 +27,7 @@ from unison.handlers.wandb import WandbLogger
 from unison.handlers.wandb_files import last_written_step
 
 ITERS = 3
+FLUSH_S = 0.2
 
 
 def _service() -> int:
@@ -52,6 +53,9 @@ def _wait(until, what: str, timeout: float = 60.0) -> None:
 
 def main(folder: Path, phase: str) -> None:
     os.environ.update(offline_env(folder))
+    # W&B writes what it holds to the run's file every 15 s by default; the wait for epoch 2's
+    # row would be that long. A row still open (epoch 3's) is not written by a flush.
+    os.environ["WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"] = str(FLUSH_S)
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss)
