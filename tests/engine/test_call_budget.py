@@ -130,7 +130,9 @@ FILTERS = [
 
 @pytest.mark.parametrize("kwargs", FILTERS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_a_filtered_handler_costs_at_most_two_calls_where_it_does_not_fire(kwargs) -> None:
-    step, data = _workload()
+    # The step does nothing: its calls would be the same in both runs and cancel out, and
+    # under the profiler a real SGD step costs each of these tests 4 CPU-seconds.
+    data = list(range(2 * N))
 
     def beyond(key: str, value):  # the filter moved past these runs, so that it never fires
         if key == "before" and "after" not in kwargs:
@@ -141,7 +143,7 @@ def test_a_filtered_handler_costs_at_most_two_calls_where_it_does_not_fire(kwarg
 
     def run_with(attach: bool) -> Callable[[int], None]:
         def run(n: int) -> None:
-            engine = Engine(lambda engine, batch: step(batch))
+            engine = Engine(lambda engine, batch: None)
             if attach:
                 engine.add_event_handler(event, lambda: None)
             engine.run(data[:n], max_epochs=1)
