@@ -11,9 +11,9 @@ group is left (each rank records it from an ``atexit`` handler; before the fix e
 had gloo's two workers and its socket loop, rank 0 the TCPStore server too). They also
 check what a user sees: every process exits with 0 and stderr holds no teardown noise.
 
-The jobs train as a recipe does (prepare_model's DDP, an engine and an evaluator), several
-spawned jobs one after the other, and one under torchrun (the path where launch creates the
-group). Each command runs in a session of its own, with a timeout after which its whole
+The jobs train as a recipe does (prepare_model's DDP, an engine and an evaluator): two
+spawned jobs one after the other (the second from a process that has launched before), and
+one under torchrun (the path where launch creates the group). Each command runs in a session of its own, with a timeout after which its whole
 process tree is ended; ports are free ones (launch's own choice, torchrun --standalone).
 A last test: a spawned job whose rank raises leaves nothing in the temp folder (torch's
 spawn left a pytorch-errorfile-*.pickle there for each such rank).
@@ -38,7 +38,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "_exit_workers.py"
-SPAWNED_JOBS = 3  # ~7 s each on an idle 2-core machine (each rank imports torch)
+SPAWNED_JOBS = 2  # ~7 s each on an idle 2-core machine (each rank imports torch); one after the other
 RUN_TIMEOUT_S = 240
 
 # What a rank's teardown must not print: the abort, a fatal signal, Python's or torch's
