@@ -13,8 +13,9 @@ check what a user sees: every process exits with 0 and stderr holds no teardown 
 
 The jobs train as a recipe does (prepare_model's DDP, an engine and an evaluator): two
 spawned jobs one after the other (the second from a process that has launched before), and
-one under torchrun (the path where launch creates the group). Each command runs in a session of its own, with a timeout after which its whole
-process tree is ended; ports are free ones (launch's own choice, torchrun --standalone).
+one under torchrun (the path where launch creates the group). Each command runs in a session
+of its own, with a timeout after which its whole process tree is ended; ports are free ones
+(launch's own choice, torchrun --standalone).
 A last test: a spawned job whose rank raises leaves nothing in the temp folder (torch's
 spawn left a pytorch-errorfile-*.pickle there for each such rank).
 """
