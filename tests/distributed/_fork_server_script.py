@@ -2,12 +2,14 @@
 
 It installs a SIGTERM handler of its own, imports a module nothing else imports
 (``colorsys``) inside its ``__main__`` block, starts the fork server, launches 2 ranks twice and
-prints one JSON line: what each rank saw, the server's command line and open descriptors, and
+prints one JSON line: what each rank saw (its imports, its handler, the objects its
+garbage collections walk), the server's command line and open descriptors, and
 whether ``FD`` (a descriptor the test passed to this process) is open in the server.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -17,6 +19,8 @@ import sys
 def what_a_rank_sees() -> dict:
     handler = signal.getsignal(signal.SIGTERM)
     return {
+        "frozen": gc.get_freeze_count(),  # the server's objects, out of the rank's collections
+        "collected": len(gc.get_objects()),  # what a collection in the rank walks
         "server": os.getppid(),
         "imported_by_the_launcher": "colorsys" in sys.modules,
         "launchers_sigterm_handler": getattr(handler, "__name__", "") == "launchers_handler",

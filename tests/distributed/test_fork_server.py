@@ -41,6 +41,11 @@ def test_a_clean_launcher_forks_its_server_which_keeps_its_imports_and_drops_its
     assert len(ranks) == 4 and {rank["server"] for rank in ranks} == {seen["server"]}
     assert all(rank["imported_by_the_launcher"] for rank in ranks), ranks
     assert not any(rank["launchers_sigterm_handler"] for rank in ranks), ranks
+    # the server froze its objects (torch's among them) before forking: a rank's collection,
+    # as the one it runs as it leaves its group, walks only what the rank made
+    assert all(rank["frozen"] > 100_000 and rank["collected"] < rank["frozen"] // 10 for rank in ranks), [
+        (rank["frozen"], rank["collected"]) for rank in ranks
+    ]
     assert seen["passed_fd"] not in seen["server_fds"], seen["server_fds"]
 
 

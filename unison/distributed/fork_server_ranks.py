@@ -1,11 +1,18 @@
 """Imported by the fork server as it starts (its preload), never by a launcher: the ranks it forks
-take SIGTERM and SIGUSR1 from their first instruction.
+take SIGTERM and SIGUSR1 from their first instruction, and their garbage collections walk only
+the objects they made.
 
 The fork server runs with both signals blocked, so that a signal sent to the whole job does not
 end it (``unison.distributed.signals._start_helpers``), and a process forked from it inherits that
 mask. A rank lifted the block only once its process group existed; one waiting to form it, for a
 peer that had already failed, left the launcher's SIGTERM pending until the SIGKILL that follows
 30 seconds later. Registered here, the lift runs in each forked child before anything else.
+
+The server's objects (torch, ignite, unison and, for a server forked from the launching process,
+everything that process held) are frozen before each fork (``gc.freeze``, as Python's docs advise
+for a process that forks without exec): a rank's collections skip them and leave their pages
+shared. Each rank collects its garbage as it leaves its group (``rank_setup._leave_group``);
+over a heap left unfrozen that pass took 0.3 s or more of every rank's exit.
 """
 
 from __future__ import annotations
@@ -13,16 +20,18 @@ from __future__ import annotations
 import os
 import signal
 
+from unison.distributed.rank_setup import freeze_heap
 from unison.distributed.signals import _PREEMPTION_SIGNALS
 
 _installed = False
 
 
 def install() -> None:
-    """In the fork server: every process it forks from now on unblocks SIGTERM and SIGUSR1."""
+    """In the fork server: every process it forks from now on unblocks SIGTERM and SIGUSR1, and
+    starts with the server's objects frozen."""
     global _installed
     if not _installed:
-        os.register_at_fork(after_in_child=_unblock)
+        os.register_at_fork(before=freeze_heap, after_in_child=_unblock)
         _installed = True
 
 
