@@ -256,12 +256,12 @@ def test_ranks_take_sigterm_and_sigusr1_even_from_a_caller_that_blocks_them(tmp_
 
 
 SERVER_MASKS = """
-import json, multiprocessing, signal, sys, threading
+import gc, json, multiprocessing, signal, sys, threading
 from multiprocessing import forkserver, resource_tracker
 from unison.distributed.fork_server import start_fork_server
 
 def blocked(queue) -> None:  # a rank's first instruction, before any group
-    queue.put(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    queue.put((sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])), gc.get_freeze_count()))
 
 def mask_of(pid: int) -> list[int]:
     line = next(l for l in open(f"/proc/{pid}/status") if l.startswith("SigBlk:"))
@@ -280,7 +280,8 @@ if __name__ == "__main__":
     queue = context.SimpleQueue()
     child = context.Process(target=blocked, args=(queue,))
     child.start()
-    print(json.dumps({"server": mask_of(forkserver._forkserver._forkserver_pid), "rank": queue.get()}))
+    rank, frozen = queue.get()
+    print(json.dumps({"server": mask_of(forkserver._forkserver._forkserver_pid), "rank": rank, "frozen": frozen}))
     child.join()
 """
 
@@ -314,3 +315,30 @@ def test_the_fork_server_blocks_the_preemption_signals_and_its_ranks_take_them_f
     preemption = {int(signal.SIGTERM), int(signal.SIGUSR1)}
     assert preemption <= set(masks["server"]), masks
     assert not preemption & set(masks["rank"]), masks
+    # The same at-fork hook froze the server's objects (torch's among them) out of the rank's
+    # garbage collections, for either kind of server.
+    assert masks["frozen"] > 100_000, masks
+
+
+def test_importing_the_servers_own_module_elsewhere_changes_nothing_in_how_this_process_forks() -> None:
+    """``unison.distributed.fork_server_ranks`` installs its at-fork hooks only in a fork server.
+    Imported by another process (pytest's ``--doctest-modules`` imports every module), it froze
+    that process's objects at each of its forks, so its later garbage was never collected."""
+    import gc
+
+    import unison.distributed.fork_server_ranks as server_only
+
+    assert not server_only._installed
+    frozen_before = gc.get_freeze_count()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports the freeze count it started with, and nothing else
+        os.write(write, str(gc.get_freeze_count()).encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        reported = os.read(read, 64).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert int(reported) == frozen_before == gc.get_freeze_count()

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
+from unison.distributed.fork_server import _SERVER_CODE
 from unison.distributed.rank_setup import freeze_heap
 from unison.distributed.signals import _PREEMPTION_SIGNALS
 
@@ -39,4 +41,13 @@ def _unblock() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _PREEMPTION_SIGNALS)
 
 
-install()  # on import: the fork server started as a new interpreter imports this module with its preload
+def _started_as_fork_server() -> bool:
+    """Whether this process is a fork server Python started: ``python -c "from
+    multiprocessing.forkserver import main; main(...)"``. Another process that imports this
+    module (a test collecting doctests, a tool listing modules) must not change how it forks."""
+    argv = getattr(sys, "orig_argv", ())
+    return "-c" in argv and any(arg.startswith(_SERVER_CODE) for arg in argv)
+
+
+if _started_as_fork_server():  # it imports this module with its preload; a forked server calls install()
+    install()
