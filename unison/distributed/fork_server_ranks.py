@@ -12,8 +12,8 @@ The server's objects (torch, ignite, unison and, for a server forked from the la
 everything that process held) are frozen before each fork (``gc.freeze``, as Python's docs advise
 for a process that forks without exec): a rank's collections skip them and leave their pages
 shared. Each rank collects its garbage as it leaves its group (``rank_setup._leave_group``);
-over a heap left unfrozen that pass took 0.16 s of every rank's exit over a new server's heap, and more
-over that of a server forked from a launcher holding more.
+over a heap left unfrozen, that pass took 0.16 s of every rank's exit (a new server's heap), and
+more where the server is a fork of a launcher that holds more.
 """
 
 from __future__ import annotations
