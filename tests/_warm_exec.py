@@ -78,9 +78,9 @@ initialises CUDA, and CUDA reads them as it does. ``PYTHONPATH``, ``PYTHONUNBUFF
 ``PYTHONFAULTHANDLER`` and ``PYTHONDONTWRITEBYTECODE`` are applied in the child instead."""
 
 _APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
-_READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+_READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
 """Under a prefix of :data:`READ_AT_START`, but read from ``os.environ`` each time a compile
-needs them, never at import: the child's environment (the caller's) is what they see. torch sets
+needs it, never at import: the child's environment (the caller's) is what it sees. torch sets
 ``TORCHINDUCTOR_CACHE_DIR`` in a process's environment the first time it asks for the cache
 folder (importing torch_geometric does), so without this the next program would start cold."""
 _THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
