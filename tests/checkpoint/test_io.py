@@ -167,53 +167,30 @@ import threading
 import torch
 from torch import nn
 
+import unison.checkpoint.direct as direct
 from unison.engine import Engine, Events
 from unison.handlers import Checkpoint
 
 folder, big_numel = sys.argv[1], int(sys.argv[2])
-PAUSE_AFTER = 1 << 20  # bytes of the big checkpoint's temp file written before pausing
 armed = False
 
 
-class PausingFile:
-    # The temp file of the big save: once PAUSE_AFTER bytes are on disk, says so and waits
-    # to be killed (exits by itself after two minutes, should the test not kill it).
-    def __init__(self, raw):
-        self.raw = raw
-        self.written = 0
-
-    def write(self, data):
-        data = memoryview(data).cast("B")
-        if self.written + len(data) > PAUSE_AFTER:
-            keep = PAUSE_AFTER - self.written
-            self.raw.write(data[:keep])
-            self.raw.flush()
-            os.fsync(self.raw.fileno())
-            print("PAUSED", self.written + keep, flush=True)
-            threading.Event().wait(120)
-            os._exit(3)
-        self.written += len(data)
-        return self.raw.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.raw, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.raw.close()
+real_pwrite_all = direct._pwrite_all
 
 
-real_fdopen = os.fdopen
+def pausing_pwrite_all(fd, view, offset):
+    # The big checkpoint's temp file: once its first bytes are on disk, says so and waits to be
+    # killed (exits by itself after two minutes, should the test not kill it).
+    if not armed:
+        return real_pwrite_all(fd, view, offset)
+    real_pwrite_all(fd, view, offset)
+    os.fsync(fd)
+    print("PAUSED", offset + len(view), flush=True)
+    threading.Event().wait(120)
+    os._exit(3)
 
 
-def fdopen(fd, *args, **kwargs):
-    raw = real_fdopen(fd, *args, **kwargs)
-    return PausingFile(raw) if armed else raw
-
-
-os.fdopen = fdopen
+direct._pwrite_all = pausing_pwrite_all
 
 
 class Blob:

@@ -12,9 +12,9 @@ from typing import Any
 from unison.checkpoint.archive import archive_complete, load_archive
 from unison.checkpoint.archive_save import save_archive
 from unison.checkpoint.checkpoint_error import CheckpointError
+from unison.checkpoint.direct import DirectFile, open_sink
 from unison.checkpoint.sharded_check import sharded_complete, sharded_problem
 from unison.checkpoint.sharded_files import REST
-from unison.checkpoint.writeback import WritebackFile
 
 __all__ = [
     "CheckpointError",
@@ -46,9 +46,13 @@ def _atomic_write(path: Path, write: Any) -> None:
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb", buffering=0) as fh:
-            sink = WritebackFile(fh)  # large writes; the disk's writeback starts as the bytes come
-            write(sink)
-            sink.flush()
+            sink = open_sink(fh, tmp)  # O_DIRECT from staging buffers, around the page cache
+            try:
+                write(sink)
+                sink.flush()
+            finally:
+                if isinstance(sink, DirectFile):
+                    sink.close()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -62,9 +66,10 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
 
     The data goes to a temp file in the same folder, is flushed and fsynced, renamed over
     ``path``, and the folder is fsynced so the rename survives a power loss. A crash at
-    any point leaves at most a ``.tmp`` file behind, never a partial ``path``. The file is
-    written in large writes whose writeback to the disk starts while ``torch.save`` goes
-    on (:class:`~unison.checkpoint.writeback.WritebackFile`): the fsync waits for the tail.
+    any point leaves at most a ``.tmp`` file behind, never a partial ``path``. The bytes go to
+    the disk with ``O_DIRECT`` from staging buffers, around the page cache, while ``torch.save``
+    goes on (:class:`~unison.checkpoint.direct.DirectFile`; through the page cache where the file
+    system refuses it): the fsync waits for the tail and flushes the disk's cache.
     The records' CRC-32s are computed by other threads while their bytes are written
     (:func:`~unison.checkpoint.archive_save.save_archive`): the file is the one ``torch.save``
     writes, byte for byte.
