@@ -8,6 +8,7 @@ import errno
 import fcntl
 import os
 import stat
+import zlib
 
 import pytest
 import torch
@@ -41,13 +42,17 @@ class Recorder:
         monkeypatch.setattr(direct_module, "_pwrite_all", record)
 
 
-def _write(path, pieces, *, flush_at=(), depth=2, chunk=CHUNK):
-    with open(path, "wb", buffering=0) as raw, DirectFile(raw, path, chunk=chunk, depth=depth) as sink:
+def _write(path, pieces, *, flush_at=(), depth=2, chunk=CHUNK, checksum=False):
+    with (
+        open(path, "wb", buffering=0) as raw,
+        DirectFile(raw, path, chunk=chunk, depth=depth, checksum=checksum) as sink,
+    ):
         for n, piece in enumerate(pieces):
             assert sink.write(piece) == len(piece)
             if n in flush_at:
                 sink.flush()
         sink.flush()
+        sink.crc_at_end = sink.crc if checksum else None
         return sink, raw.fileno()
 
 
@@ -64,9 +69,10 @@ def test_the_file_holds_every_byte_in_order_and_every_full_buffer_went_around_th
         recorder = Recorder(patch)
         path = tmp_path / "f.bin"
         pieces = [os.urandom(n) for n in sizes]
-        sink, raw_fd = _write(path, pieces, flush_at=flush_at, depth=depth)
+        sink, raw_fd = _write(path, pieces, flush_at=flush_at, depth=depth, checksum=True)
     expected = b"".join(pieces)
     assert path.read_bytes() == expected
+    assert sink.crc_at_end == zlib.crc32(expected)  # full buffers checksummed by the writer threads
     assert sink.written == len(expected)
     direct = sorted((offset, n) for fd, offset, n in recorder.calls if fd != raw_fd)
     full = len(expected) // CHUNK
@@ -186,3 +192,9 @@ def test_a_checkpoint_goes_to_the_disk_around_the_page_cache_before_its_fsync(tm
     loaded = load_checkpoint(tmp_path / "c.pt")
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_file_opened_without_checksum_has_no_crc_to_give(tmp_path):
+    sink, _ = _write(tmp_path / "f.bin", [b"x" * 10])
+    with pytest.raises(ValueError, match="checksum=True"):
+        _ = sink.crc

@@ -159,7 +159,11 @@ def test_the_save_sequence_decides_which_is_newest_never_the_iteration():
     legacy_new = Entry("b.pt", 9, 900, saved_at=2000.0)
     resumed = [Entry("c.pt", 3, 3, saved_at=10.0, sequence=3), Entry("d.pt", 4, 4, saved_at=5.0, sequence=4)]
     # files from before sequences were recorded come first, by time of saving
-    assert oldest_first([resumed[1], legacy_new, resumed[0], legacy_old]) == [legacy_old, legacy_new, *resumed]
+    assert oldest_first([resumed[1], legacy_new, resumed[0], legacy_old]) == [
+        legacy_old,
+        legacy_new,
+        *resumed,
+    ]
     plan = retain([legacy_old, legacy_new, *resumed], keep_last=2)
     assert plan.keep == ("c.pt", "d.pt") and plan.delete == ("a.pt", "b.pt")
 
@@ -233,10 +237,20 @@ def test_entries_with_a_nan_score_equal_each_other_whatever_the_python():
 
 @pytest.mark.parametrize(
     "change",
-    [{"score": 0.5}, {"score": None}, {"file": "b.pt"}, {"epoch": 2}, {"iteration": 6}, {"saved_at": 3.0},
-     {"size": 10}, {"sequence": 4}],
+    [
+        {"score": 0.5},
+        {"score": None},
+        {"file": "b.pt"},
+        {"epoch": 2},
+        {"iteration": 6},
+        {"saved_at": 3.0},
+        {"size": 10},
+        {"sequence": 4},
+    ],
 )
 def test_entries_that_differ_in_any_field_are_not_equal(change):
     assert _nan_entry() != _nan_entry(**change) and _nan_entry(**change) != _nan_entry()
-    assert _nan_entry(score=0.25) == _nan_entry(score=0.25) and _nan_entry(score=None) == _nan_entry(score=None)
+    assert _nan_entry(score=0.25) == _nan_entry(score=0.25) and _nan_entry(score=None) == _nan_entry(
+        score=None
+    )
     assert _nan_entry() != "a.pt"

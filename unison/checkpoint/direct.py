@@ -33,10 +33,10 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from unison.checkpoint.crc import crc_while
+from unison.checkpoint.crc import crc_while, shift
 from unison.checkpoint.writeback import PARALLEL, WritebackFile, start_writeback
 
-__all__ = ["CHUNK", "DirectFile", "open_sink"]
+__all__ = ["CHUNK", "DirectFile", "direct_available", "open_sink"]
 
 CHUNK = 16 << 20
 """Bytes per staging buffer and per ``O_DIRECT`` write (16 MiB)."""
@@ -48,11 +48,17 @@ _spare: list[mmap.mmap] = []  # staging buffers kept from one file to the next: 
 _spare_lock = threading.Lock()
 
 
+def direct_available() -> bool:
+    """Whether this platform has ``O_DIRECT`` (a file system may still refuse it: :class:`DirectFile`
+    then writes through the page cache)."""
+    return _O_DIRECT is not None
+
+
 def open_sink(raw: Any, path: str | os.PathLike[str]) -> DirectFile | WritebackFile:
     """The file object a durable write of ``path`` (opened as the unbuffered ``raw``) writes to:
     a :class:`DirectFile` where this platform has ``O_DIRECT``, else a
     :class:`~unison.checkpoint.writeback.WritebackFile`."""
-    if _O_DIRECT is None:  # pragma: no cover - macOS, Windows
+    if not direct_available():  # pragma: no cover - macOS, Windows
         return WritebackFile(raw)
     return DirectFile(raw, path)
 
@@ -87,10 +93,18 @@ class DirectFile:
         path: where it is, to open it once more with ``O_DIRECT``.
         chunk: bytes per staging buffer and per direct write (default :data:`CHUNK`).
         depth: direct writes in flight at once (default :data:`DEPTH`).
+        checksum: also compute the CRC-32 of the whole file as it is written (:attr:`crc`), each
+            full buffer's by the writer thread that writes it.
     """
 
     def __init__(
-        self, raw: Any, path: str | os.PathLike[str], *, chunk: int = CHUNK, depth: int = DEPTH
+        self,
+        raw: Any,
+        path: str | os.PathLike[str],
+        *,
+        chunk: int = CHUNK,
+        depth: int = DEPTH,
+        checksum: bool = False,
     ) -> None:
         if chunk <= 0 or chunk % 4096:
             raise ValueError(f"DirectFile: chunk={chunk} must be a positive multiple of 4096 (a page)")
@@ -110,6 +124,8 @@ class DirectFile:
         self._fill = 0  # bytes in the current buffer
         self._base = 0  # the file offset of the current buffer's first byte
         self._cached = 0  # bytes of the current buffer a flush wrote through the page cache
+        self.checksum = checksum
+        self._crcs: dict[int, int] = {}  # the CRC-32 of each full buffer, by its offset
 
     # -- the file object torch's writers and CrcFiller write to
 
@@ -135,9 +151,23 @@ class DirectFile:
             _pwrite_all(self.raw.fileno(), self._view[self._cached : self._fill], self._base + self._cached)
             self._cached = self._fill
 
+    @property
+    def crc(self) -> int:
+        """The CRC-32 of every byte written so far (with ``checksum=True``)."""
+        if not self.checksum:
+            raise ValueError("DirectFile.crc: the file was opened without checksum=True")
+        self._wait(0)
+        crc = 0
+        for n, offset in enumerate(sorted(self._crcs)):  # every full buffer is `chunk` bytes long
+            crc = shift(crc, self.chunk) ^ self._crcs[offset] if n else self._crcs[offset]
+        if self._fill and self._view is not None:
+            crc = zlib.crc32(self._view[: self._fill], crc)
+        return crc
+
     def restart(self) -> None:
         """Empties the file, to write it again from its first byte."""
         self._wait(0)
+        self._crcs.clear()
         self._fill = self._base = self._cached = self.written = 0
         self.raw.seek(0)
         self.raw.truncate(0)
@@ -208,6 +238,8 @@ class DirectFile:
         """Writes one full buffer at ``offset``: with ``O_DIRECT`` (``fd``) while the file system takes it."""
         view = memoryview(buffer)
         try:
+            if self.checksum:
+                self._crcs[offset] = zlib.crc32(view)
             if fd is not None and self.direct:
                 try:
                     _pwrite_all(fd, view, offset)

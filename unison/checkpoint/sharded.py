@@ -207,23 +207,30 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> dict[str, tuple[int, i
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
+    from unison.checkpoint.dcp_files import direct_writer  # imports DCP: only when saving
+
     try:
-        dcp.save(dict(states), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-        return own_checksums(tmp)
+        writer = direct_writer(tmp)  # O_DIRECT, each file checksummed as it is written
+        dcp.save(dict(states), storage_writer=writer, no_dist=not dist.is_initialized())
+        return own_checksums(tmp, writer.checksums)
     except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps every rank's error
         if (error := unwritten(err, tmp, states)) is err:
             raise
         raise error from err
 
 
-def own_checksums(tmp: Path) -> dict[str, tuple[int, int]]:
+def own_checksums(
+    tmp: Path, known: Mapping[str, tuple[int, int]] | None = None
+) -> dict[str, tuple[int, int]]:
     """``{file name: (size, crc32)}`` of the files this rank wrote into ``tmp`` (its shards; on rank 0
-    also the metadata)."""
+    also the metadata): those of ``known`` (computed as they were written, by
+    :class:`~unison.checkpoint.dcp_files.DirectFileSystem`) as they are, the others read back."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")]
-    return {name: file_checksum(tmp / name) for name in sorted(mine)}
+    known = known or {}
+    return {name: known.get(name) or file_checksum(tmp / name) for name in sorted(mine)}
 
 
 def finish_folder(

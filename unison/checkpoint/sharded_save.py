@@ -94,7 +94,10 @@ def save_sharded(
         return final if get_rank() == 0 else None
     import torch.distributed.checkpoint as dcp
 
-    pending = dcp.async_save(dict(states), checkpoint_id=str(tmp), process_group=async_group)
+    from unison.checkpoint.dcp_files import direct_writer
+
+    storage = direct_writer(tmp)  # O_DIRECT, each file checksummed as it is written
+    pending = dcp.async_save(dict(states), storage_writer=storage, process_group=async_group)
     rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
 
     def in_background() -> None:
@@ -105,7 +108,7 @@ def save_sharded(
             if (error := unwritten(err, tmp, states)) is err:
                 raise
             raise error from err
-        mine = own_checksums(tmp)
+        mine = own_checksums(tmp, storage.checksums)
         everyone: list[Any] | None = [None] * dist.get_world_size() if get_rank() == 0 else None
         dist.gather_object(mine, everyone, dst=0, group=async_group)
         finish(everyone, rest)

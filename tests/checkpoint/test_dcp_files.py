@@ -1,0 +1,54 @@
+"""A sharded checkpoint's DCP files go to the disk with O_DIRECT, DCP's flush after each tensor
+writes nothing, and each file's size and CRC-32 are kept as it is written: the same as read back."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import unison.checkpoint.direct as direct_module
+from unison.checkpoint.dcp_files import direct_writer
+from unison.checkpoint.sharded import own_checksums
+from unison.checkpoint.sharded_files import file_checksum
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+
+
+def test_dcp_files_are_written_around_the_page_cache_and_checksummed_as_they_are_written(
+    tmp_path, monkeypatch
+):
+    writes: list[tuple[str, bool]] = []
+    real = direct_module._pwrite_all
+
+    def record(fd, view, offset):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        writes.append((name, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        real(fd, view, offset)
+
+    monkeypatch.setattr(direct_module, "_pwrite_all", record)
+    gen = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1_000_000, generator=gen) for i in range(10)}  # 40 MB in one file
+    state["step"] = torch.tensor(7)
+    writer = direct_writer(tmp_path)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+
+    shards = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    assert shards == ["__0_0.distcp"]
+    size = (tmp_path / shards[0]).stat().st_size
+    full = size // direct_module.CHUNK
+    assert full == 2
+    mine = [direct for name, direct in writes if name == shards[0]]
+    # two full buffers with O_DIRECT, then the tail once: the flushes after each of 11 tensors wrote nothing
+    assert mine == [True] * full + [False]
+
+    kept = own_checksums(tmp_path, writer.checksums)
+    assert kept == {name: file_checksum(tmp_path / name) for name in [*shards, ".metadata"]}
+    assert writer.checksums[shards[0]][0] == size
+
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
