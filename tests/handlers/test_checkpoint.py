@@ -264,6 +264,7 @@ def _scored_engine(folder: Path, **options) -> tuple[Engine, Checkpoint, list]:
     after_each: list = []
 
     def _record(e: Engine) -> None:
+        checkpoint.wait()  # rotation deletes in a thread of its own; wait() waits for it
         after_each.append((e.state.epoch, checkpoint.saved[-1].name, on_disk(folder), in_manifest(folder)))
 
     engine.after_epoch(_record)  # the epoch's save runs after every handler: record after it
@@ -293,6 +294,45 @@ def test_rotation_keeps_the_last_two_and_the_best_across_a_restart(tmp_path, man
         )
         assert newest in files, f"after epoch {epoch} rotation deleted the checkpoint it had just written"
     assert [epoch for epoch, *_ in second] == list(range(FIRST_RUN + 1, len(SCORES) + 1))
+
+
+def test_a_synchronous_save_returns_before_rotation_has_deleted_and_the_next_save_waits_for_it(
+    tmp_path, monkeypatch
+):
+    release, deleting = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real_remove = writer_module.remove
+
+    def slow_remove(path):
+        threads.append(threading.current_thread().name)
+        deleting.set()
+        assert release.wait(30), "the test never released the deletion"
+        real_remove(path)
+
+    monkeypatch.setattr(writer_module, "remove", slow_remove)
+    engine, checkpoint, _ = _scored_engine(tmp_path, keep_last=1)
+    engine.state.epoch, engine.state.iteration = 1, 1
+    checkpoint.save(engine)
+    engine.state.epoch, engine.state.iteration = 2, 2
+    checkpoint.save(engine)  # returns while the first file's deletion is held
+    assert deleting.wait(30) and threads == ["unison-ckpt-rotate"]
+    first, second = checkpoint_name("ckpt", 1, 1), checkpoint_name("ckpt", 2, 2)
+    assert in_manifest(tmp_path) == [second] and on_disk(tmp_path) == sorted([first, second])
+
+    saved = threading.Event()
+
+    def third() -> None:
+        engine.state.epoch, engine.state.iteration = 3, 3
+        checkpoint.save(engine)
+        saved.set()
+
+    saving = threading.Thread(target=third)
+    saving.start()
+    assert not saved.wait(0.2), "the next save began before the last rotation's deletion ended"
+    release.set()
+    saving.join(30)
+    checkpoint.wait()
+    assert saved.is_set() and on_disk(tmp_path) == in_manifest(tmp_path) == [checkpoint_name("ckpt", 3, 3)]
 
 
 def test_rotation_deletes_nothing_when_the_new_file_fails_to_write(tmp_path, monkeypatch):
@@ -791,7 +831,9 @@ def test_stateful_handlers_attached_to_the_trainer_are_saved_and_restored_unaske
 
     def build() -> tuple[Engine, Checkpoint, EarlyStopping, _Counter]:
         engine = Engine(lambda e, b: None, sync_every=None)
-        stopper = EarlyStopping(engine, lambda e: 1.0, patience=10, mode="max")  # never improves after the first
+        stopper = EarlyStopping(
+            engine, lambda e: 1.0, patience=10, mode="max"
+        )  # never improves after the first
         stopper.attach(engine)
         counter = _Counter()
         engine.add_event_handler(Events.ITERATION_COMPLETED, counter)

@@ -71,6 +71,7 @@ class CheckpointWriter:
         self.snapshot = Snapshot()
         """The CPU buffers an asynchronous write copies the state into, kept between saves."""
         self._reserving: threading.Thread | None = None
+        self._removing: threading.Thread | None = None
 
     @property
     def folder(self) -> Path:
@@ -128,10 +129,12 @@ class CheckpointWriter:
         self._reserving.start()
 
     def wait(self) -> None:
-        """Blocks until an asynchronous write has finished; re-raises its error."""
+        """Blocks until an asynchronous write and the deletions of rotation have finished; re-raises
+        the write's error."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        self._removed()
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"Writing a checkpoint to {self.folder} failed: {err}") from err
@@ -199,8 +202,31 @@ class CheckpointWriter:
         )
         self.manifest.remove(set(plan.delete))
         self.manifest.write()  # durable before anything is deleted
-        for name in plan.delete:
-            remove(file_in(self.folder, name, source=str(self.manifest.path)))  # a file or a sharded folder
+        doomed = [file_in(self.folder, name, source=str(self.manifest.path)) for name in plan.delete]
+        self._removed()  # one deletion at a time
+        if doomed:  # deleting a large file takes the file system tens of milliseconds: not the trainer's
+            self._removing = threading.Thread(
+                target=_remove_all, args=(doomed,), name="unison-ckpt-rotate", daemon=False
+            )
+            self._removing.start()
+
+    def _removed(self) -> None:
+        """Waits for the deletions of the last rotation (the next write may need their space)."""
+        thread, self._removing = self._removing, None
+        if thread is not None:
+            thread.join()
+
+
+def _remove_all(paths: list[Path]) -> None:
+    """Deletes rotated checkpoints (files or sharded folders); one that cannot be is logged and left
+    (the manifest no longer lists it)."""
+    for path in paths:
+        try:
+            remove(path)
+        except OSError as err:
+            _log.warning(
+                "Could not delete the rotated checkpoint %s (%s); it can be deleted by hand.", path, err
+            )
 
 
 def _shapes(state: Any) -> Any:
