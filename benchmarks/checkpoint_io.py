@@ -74,6 +74,10 @@ def one_way(way: str, state: Any, folder: Path, nbytes: int) -> tuple[float, flo
     saved = folder / "unison.pt"
     if way.startswith("load") or way == "disk read":
         drop_cache(saved)
+    elif way == "save, unison":  # a new file, as a run's save writes: the old one's deletion is not timed
+        saved.unlink(missing_ok=True)
+    elif way == "save, torch.save":
+        (folder / "torch.pt").unlink(missing_ok=True)
     cpu, start = _cpu(), time.perf_counter()
     if way == "save, torch.save":
         _atomic_write(folder / "torch.pt", lambda fh: torch.save(state, fh))

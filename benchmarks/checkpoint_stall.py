@@ -113,11 +113,22 @@ def build(width: int, layers: int, seed: int = 0) -> Any:
 def one_run(
     model: Any, optimizer: Any, data: Any, folder: Path, mode: str, steps: int, device: Any = "cpu"
 ) -> dict[str, float]:
-    """Trains ``steps`` iterations, saving once halfway; returns the save's timings."""
+    """Trains ``steps`` iterations, saving once halfway; returns the save's timings.
+
+    The folder starts empty (rank 0 empties it, untimed): a run's save writes a new name, while
+    every round here saves the same position, whose older file the save would otherwise
+    delete on the trainer's time (a file's rename over it, a sharded folder's removal)."""
+    import shutil
+
     import torch.nn.functional as F
 
+    from unison.distributed import barrier, get_rank
     from unison.engine import Events, create_trainer
     from unison.handlers import Checkpoint
+
+    if get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    barrier()
 
     trainer = create_trainer(model, optimizer, F.mse_loss, sync_every=None, track_loss=False)
     checkpoint = Checkpoint(

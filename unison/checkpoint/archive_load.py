@@ -15,12 +15,12 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import IO, Any, cast
 
 import torch
 
+import unison.checkpoint.crc as checksums  # its crc32 looked up at each call: one place to patch in tests
 from unison.checkpoint.archive_records import Record, records, unrecorded_note
 from unison.checkpoint.crc import blocks, range_crcs, shift
 from unison.checkpoint.snapshot import default_threads
@@ -77,7 +77,7 @@ class ParallelReader(io.RawIOBase):
             for at, length in blocks(0, len(view)):  # one thread faults the new tensor's pages in, in order
                 got = _read_block(self.fd, view, start + at, at, length)
                 if check:  # checksummed by the pool's threads while the next block is read
-                    crcs.append(self.pool.submit(zlib.crc32, view[at : at + got]))
+                    crcs.append(self.pool.submit(checksums.crc32, view[at : at + got]))
                 read += got
                 if got < length:  # the file ends inside this block
                     break

@@ -18,12 +18,12 @@ from __future__ import annotations
 import inspect
 import pickle
 import struct
-import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import IO, Any, cast
 
 import torch
 
+import unison.checkpoint.crc as checksums  # its crc32 looked up at each call: one place to patch in tests
 from unison.checkpoint.snapshot import default_threads
 from unison.checkpoint.writeback import WritebackFile
 
@@ -119,7 +119,7 @@ class CrcFiller:
             if self._names[-1].endswith(_SERIALIZATION_ID.encode()):
                 view = memoryview(self._serialization_id(view))
             if self._data:  # the data come in more than one write (not torch's way): checksummed here
-                self._crcs[-1] = zlib.crc32(view, self._crcs[-1])
+                self._crcs[-1] = checksums.crc32(view, self._crcs[-1])
                 self.sink.write(view)
             else:
                 self._crcs[-1] = self.sink.write_crc(view, self.pool)

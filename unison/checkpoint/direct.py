@@ -27,12 +27,12 @@ import errno
 import mmap
 import os
 import threading
-import zlib
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import unison.checkpoint.crc as checksums  # its crc32 looked up at each call: one place to patch in tests
 from unison.checkpoint.crc import crc_while, shift
 from unison.checkpoint.writeback import PARALLEL, WritebackFile, start_writeback
 
@@ -140,7 +140,7 @@ class DirectFile:
         view = memoryview(data).cast("B")
         if len(view) < PARALLEL:
             self._put(view)
-            return zlib.crc32(view)
+            return checksums.crc32(view)
         return crc_while(view, self._put, pool)
 
     def flush(self) -> None:
@@ -161,7 +161,7 @@ class DirectFile:
         for n, offset in enumerate(sorted(self._crcs)):  # every full buffer is `chunk` bytes long
             crc = shift(crc, self.chunk) ^ self._crcs[offset] if n else self._crcs[offset]
         if self._fill and self._view is not None:
-            crc = zlib.crc32(self._view[: self._fill], crc)
+            crc = checksums.crc32(self._view[: self._fill], crc)
         return crc
 
     def restart(self) -> None:
@@ -239,7 +239,7 @@ class DirectFile:
         view = memoryview(buffer)
         try:
             if self.checksum:
-                self._crcs[offset] = zlib.crc32(view)
+                self._crcs[offset] = checksums.crc32(view)
             if fd is not None and self.direct:
                 try:
                     _pwrite_all(fd, view, offset)

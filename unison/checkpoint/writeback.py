@@ -14,10 +14,10 @@ file is on the disk already, and the ``fsync`` still waits for every byte.
 from __future__ import annotations
 
 import os
-import zlib
 from concurrent.futures import Executor
 from typing import Any
 
+import unison.checkpoint.crc as checksums  # its crc32 looked up at each call: one place to patch in tests
 from unison.checkpoint.crc import crc_while
 
 WRITEBACK = 32 << 20
@@ -64,7 +64,7 @@ class WritebackFile:
         view = memoryview(data).cast("B")
         if len(view) < PARALLEL:
             self.write(view)
-            return zlib.crc32(view)
+            return checksums.crc32(view)
         self._drain()
         return crc_while(view, self._put, pool)
 
