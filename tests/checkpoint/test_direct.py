@@ -184,6 +184,7 @@ def test_a_checkpoint_goes_to_the_disk_around_the_page_cache_before_its_fsync(tm
 
     monkeypatch.setattr(io_module.os, "fsync", fsync)
     monkeypatch.setattr(direct_module, "_pwrite_all", pwrite_all)
+    monkeypatch.setattr(direct_module, "DIRECT_FROM", 32 << 20)
     state = {"w": torch.randn(9_000_000), "step": 3}  # 36 MB: two full 16 MiB buffers and a tail
     atomic_save(state, tmp_path / "c.pt")
     full = (tmp_path / "c.pt").stat().st_size // direct_module.CHUNK
@@ -198,3 +199,24 @@ def test_a_file_opened_without_checksum_has_no_crc_to_give(tmp_path):
     sink, _ = _write(tmp_path / "f.bin", [b"x" * 10])
     with pytest.raises(ValueError, match="checksum=True"):
         _ = sink.crc
+
+
+@pytest.mark.parametrize("numel", [1_000_000, 3_000_000], ids=["below", "above"])
+def test_a_state_below_direct_from_goes_through_the_page_cache_and_one_above_around_it(
+    tmp_path, monkeypatch, numel
+):
+    monkeypatch.setattr(direct_module, "DIRECT_FROM", 8 << 20)  # 4 MB below it, 12 MB above
+    sinks: list[str] = []
+    real_open_sink = io_module.open_sink
+
+    def open_sink(raw, path, size=0):
+        sink = real_open_sink(raw, path, size)
+        sinks.append(type(sink).__name__)
+        return sink
+
+    monkeypatch.setattr(io_module, "open_sink", open_sink)
+    state = {"w": torch.randn(numel), "same": None}
+    state["same"] = state["w"][:10]  # a view of the same storage counts once
+    atomic_save(state, tmp_path / "c.pt")
+    assert sinks == (["WritebackFile"] if numel * 4 < 8 << 20 else ["DirectFile"])
+    assert torch.equal(load_checkpoint(tmp_path / "c.pt")["w"], state["w"])

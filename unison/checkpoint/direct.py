@@ -36,12 +36,18 @@ import unison.checkpoint.crc as checksums  # its crc32 looked up at each call: o
 from unison.checkpoint.crc import crc_while, shift
 from unison.checkpoint.writeback import PARALLEL, WritebackFile, start_writeback
 
-__all__ = ["CHUNK", "DirectFile", "direct_available", "open_sink"]
+__all__ = ["CHUNK", "DIRECT_FROM", "DirectFile", "direct_available", "open_sink"]
 
 CHUNK = 16 << 20
 """Bytes per staging buffer and per ``O_DIRECT`` write (16 MiB)."""
 DEPTH = 2
 """Buffers written at once while the next one fills."""
+DIRECT_FROM = 128 << 20
+"""Files of this many bytes on are written with ``O_DIRECT`` (128 MiB). A smaller one fits the page
+cache's dirty limits whole: measured here, 101 and 160 MB files went out through the page cache at
+1.1-1.5x the speed of ``O_DIRECT``'s pipeline, whose last two buffers must still go out after the
+last byte is copied; from 256 MB on the page cache fell to 0.28-0.57x the disk, ``O_DIRECT`` held
+0.66-0.78x."""
 _O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
 _SPARE_LIMIT = DEPTH + 1
 _spare: list[mmap.mmap] = []  # staging buffers kept from one file to the next: their pages stay mapped
@@ -54,11 +60,11 @@ def direct_available() -> bool:
     return _O_DIRECT is not None
 
 
-def open_sink(raw: Any, path: str | os.PathLike[str]) -> DirectFile | WritebackFile:
-    """The file object a durable write of ``path`` (opened as the unbuffered ``raw``) writes to:
-    a :class:`DirectFile` where this platform has ``O_DIRECT``, else a
-    :class:`~unison.checkpoint.writeback.WritebackFile`."""
-    if not direct_available():  # pragma: no cover - macOS, Windows
+def open_sink(raw: Any, path: str | os.PathLike[str], size: int = 0) -> DirectFile | WritebackFile:
+    """The file object a durable write of about ``size`` bytes to ``path`` (opened as the unbuffered
+    ``raw``) writes to: a :class:`DirectFile` from :data:`DIRECT_FROM` bytes on where this platform
+    has ``O_DIRECT``, else a :class:`~unison.checkpoint.writeback.WritebackFile`."""
+    if size < DIRECT_FROM or not direct_available():
         return WritebackFile(raw)
     return DirectFile(raw, path)
 

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from unison.checkpoint.archive import archive_complete, load_archive
 from unison.checkpoint.archive_save import save_archive
 from unison.checkpoint.checkpoint_error import CheckpointError
@@ -40,13 +42,13 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Any) -> None:
+def _atomic_write(path: Path, write: Any, size: int = 0) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb", buffering=0) as fh:
-            sink = open_sink(fh, tmp)  # O_DIRECT from staging buffers, around the page cache
+            sink = open_sink(fh, tmp, size)  # from DIRECT_FROM bytes on: O_DIRECT, around the page cache
             try:
                 write(sink)
                 sink.flush()
@@ -66,17 +68,39 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
 
     The data goes to a temp file in the same folder, is flushed and fsynced, renamed over
     ``path``, and the folder is fsynced so the rename survives a power loss. A crash at
-    any point leaves at most a ``.tmp`` file behind, never a partial ``path``. The bytes go to
-    the disk with ``O_DIRECT`` from staging buffers, around the page cache, while ``torch.save``
-    goes on (:class:`~unison.checkpoint.direct.DirectFile`; through the page cache where the file
-    system refuses it): the fsync waits for the tail and flushes the disk's cache.
+    any point leaves at most a ``.tmp`` file behind, never a partial ``path``. A state of
+    :data:`~unison.checkpoint.direct.DIRECT_FROM` bytes or more goes to the disk with ``O_DIRECT``
+    from staging buffers, around the page cache, while ``torch.save`` goes on
+    (:class:`~unison.checkpoint.direct.DirectFile`; through the page cache where the file system
+    refuses it); a smaller one through the page cache, its writeback started as it goes
+    (:class:`~unison.checkpoint.writeback.WritebackFile`). The fsync waits for the tail and
+    flushes the disk's cache.
     The records' CRC-32s are computed by other threads while their bytes are written
     (:func:`~unison.checkpoint.archive_save.save_archive`): the file is the one ``torch.save``
     writes, byte for byte.
     """
     target = Path(path)
-    _atomic_write(target, lambda fh: save_archive(obj, fh))
+    _atomic_write(target, lambda fh: save_archive(obj, fh), state_bytes(obj))
     return target
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of every distinct tensor storage in nested containers: about a file's size."""
+    storages: dict[tuple[str, int], int] = {}
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(obj, Mapping):
+            for value in obj.values():
+                visit(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                visit(value)
+
+    visit(state)
+    return sum(storages.values())
 
 
 def atomic_write_json(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:

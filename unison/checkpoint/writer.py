@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from unison.checkpoint.entry import Entry, file_in
-from unison.checkpoint.io import atomic_save
+from unison.checkpoint.io import atomic_save, state_bytes
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.retention import retain
 from unison.checkpoint.sharded_files import remove
@@ -253,25 +253,6 @@ def _disk_full_cause(err: BaseException) -> OSError | None:
             return current
         current = current.__cause__ or current.__context__
     return None
-
-
-def state_bytes(state: Any) -> int:
-    """The bytes of every distinct tensor storage in nested containers: about a file's size."""
-    storages: dict[tuple[str, int], int] = {}
-
-    def visit(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
-        elif isinstance(obj, Mapping):
-            for value in obj.values():
-                visit(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                visit(value)
-
-    visit(state)
-    return sum(storages.values())
 
 
 def _size(n: float) -> str:
