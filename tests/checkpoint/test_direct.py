@@ -209,8 +209,8 @@ def test_a_state_below_direct_from_goes_through_the_page_cache_and_one_above_aro
     sinks: list[str] = []
     real_open_sink = io_module.open_sink
 
-    def open_sink(raw, path, size=0):
-        sink = real_open_sink(raw, path, size)
+    def open_sink(raw, path, size=0, direct=None):
+        sink = real_open_sink(raw, path, size, direct)
         sinks.append(type(sink).__name__)
         return sink
 

@@ -18,7 +18,6 @@ from unison.recipe.phases import ResumeError, run, train_from_config
 TIMEOUT_S = 240
 
 
-
 BASHRC = "export PATH=/usr/bin:/bin\n"
 
 FILES = [

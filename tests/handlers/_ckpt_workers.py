@@ -474,11 +474,11 @@ def exit_versus_save(
     rank1_left = Path(marks) / "rank1-left-its-run"
     real_save = writer_module.atomic_save
 
-    def save_after_rank1_left(obj: Any, path: Any) -> Any:
+    def save_after_rank1_left(obj: Any, path: Any, **options: Any) -> Any:
         deadline = time.monotonic() + patience_s
         while not rank1_left.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        return real_save(obj, path)
+        return real_save(obj, path, **options)
 
     writer_module.atomic_save = save_after_rank1_left
     run = build_run(folder, checkpoint=dict(every_epochs=None, at_end=False), **parts)
@@ -504,7 +504,12 @@ def exit_versus_save(
 
 
 def train_saving(
-    folder: str, *, max_epochs: int, resume: bool = False, checkpoint: dict[str, Any] | None = None, **parts: Any
+    folder: str,
+    *,
+    max_epochs: int,
+    resume: bool = False,
+    checkpoint: dict[str, Any] | None = None,
+    **parts: Any,
 ) -> dict[str, Any]:
     """Trains (resuming from ``folder`` first with ``resume``) and returns the files this run saved."""
     run = build_run(folder, checkpoint=checkpoint, **parts)

@@ -341,7 +341,7 @@ def test_rotation_deletes_nothing_when_the_new_file_fails_to_write(tmp_path, mon
     before_disk, before_manifest = on_disk(tmp_path), in_manifest(tmp_path)
     assert before_disk == [checkpoint_name("ckpt", 2, 2)]
 
-    def full_disk(obj, path):
+    def full_disk(obj, path, **options):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(writer_module, "atomic_save", full_disk)
@@ -416,7 +416,7 @@ class GatedWrite:
         self.most_active = 0
         self._lock = threading.Lock()
 
-    def __call__(self, obj, path):
+    def __call__(self, obj, path, **options):
         with self._lock:
             self.calls += 1
             self.active += 1
@@ -425,7 +425,7 @@ class GatedWrite:
         try:
             if not self.release.wait(timeout=60):
                 raise TimeoutError("the test never released the write")
-            return self.real(obj, path)
+            return self.real(obj, path, **options)
         finally:
             with self._lock:
                 self.active -= 1
@@ -436,6 +436,31 @@ def _trained(folder: Path, **checkpoint_options):
     run.trainer.run(run.loader, max_epochs=1)
     options = dict(every_epochs=None, at_end=False, keep_last=None, **checkpoint_options)
     return run, Checkpoint(folder, {"model": run.model, "optimizer": run.optimizer}, run.trainer, **options)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_small_checkpoint_goes_through_the_page_cache_unless_written_in_the_background(
+    tmp_path, monkeypatch, async_save
+):
+    import unison.checkpoint.direct as direct_module
+    import unison.checkpoint.io as io_module
+
+    sinks: list[str] = []
+    real_open_sink = io_module.open_sink
+
+    def open_sink(raw, path, size=0, direct=None):
+        sink = real_open_sink(raw, path, size, direct)
+        if ".pt." in Path(path).name:  # the checkpoint's temp file (not the manifest's)
+            sinks.append(type(sink).__name__)
+        return sink
+
+    monkeypatch.setattr(io_module, "open_sink", open_sink)
+    run, checkpoint = _trained(tmp_path, async_save=async_save)
+    checkpoint.save()
+    checkpoint.wait()
+    direct = direct_module.direct_available()
+    assert sinks == (["DirectFile"] if async_save and direct else ["WritebackFile"])
+    assert load_checkpoint(checkpoint.saved[-1])["meta"]["iteration"] == run.trainer.state.iteration
 
 
 def test_an_async_checkpoint_enters_the_manifest_only_once_durable(tmp_path, monkeypatch):
@@ -526,7 +551,7 @@ def test_at_most_one_async_write_is_in_flight(tmp_path, monkeypatch):
 
 
 def test_an_async_write_error_is_raised_by_the_next_wait(tmp_path, monkeypatch):
-    def broken(obj, path):
+    def broken(obj, path, **options):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(writer_module, "atomic_save", broken)

@@ -42,13 +42,15 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Any, size: int = 0) -> None:
+def _atomic_write(path: Path, write: Any, size: int = 0, direct: bool | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb", buffering=0) as fh:
-            sink = open_sink(fh, tmp, size)  # from DIRECT_FROM bytes on: O_DIRECT, around the page cache
+            sink = open_sink(
+                fh, tmp, size, direct
+            )  # from DIRECT_FROM bytes on: O_DIRECT, around the page cache
             try:
                 write(sink)
                 sink.flush()
@@ -63,7 +65,7 @@ def _atomic_write(path: Path, write: Any, size: int = 0) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+def atomic_save(obj: Any, path: str | os.PathLike[str], *, direct: bool | None = None) -> Path:
     """Writes ``obj`` with ``torch.save`` so that ``path`` is either the old file or the new one.
 
     The data goes to a temp file in the same folder, is flushed and fsynced, renamed over
@@ -74,13 +76,15 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     (:class:`~unison.checkpoint.direct.DirectFile`; through the page cache where the file system
     refuses it); a smaller one through the page cache, its writeback started as it goes
     (:class:`~unison.checkpoint.writeback.WritebackFile`). The fsync waits for the tail and
-    flushes the disk's cache.
+    flushes the disk's cache. ``direct=True`` writes around the page cache whatever the size (a
+    background save, whose page-cache writeback competes with training for the CPU), ``False``
+    through it.
     The records' CRC-32s are computed by other threads while their bytes are written
     (:func:`~unison.checkpoint.archive_save.save_archive`): the file is the one ``torch.save``
     writes, byte for byte.
     """
     target = Path(path)
-    _atomic_write(target, lambda fh: save_archive(obj, fh), state_bytes(obj))
+    _atomic_write(target, lambda fh: save_archive(obj, fh), state_bytes(obj), direct)
     return target
 
 

@@ -188,7 +188,8 @@ class CheckpointWriter:
 
     def _save(self, state: Mapping[str, Any], path: Path) -> None:
         try:
-            atomic_save(state, path)
+            # a background write goes around the page cache whatever its size (training competes for the CPU)
+            atomic_save(state, path, direct=True if self.async_save else None)
         except (OSError, RuntimeError) as err:
             if _disk_full_cause(err) is None:
                 raise
