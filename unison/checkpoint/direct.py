@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import unison.checkpoint.crc as checksums  # its crc32 looked up at each call: one place to patch in tests
-from unison.checkpoint.crc import crc_while, shift
-from unison.checkpoint.writeback import PARALLEL, WritebackFile, start_writeback
+from unison.checkpoint.crc import shift
+from unison.checkpoint.writeback import WritebackFile, start_writeback, written_crc
 
 __all__ = ["CHUNK", "DIRECT_FROM", "DirectFile", "direct_available", "open_sink"]
 
@@ -147,13 +147,10 @@ class DirectFile:
         return len(view)
 
     def write_crc(self, data: Any, pool: Executor) -> int:
-        """Writes ``data`` as :meth:`write` does and returns its CRC-32: a big buffer is checksummed by
-        ``pool``'s threads while this thread copies it (:func:`unison.checkpoint.crc.crc_while`)."""
-        view = memoryview(data).cast("B")
-        if len(view) < PARALLEL:
-            self._put(view)
-            return checksums.crc32(view)
-        return crc_while(view, self._put, pool)
+        """Writes ``data`` as :meth:`write` does and returns its CRC-32
+        (:func:`~unison.checkpoint.writeback.written_crc`: a big buffer checksummed by ``pool``'s
+        threads while this thread copies it)."""
+        return written_crc(memoryview(data).cast("B"), self._put, pool)
 
     def flush(self) -> None:
         """Waits for every direct write and writes the current partial buffer through the page cache:

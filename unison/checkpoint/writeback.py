@@ -14,6 +14,7 @@ file is on the disk already, and the ``fsync`` still waits for every byte.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -59,14 +60,8 @@ class WritebackFile:
         return size
 
     def write_crc(self, data: Any, pool: Executor) -> int:
-        """Writes ``data`` as :meth:`write` does and returns its CRC-32: a big buffer is checksummed by
-        ``pool``'s threads while this thread writes it (:func:`unison.checkpoint.crc.crc_while`)."""
-        view = memoryview(data).cast("B")
-        if len(view) < PARALLEL:
-            self.write(view)
-            return checksums.crc32(view)
-        self._drain()
-        return crc_while(view, self._put, pool)
+        """Writes ``data`` as :meth:`write` does and returns its CRC-32 (:func:`written_crc`)."""
+        return written_crc(memoryview(data).cast("B"), self.write, pool)
 
     def restart(self) -> None:
         """Empties the file, to write it again from its first byte."""
@@ -92,6 +87,16 @@ class WritebackFile:
             if self.writeback and self.written - self._started >= self.writeback:
                 start_writeback(self.raw.fileno(), self._started, self.written - self._started)
                 self._started = self.written
+
+
+def written_crc(view: memoryview, write: Callable[[memoryview], object], pool: Executor) -> int:
+    """Writes ``view`` with ``write`` and returns its CRC-32: a buffer of :data:`PARALLEL` bytes or
+    more is checksummed by ``pool``'s threads while this thread writes it
+    (:func:`unison.checkpoint.crc.crc_while`), a smaller one after."""
+    if len(view) < PARALLEL:
+        write(view)
+        return checksums.crc32(view)
+    return crc_while(view, write, pool)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
