@@ -18,6 +18,7 @@ from unison.checkpoint.sharded_files import file_checksum
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
 
 
+@pytest.mark.usefixtures("direct_folder")
 def test_dcp_files_are_written_around_the_page_cache_and_checksummed_as_they_are_written(
     tmp_path, monkeypatch
 ):

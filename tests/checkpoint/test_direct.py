@@ -56,6 +56,7 @@ def _write(path, pieces, *, flush_at=(), depth=2, chunk=CHUNK, checksum=False):
         return sink, raw.fileno()
 
 
+@pytest.mark.usefixtures("direct_folder")
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     sizes=st.lists(st.integers(0, 3 * CHUNK + 5), max_size=12),
@@ -81,6 +82,7 @@ def test_the_file_holds_every_byte_in_order_and_every_full_buffer_went_around_th
     assert all(n < CHUNK for _, n in through_cache)  # only partial buffers: the tail, and a mid-way flush's
 
 
+@pytest.mark.usefixtures("direct_folder")
 def test_the_direct_descriptor_is_opened_with_o_direct_and_closed(tmp_path, monkeypatch):
     flags: list[int] = []
     real = direct_module._pwrite_all
@@ -170,6 +172,7 @@ def test_a_chunk_that_is_not_whole_pages_is_refused(tmp_path):
         DirectFile(raw, tmp_path / "f.bin", chunk=1000)
 
 
+@pytest.mark.usefixtures("direct_folder")
 def test_a_checkpoint_goes_to_the_disk_around_the_page_cache_before_its_fsync(tmp_path, monkeypatch):
     events: list[str] = []
     real_fsync, real_pwrite_all = os.fsync, direct_module._pwrite_all
