@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _direct_io import direct_folder  # noqa: F401 - the fixture
 
 import unison.checkpoint.direct as direct_module
 from unison.checkpoint.dcp_files import direct_writer

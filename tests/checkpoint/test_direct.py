@@ -12,6 +12,7 @@ import zlib
 
 import pytest
 import torch
+from _direct_io import direct_folder  # noqa: F401 - the fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

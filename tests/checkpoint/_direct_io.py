@@ -1,4 +1,4 @@
-"""Fixtures of the checkpoint tests."""
+"""The O_DIRECT fixture of the checkpoint tests that count direct writes."""
 
 from __future__ import annotations
 
