@@ -88,7 +88,10 @@ def _keep(buffer: mmap.mmap) -> None:
         if len(_spare) < _SPARE_LIMIT:
             _spare.append(buffer)
             return
-    buffer.close()
+    try:
+        buffer.close()
+    except BufferError:  # a view of it is still alive somewhere: unmapped when that goes
+        pass
 
 
 class DirectFile:
