@@ -77,9 +77,7 @@ def test_no_part_imports_the_top_level_package() -> None:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: import unison")
             elif isinstance(node, ast.ImportFrom) and node.module == "unison" and node.level == 0:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: from unison import ...")
-    assert not offenders, "a part imports the top-level package, which only re-exports:\n" + "\n".join(
-        offenders
-    )
+    assert not offenders, "a part imports the top-level package, which only re-exports:\n" + "\n".join(offenders)
 
 
 def test_architecture_doc_names_every_part() -> None:
@@ -97,8 +95,7 @@ def test_a_forbidden_import_inside_a_function_is_caught(tmp_path: Path) -> None:
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     engine = copy / "unison" / "engine" / "engine.py"
     engine.write_text(
-        engine.read_text()
-        + "\n\ndef _probe() -> None:\n    from unison.handlers import checkpoint  # noqa: F401\n"
+        engine.read_text() + "\n\ndef _probe() -> None:\n    from unison.handlers import checkpoint  # noqa: F401\n"
     )
     result = _lint_imports(copy)
     assert result.returncode != 0

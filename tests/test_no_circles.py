@@ -22,12 +22,8 @@ def _imports(path: Path, package: str, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module in modules:
                 found.add(node.module)
-            elif node.module == package or node.module.startswith(
-                package + "."
-            ):  # from package import module
-                found.update(
-                    f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules
-                )
+            elif node.module == package or node.module.startswith(package + "."):  # from package import module
+                found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules)
     return found
 
 

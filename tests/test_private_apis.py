@@ -53,9 +53,7 @@ def test_the_compiled_call_probe_notices_a_call_that_ignores_it(call_ignores_com
     assert "no longer runs" in compile_hook.compiled_call_problem()
 
 
-def test_compile_refuses_where_the_model_would_train_uncompiled_while_reported_compiled(
-    call_ignores_compiled,
-):
+def test_compile_refuses_where_the_model_would_train_uncompiled_while_reported_compiled(call_ignores_compiled):
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(compile_hook.CompiledCallChanged, match=r"training\.compile: false"):
         compile_model(model)
@@ -67,9 +65,7 @@ def test_compile_refuses_where_the_model_would_train_uncompiled_while_reported_c
 
 @pytest.fixture
 def ignite_ignores_parent(monkeypatch, fresh_probes):
-    monkeypatch.setattr(
-        IgniteEngine, "_compare_handlers", staticmethod(lambda user, registered: user == registered)
-    )
+    monkeypatch.setattr(IgniteEngine, "_compare_handlers", staticmethod(lambda user, registered: user == registered))
 
 
 def test_the_ignite_probe_notices_handlers_no_longer_found_by_parent(ignite_ignores_parent):

@@ -13,22 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool(name: str) -> list[str]:
-    if (
-        shutil.which(name) is None
-        and subprocess.run([sys.executable, "-m", name, "--version"], capture_output=True).returncode
-    ):
+    if shutil.which(name) is None and subprocess.run([sys.executable, "-m", name, "--version"], capture_output=True).returncode:
         pytest.fail(f"{name} is not installed: it is part of the test extra (pip install -e '.[test]')")
     return [sys.executable, "-m", name]
 
 
 @pytest.mark.timeout(120)
 def test_ruff_finds_nothing() -> None:
-    result = subprocess.run(
-        [*_tool("ruff"), "check", "unison", "recipes", "tests", "benchmarks"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    result = subprocess.run([*_tool("ruff"), "check", "unison", "recipes", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -105,23 +105,11 @@ def test_debug_shows_the_traceback_of_an_expected_error(capsys, tmp_path):
     from unison.config import ConfigError
 
     with pytest.raises(ConfigError, match="training.batch_size: must be > 0"):
-        main(
-            [
-                "run",
-                str(DIGITS),
-                "--debug",
-                "--set",
-                "training.batch_size=0",
-                "--set",
-                f"logging.root={tmp_path}",
-            ]
-        )
+        main(["run", str(DIGITS), "--debug", "--set", "training.batch_size=0", "--set", f"logging.root={tmp_path}"])
 
 
 def test_a_missing_resume_path_exits_2_naming_it(capsys, tmp_path):
-    rc = main(
-        ["run", str(DIGITS), "--resume", str(tmp_path / "gone.pt"), "--set", f"logging.root={tmp_path}"]
-    )
+    rc = main(["run", str(DIGITS), "--resume", str(tmp_path / "gone.pt"), "--set", f"logging.root={tmp_path}"])
     assert rc == 2
     assert "--resume " + str(tmp_path / "gone.pt") + ": no such file or folder" in capsys.readouterr().err
 

@@ -18,6 +18,8 @@ from unison.metrics import Accuracy, Loss
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+
+
 def _tiny_run(run_dir) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=gen)

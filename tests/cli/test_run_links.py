@@ -18,6 +18,7 @@ from unison.recipe.phases import ResumeError, run, train_from_config
 TIMEOUT_S = 240
 
 
+
 BASHRC = "export PATH=/usr/bin:/bin\n"
 
 FILES = [

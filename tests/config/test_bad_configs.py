@@ -403,11 +403,7 @@ THREAT_CASES = [
         "    out_features: !pyobject torch.utils.collect_env.run  # <-- here\n"
         "data:\n  build: !pyobject MODULE.build\n",
         "model.kwargs.out_features",
-        (
-            "function torch.utils.collect_env.run",
-            "inside model args and kwargs",
-            "nothing that runs commands",
-        ),
+        ("function torch.utils.collect_env.run", "inside model args and kwargs", "nothing that runs commands"),
         whole=True,
     ),
     Bad(

@@ -10,7 +10,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 def test_reference_page_matches_the_schema() -> None:
     assert DOC.read_text() == reference_markdown(), (
         "docs/configuration.md is stale: regenerate it with\n"
-        'python -c "from unison.config.reference import reference_markdown; '
+        "python -c \"from unison.config.reference import reference_markdown; "
         "open('docs/configuration.md','w').write(reference_markdown())\""
     )
 

@@ -95,9 +95,7 @@ def test_items_are_counted_in_rows_of_the_first_countable_member() -> None:
 
 
 def test_collate_without_graphs_is_torchs_and_never_imports_torch_geometric() -> None:
-    assert torch.equal(
-        collate([(torch.zeros(2), 0), (torch.ones(2), 1)])[0], torch.stack([torch.zeros(2), torch.ones(2)])
-    )
+    assert torch.equal(collate([(torch.zeros(2), 0), (torch.ones(2), 1)])[0], torch.stack([torch.zeros(2), torch.ones(2)]))
     code = (
         "import sys, torch\n"
         "from unison.distributed import prepare_loaders\n"

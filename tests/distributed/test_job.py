@@ -26,13 +26,7 @@ def test_no_launcher_spawn_or_srun_name_no_job():
     assert job_identity({"TORCHELASTIC_RUN_ID": "exp-7"}) is None  # no rank variables: not a worker
     spawned = {**RANK0, "UNISON_SPAWNED": "1", "TORCHELASTIC_RUN_ID": "exp-7"}
     assert job_identity(spawned) is None
-    srun = {
-        "SLURM_JOB_ID": "42",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NTASKS": "2",
-        "SLURM_STEP_ID": "0",
-    }
+    srun = {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}
     assert job_identity(srun) is None
 
 
@@ -42,12 +36,7 @@ def test_a_restart_count_torchrun_leaves_out_is_unknown_not_zero():
 
 @pytest.mark.parametrize(
     ("run_id", "name"),
-    [
-        ("12345", "job-12345"),
-        ("exp 7/../a", "job-exp_7_.._a"),
-        ("../", "job-_"),
-        ("x" * 80, "job-" + "x" * 48),
-    ],
+    [("12345", "job-12345"), ("exp 7/../a", "job-exp_7_.._a"), ("../", "job-_"), ("x" * 80, "job-" + "x" * 48)],
 )
 def test_folder_names_hold_no_path_separator(run_id, name):
     assert JobIdentity("torchrun", run_id).folder_name == name

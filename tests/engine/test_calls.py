@@ -40,11 +40,7 @@ class Sample:
 
 def _rows(n: int = 12) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    return (
-        torch.randn(n, 4, generator=gen),
-        torch.randn(n, 2, generator=gen),
-        torch.randn(n, 1, generator=gen),
-    )
+    return torch.randn(n, 4, generator=gen), torch.randn(n, 2, generator=gen), torch.randn(n, 1, generator=gen)
 
 
 def _train(batches: list, **kwargs) -> torch.Tensor:
@@ -75,7 +71,9 @@ def test_dict_and_dataclass_batches_train_as_the_same_data_in_tuples() -> None:
     as_dicts = _train(
         [{"features": f[s], "extra": e[s], "y": y[s]} for s in chunks], loss_fn=F.mse_loss, model_call=call
     )
-    as_dataclasses = _train([Sample(f[s], e[s], y[s]) for s in chunks], loss_fn=F.mse_loss, model_call=call)
+    as_dataclasses = _train(
+        [Sample(f[s], e[s], y[s]) for s in chunks], loss_fn=F.mse_loss, model_call=call
+    )
     positional = _train(
         [((f[s], e[s]), y[s]) for s in chunks], loss_fn=F.mse_loss, model_call=ModelCall(args=[0, 1])
     )
@@ -111,9 +109,7 @@ def test_the_default_prepare_batch_keeps_a_batch_with_fields_whole_and_takes_its
     sample = Sample(torch.zeros(2, 4), torch.zeros(2, 2), torch.ones(2))
     inputs, target = prepare_batch(sample, CPU)
     assert isinstance(inputs, Sample) and target is sample.y
-    with pytest.raises(
-        ValueError, match=r"fields \['ids', 'labels'\] and no 'y'.*WholeBatch\(target='<field>'\)"
-    ):
+    with pytest.raises(ValueError, match=r"fields \['ids', 'labels'\] and no 'y'.*WholeBatch\(target='<field>'\)"):
         prepare_batch({"ids": torch.zeros(1), "labels": torch.zeros(1)}, CPU)
     with pytest.raises(ValueError, match="expected an \\(inputs, targets\\) pair"):
         prepare_batch(torch.zeros(3), CPU)
@@ -137,10 +133,7 @@ def test_model_call_refuses_what_is_not_a_field_list_and_names_a_missing_field()
     with pytest.raises(TypeError, match=r"item 1 must be a field name.*True"):
         ModelCall(args=["x", True])
     call = ModelCall(args=["x", "edge_index"])
-    with pytest.raises(
-        KeyError,
-        match=r"ModelCall\(args=\['x', 'edge_index'\].*no field 'edge_index'; its fields are \['x'\]",
-    ):
+    with pytest.raises(KeyError, match=r"ModelCall\(args=\['x', 'edge_index'\].*no field 'edge_index'; its fields are \['x'\]"):
         call(lambda *a: a, {"x": 1})
     model = TwoInputs()
     with pytest.raises(TypeError, match=r"create_trainer\(model_call=...\) must be callable.*got int"):
@@ -165,9 +158,7 @@ def test_the_evaluator_hands_the_batch_to_a_batch_loss_and_pairs_to_every_metric
     assert metrics["mse"] == pytest.approx(truth, rel=1e-6)
     assert all(isinstance(o, BatchOutput) and isinstance(o.batch, Sample) for o in outputs)
     # Without a metric that reads the batch, the output is the plain pair.
-    plain = create_evaluator(
-        model, {"mse": MeanSquaredError()}, model_call=ModelCall(args=["features", "extra"])
-    )
+    plain = create_evaluator(model, {"mse": MeanSquaredError()}, model_call=ModelCall(args=["features", "extra"]))
     plain.add_event_handler(Events.ITERATION_COMPLETED, lambda eng: outputs.append(eng.state.output))
     plain.run(batches[:1])
     assert type(outputs[-1]) is tuple
@@ -175,9 +166,7 @@ def test_the_evaluator_hands_the_batch_to_a_batch_loss_and_pairs_to_every_metric
 
 def test_a_batch_loss_without_the_batch_says_how_to_keep_it() -> None:
     loss = Loss(BatchLoss(lambda out, b: F.mse_loss(out, b["y"])))
-    with pytest.raises(
-        ValueError, match=r"needs the whole batch.*BatchOutput\(y_pred, y, batch=output.batch\)"
-    ):
+    with pytest.raises(ValueError, match=r"needs the whole batch.*BatchOutput\(y_pred, y, batch=output.batch\)"):
         loss.update((torch.zeros(2), torch.zeros(2)))
     loss.update(copy.deepcopy(BatchOutput(torch.zeros(2), None, {"y": torch.ones(2)})))
     assert loss.compute() == 1.0
@@ -187,9 +176,7 @@ def test_loss_counts_a_graph_batch_in_graphs_not_in_its_fields_or_nodes() -> Non
     pyg = pytest.importorskip("torch_geometric.data")
 
     def graph(nodes: int, label: float) -> object:
-        return pyg.Data(
-            x=torch.zeros(nodes, 1), edge_index=torch.zeros(2, 0, dtype=torch.long), y=torch.tensor([label])
-        )
+        return pyg.Data(x=torch.zeros(nodes, 1), edge_index=torch.zeros(2, 0, dtype=torch.long), y=torch.tensor([label]))
 
     small = pyg.Batch.from_data_list([graph(9, 1.0)])  # 1 graph, many nodes
     large = pyg.Batch.from_data_list([graph(2, 0.0), graph(2, 0.0), graph(2, 0.0)])

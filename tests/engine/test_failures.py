@@ -247,9 +247,7 @@ def test_a_data_loader_exception_says_it_came_from_fetching_a_batch():
         engine.run(loader, max_epochs=2)
     assert str(info.value) == boom_message("data", 0, AT)
     (note,) = _notes(info.value)
-    assert note.startswith(
-        f"raised while fetching the batch of iteration {AT} from the data, at trainer GET_BATCH_STARTED, epoch 1,"
-    )
+    assert note.startswith(f"raised while fetching the batch of iteration {AT} from the data, at trainer GET_BATCH_STARTED, epoch 1,")
     assert note.endswith("rank 0 of 1")
 
 

@@ -31,9 +31,7 @@ def test_two_ranks_train_as_one_process_with_twice_the_batch(two_ranks: list[dic
     assert not torch.allclose(reference["params"], reference["initial"], atol=1e-3), "training did not move"
     for rank, result in enumerate(r["train"] for r in two_ranks):
         assert result["graphs_per_batch"] == [PER_RANK] * 6, f"rank {rank}"
-        torch.testing.assert_close(
-            result["params"], reference["params"], rtol=0, atol=1e-5, msg=f"rank {rank}"
-        )
+        torch.testing.assert_close(result["params"], reference["params"], rtol=0, atol=1e-5, msg=f"rank {rank}")
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert torch.equal(two_ranks[0]["train"]["params"], two_ranks[1]["train"]["params"])
 

@@ -472,9 +472,7 @@ def test_debug_reports_a_handler_attached_on_rank_zero_only(kind, sync_every, wo
         assert kind in message and "sync contributors" in message
         assert "rank 1 is at" in message  # the first rank that differs from rank 0
     else:  # the layout check at the run's start names it, with or without debug
-        assert (
-            f"the sync contributor {kind} is registered on rank(s) [0] but not on rank(s) [1, 2]" in message
-        )
+        assert f"the sync contributor {kind} is registered on rank(s) [0] but not on rank(s) [1, 2]" in message
 
 
 @pytest.mark.distributed
@@ -547,10 +545,7 @@ def _contributor_on_rank_zero_only() -> None:
 @pytest.mark.parametrize(
     ("worker", "expected"),
     [
-        (
-            _ragged_contributor,
-            "returns states of different lengths on different ranks (rank 0: 2, rank 1: 3)",
-        ),
+        (_ragged_contributor, "returns states of different lengths on different ranks (rank 0: 2, rank 1: 3)"),
         (_contributor_on_rank_zero_only, "is registered on rank(s) [0] but not on rank(s) [1]"),
     ],
 )

@@ -170,9 +170,7 @@ def test_train_sampler_order_changes_with_the_epoch():
 def test_set_sampler_epoch_on_ignites_engine():
     loader, (sampler,) = _loader_with_sampler()
     engine = IgniteEngine(lambda e, b: b)
-    engine.add_event_handler(
-        Events.EPOCH_STARTED, lambda e: set_sampler_epoch(e.state.dataloader, e.state.epoch - 1)
-    )
+    engine.add_event_handler(Events.EPOCH_STARTED, lambda e: set_sampler_epoch(e.state.dataloader, e.state.epoch - 1))
     engine.run(loader, max_epochs=2)
     assert sampler.epochs == [0, 1]
 

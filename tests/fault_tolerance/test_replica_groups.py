@@ -34,6 +34,12 @@ KILL_AT = 6
 """Group 1 is killed once it has committed this many steps in the shared quorum."""
 
 
+
+
+
+
+
+
 def _wait(condition, timeout: float, what: str, procs: list[subprocess.Popen], out: Path):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

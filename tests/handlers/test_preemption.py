@@ -33,6 +33,8 @@ HANDLERS = Path(__file__).resolve().parent
 JOB = dict(size=40, sync_every=3, at=7, max_epochs=3)
 
 
+
+
 @pytest.fixture
 def fallback_handlers():
     """Catches SIGTERM/SIGUSR1 in the test process, in case Preemption does not: records them."""

@@ -33,9 +33,7 @@ class Vote(SyncedHandler):
 
 
 def test_the_built_in_synced_handlers_share_the_base() -> None:
-    assert all(
-        issubclass(cls, SyncedHandler) for cls in (EarlyStopping, NonFiniteGuard, TimeLimit, Preemption)
-    )
+    assert all(issubclass(cls, SyncedHandler) for cls in (EarlyStopping, NonFiniteGuard, TimeLimit, Preemption))
 
 
 def test_a_vote_stops_the_run_at_the_next_sync_point() -> None:

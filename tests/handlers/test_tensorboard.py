@@ -23,6 +23,8 @@ N_SAMPLES, BATCH, EPOCHS = 12, 4, 3
 ITERS = N_SAMPLES // BATCH  # per epoch
 
 
+
+
 def _data(scale: float = 1.0) -> TensorDataset:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(N_SAMPLES, 3, generator=gen)

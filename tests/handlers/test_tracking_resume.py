@@ -23,9 +23,7 @@ def _trainer(resume_epoch: int, max_epochs: int):
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss)
     data = [(torch.ones(4, 2) * i, torch.zeros(4, 1)) for i in range(ITERS)]
     if resume_epoch:  # as a checkpoint taken at that epoch's end restores it
-        trainer.load_state_dict(
-            {"iteration": resume_epoch * ITERS, "epoch_length": ITERS, "max_epochs": max_epochs}
-        )
+        trainer.load_state_dict({"iteration": resume_epoch * ITERS, "epoch_length": ITERS, "max_epochs": max_epochs})
     return trainer, data
 
 

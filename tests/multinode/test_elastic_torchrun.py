@@ -44,6 +44,7 @@ def run_job(root: Path, rdzv_id: str, flag: Path, crash_at: int) -> str:
     env.update(
         OMP_NUM_THREADS="1",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # with the agent's store shared, a restarted group's gloo mesh fails
+
         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
     )
     cmd = [
@@ -65,9 +66,7 @@ def run_job(root: Path, rdzv_id: str, flag: Path, crash_at: int) -> str:
     ]  # fmt: skip
     out = root / f"agent-{rdzv_id}.out"
     with open(out, "w") as fh:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         proc.wait(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -82,9 +81,7 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     entries = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())["checkpoints"]
     newest = max(entries, key=lambda e: e["iteration"])
     assert newest["iteration"] == LENGTH, entries
-    return torch.load(run_dir / "checkpoints" / newest["file"], map_location="cpu", weights_only=True)[
-        "objects"
-    ]["model"]
+    return torch.load(run_dir / "checkpoints" / newest["file"], map_location="cpu", weights_only=True)["objects"]["model"]
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
@@ -96,14 +93,9 @@ def test_a_restarted_group_resumes_its_jobs_run_and_a_new_job_starts_fresh(tmp_p
     runs = sorted((tmp_path / "digits").iterdir())
     assert len(runs) == 1, f"the restart should continue the job's run folder, got {runs}"
     crashed = runs[0]
-    assert json.loads((crashed / JOB_RECORD).read_text()) == {
-        "job_id": f"elastic-{tag}-a",
-        "launcher": "torchrun",
-    }
+    assert json.loads((crashed / JOB_RECORD).read_text()) == {"job_id": f"elastic-{tag}-a", "launcher": "torchrun"}
     resumed = re.findall(r"Resumed from (\S+) \(epoch \d+, iteration (\d+)\)", first)
-    assert [int(i) for _, i in resumed] == [EVERY_ITERS], (
-        f"expected one resume from iteration {EVERY_ITERS}:\n{first}"
-    )
+    assert [int(i) for _, i in resumed] == [EVERY_ITERS], f"expected one resume from iteration {EVERY_ITERS}:\n{first}"
 
     second = run_job(tmp_path, f"elastic-{tag}-b", flag, CRASH_AT)  # the flag exists: no crash
     assert "Resumed from" not in second, f"a new job resumed another job's run:\n{second}"

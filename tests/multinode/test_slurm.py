@@ -106,9 +106,7 @@ def finish(cluster: SlurmCluster, job: int, outputs: Path) -> tuple[dict[str, st
 def _refused_as_already_killed(cluster: SlurmCluster, job: int) -> bool:
     """Whether slurmd refused to start the job because it still held an earlier start as killed."""
     log = cluster.logs / "slurmd.log"
-    return log.exists() and f"Job {job} already killed, do not launch batch job" in log.read_text(
-        errors="replace"
-    )
+    return log.exists() and f"Job {job} already killed, do not launch batch job" in log.read_text(errors="replace")
 
 
 def only_run(root: Path) -> Path:
@@ -294,11 +292,9 @@ def test_usr1_with_requeue_resumes_in_the_same_job(cluster, reference, tmp_path)
     print(
         f"\nrequeued job {job}: {info.get('JobState')} {info.get('ExitCode')} in {time.monotonic() - started:.1f} s"
     )
-    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == (
-        "COMPLETED",
-        "0:0",
-        restarts,
-    ), f"job {job}: {info}\n{output}\n{cluster.diagnostics()}"
+    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", restarts), (
+        f"job {job}: {info}\n{output}\n{cluster.diagnostics()}"
+    )
     assert "DUE TO JOB REQUEUE" in output, output
     stopped = re.findall(r"all 2 ranks stopping after iteration (\d+) .*: preempted", output)
     assert len(stopped) == 1 and EVERY <= int(stopped[0]) < total, output

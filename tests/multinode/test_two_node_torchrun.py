@@ -128,12 +128,7 @@ def check_folder(folder: Path) -> list[dict]:
 def test_two_agents_checkpoint_log_and_resume_once(tmp_path, strategy):
     # -- a first run: one epoch, a checkpoint every 3 iterations and at the epoch's end ------
     first = run_two_nodes(
-        tmp_path,
-        f"first-{strategy}",
-        "--set",
-        "training.max_epochs=1",
-        "--set",
-        f"parallel.strategy={strategy}",
+        tmp_path, f"first-{strategy}", "--set", "training.max_epochs=1", "--set", f"parallel.strategy={strategy}"
     )
     run_dir = run_dir_of(tmp_path)
     both = "\n".join(first)
@@ -181,9 +176,7 @@ def test_two_agents_checkpoint_log_and_resume_once(tmp_path, strategy):
     assert entries[-1]["iteration"] == length
     newest = folder / entries[-1]["file"]
     if strategy == "fsdp":  # a folder: every rank's shards, and the rest written by rank 0
-        assert sorted(p.name for p in newest.glob("__*_*.distcp")) == [
-            f"__{r}_0.distcp" for r in range(WORLD)
-        ]
+        assert sorted(p.name for p in newest.glob("__*_*.distcp")) == [f"__{r}_0.distcp" for r in range(WORLD)]
         newest = newest / "rest.pt"
     last = torch.load(newest, map_location="cpu", weights_only=True)
     assert last["meta"]["world_size"] == WORLD and last["meta"]["iteration"] == length

@@ -160,18 +160,14 @@ def test_a_name_the_script_lacks_names_the_key_the_script_and_the_nearest_names(
     block = BLOCK.read_text().replace("__main__.compute_loss", "__main__.compute_los")
     path = user_files(tmp_path, block)
     script_file = tmp_path / "train_qg.py"
-    code = main(
-        ["run", str(path), "--main", str(script_file), "--nproc", "2", "--set", f"training.path={out}"]
-    )
+    code = main(["run", str(path), "--main", str(script_file), "--nproc", "2", "--set", f"training.path={out}"])
     assert code == 2
     assert capsys.readouterr().err == (
         f"unison run: {path}:1: criterion: !pyobject __main__.compute_los: your script {script_file} has no "
         "'compute_los'; nearest: compute_loss\n"
     )
     path = user_files(tmp_path, BLOCK.read_text().replace('"GNNModel"', '"GNNModle"'))
-    code = main(
-        ["run", str(path), "--main", str(script_file), "--nproc", "2", "--set", f"training.path={out}"]
-    )
+    code = main(["run", str(path), "--main", str(script_file), "--nproc", "2", "--set", f"training.path={out}"])
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith(
@@ -210,9 +206,7 @@ def test_the_python_api_takes_main_as_one_rank_of_a_launcher(
     logger = logging.getLogger("unison")  # a run in this process sets up unison's console logging
     saved = (list(logger.handlers), logger.level, logger.propagate)
     try:
-        results = unison.recipe.run(
-            path, main="train_qg.py", overrides=[*CPU, f"training.path={tmp_path / 'o'}"]
-        )
+        results = unison.recipe.run(path, main="train_qg.py", overrides=[*CPU, f"training.path={tmp_path / 'o'}"])
     finally:
         logger.handlers[:], logger.propagate = saved[0], saved[2]
         logger.setLevel(saved[1])

@@ -70,17 +70,7 @@ def unison_run(name: str, tmp_path: Path, overrides: list[str]) -> tuple[dict, s
     metrics.json and everything the command printed."""
     shutil.copy(DATA / name, tmp_path / "config.yaml")
     shutil.copy(DATA / "quantumgrav_user.py", tmp_path / "quantumgrav_user.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "unison",
-        "run",
-        "config.yaml",
-        "--main",
-        "quantumgrav_user.py",
-        "--nproc",
-        "2",
-    ]
+    cmd = [sys.executable, "-m", "unison", "run", "config.yaml", "--main", "quantumgrav_user.py", "--nproc", "2"]
     for item in overrides:
         cmd += ["--set", item]
     result = run_in_session(cmd, RUN_TIMEOUT_S, tmp_path)
@@ -98,10 +88,7 @@ def finite(section: dict) -> bool:
 @pytest.mark.distributed
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_the_ddp_config_trains_a_graph_network_from_zarr_stores(tmp_path: Path, stores: list[Path]) -> None:
-    overrides = [
-        *laptop(tmp_path, stores, prefetch_in_eval=False),
-        f"parallel.master_port={find_free_port()}",
-    ]
+    overrides = [*laptop(tmp_path, stores, prefetch_in_eval=False), f"parallel.master_port={find_free_port()}"]
     metrics, output = unison_run("quantumgrav_train_ddp.yaml", tmp_path, overrides)
     assert (metrics["world_size"], metrics["epochs"]) == (2, EPOCHS)
     assert finite(metrics["validation"]) and finite(metrics["test"]), metrics

@@ -39,6 +39,7 @@ def launcher(mode: str) -> list[str]:
     return [sys.executable]
 
 
+
 def run_recipe(mode: str, out: Path) -> tuple[dict, list[str]]:
     """Runs the recipe; returns the JSON rank 0 wrote and the lines printed to stdout and stderr."""
     cmd = [*launcher(mode), str(SCRIPT), *SHORT_RUN, "--out", str(out)]
@@ -46,9 +47,7 @@ def run_recipe(mode: str, out: Path) -> tuple[dict, list[str]]:
         cmd += ["--ranks", "2"]
     result = run_in_session(cmd, TIMEOUT_S, ROOT, merge_output=True)
     output = result.stdout
-    assert result.returncode == 0, (
-        f"{mode} run exited with {result.returncode}: {' '.join(cmd)}\n{output[-4000:]}"
-    )
+    assert result.returncode == 0, f"{mode} run exited with {result.returncode}: {' '.join(cmd)}\n{output[-4000:]}"
     return json.loads(out.read_text()), output.splitlines()
 
 

@@ -122,9 +122,7 @@ def test_a_restart_marker_inside_a_file_purges_every_tag_before_it(tmp_path):
             writer.add_scalar("b", float(step), step)
         writer._get_file_writer().add_event(Event(step=2, session_log=SessionLog(status=SessionLog.START)))
         writer.add_scalar("a", 5.0, 2)
-    assert (
-        read_scalars(tmp_path) == {"a": [(1, 1.0), (2, 5.0)], "b": [(1, 1.0)]} == _tensorboard_view(tmp_path)
-    )
+    assert read_scalars(tmp_path) == {"a": [(1, 1.0), (2, 5.0)], "b": [(1, 1.0)]} == _tensorboard_view(tmp_path)
 
 
 def test_without_a_file_version_a_step_going_back_purges_its_own_tags(tmp_path):
@@ -133,15 +131,9 @@ def test_without_a_file_version_a_step_going_back_purges_its_own_tags(tmp_path):
     from tensorboardX.proto.summary_pb2 import Summary
 
     def scalar(tag: str, value: float, step: int) -> bytes:
-        event = Event(
-            step=step, wall_time=1.0, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])
-        )
+        event = Event(step=step, wall_time=1.0, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)]))
         return _frame(event.SerializeToString())
 
     points = [("a", 1.0, 1), ("b", 1.0, 1), ("a", 2.0, 2), ("b", 2.0, 2), ("a", 3.0, 3), ("a", 9.0, 2)]
     (tmp_path / "events.out.tfevents.1.old").write_bytes(b"".join(scalar(*p) for p in points))
-    assert (
-        read_scalars(tmp_path)
-        == {"a": [(1, 1.0), (2, 9.0)], "b": [(1, 1.0), (2, 2.0)]}
-        == _tensorboard_view(tmp_path)
-    )
+    assert read_scalars(tmp_path) == {"a": [(1, 1.0), (2, 9.0)], "b": [(1, 1.0), (2, 2.0)]} == _tensorboard_view(tmp_path)

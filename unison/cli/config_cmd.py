@@ -69,9 +69,7 @@ def with_origins(text: str, origin: Origin) -> str:
         where = origin.file_of(source)
         line = origin.line_of(source)
         note = where if line is None else f"{_short(where)}:{line}"  # a --set has no line
-        lines[index] += (
-            f"  # {redact_url(str(note))}"  # apart from the line: a "@" in it would end a password
-        )
+        lines[index] += f"  # {redact_url(str(note))}"  # apart from the line: a "@" in it would end a password
     return "\n".join(lines)
 
 

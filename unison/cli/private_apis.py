@@ -77,9 +77,7 @@ def _ddp_bucket_hooks() -> str | None:
         Reducer, ("_push_all_rebuilt_params", "_rebuild_buckets"), "torch's DDP Reducer"
     )
     if problem is None and "_build_params_for_reducer" not in DDP.__init__.__code__.co_names:
-        problem = (
-            "DistributedDataParallel no longer builds its Reducer's parameters by _build_params_for_reducer()"
-        )
+        problem = "DistributedDataParallel no longer builds its Reducer's parameters by _build_params_for_reducer()"
     if problem is None and "_has_rebuilt_buckets" not in DDP._pre_forward.__code__.co_names:
         problem = "DDP's forward no longer reads _has_rebuilt_buckets"
     return problem

@@ -36,16 +36,7 @@ from unison.config.usercode import (
     refused_library,
 )
 
-__all__ = [
-    "ALLOWED_PREFIXES",
-    "DENIED_PREFIXES",
-    "SLOTS",
-    "Scope",
-    "Slot",
-    "lookup",
-    "resolve_ref",
-    "resolve_tree",
-]
+__all__ = ["ALLOWED_PREFIXES", "DENIED_PREFIXES", "SLOTS", "Scope", "Slot", "lookup", "resolve_ref", "resolve_tree"]
 
 ALLOWED_PREFIXES = ("torch.", "unison.", "ignite.")
 """Modules a config may always name. A config adds its own under ``imports:``; modules that
@@ -61,7 +52,6 @@ DENIED_PREFIXES = (
 """Never resolved, whatever ``imports:`` says: they run programs, touch files or load code."""
 
 _DOTTED = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-
 
 def resolve_ref(
     ref: PyObjectRef,

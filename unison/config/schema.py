@@ -85,8 +85,7 @@ class ParallelConfig:
         None, "processes to spawn when no launcher is present (`--nproc`)", alias="world_size"
     )
     rank: int | None = option(
-        None,
-        "accepted for QuantumGrav configs: each process takes its rank from the launcher (a number "
+        None, "accepted for QuantumGrav configs: each process takes its rank from the launcher (a number "
         "is not used; a log line says so)",
     )
     master_addr: str = option("127.0.0.1", "rendezvous address when spawning")
@@ -100,8 +99,7 @@ class ParallelConfig:
     sync_batchnorm: bool = option(False, "convert BatchNorm layers to SyncBatchNorm")
     activation_checkpointing: bool | str | list[str] = option(False, AC_DOC)
     output_device: int | str | None = option(
-        None,
-        "DDP's output_device on GPUs (a cuda index or device); null: the rank's own device; not used "
+        None, "DDP's output_device on GPUs (a cuda index or device); null: the rank's own device; not used "
         "on the CPU (a log line says so)",
     )
     fault_tolerance: FaultToleranceConfig | None = option(
@@ -153,12 +151,10 @@ class TrainingConfig:
     seed: int = option(0, "seed for weights, splits and shuffling (the same on every rank)")
     max_epochs: int = option(10, "epochs to train", alias="num_epochs")
     batch_size: int | None = option(
-        None,
-        "samples per rank per step, at any world size (an update: x ranks x accumulation_steps); null: 32",
+        None, "samples per rank per step, at any world size (an update: x ranks x accumulation_steps); null: 32"
     )
     global_batch_size: int | None = option(
-        None,
-        "samples per optimizer update across all ranks (per-rank batch x ranks x accumulation_steps), "
+        None, "samples per optimizer update across all ranks (per-rank batch x ranks x accumulation_steps), "
         "divided among the ranks; instead of batch_size",
     )
     epoch_length: int | None = option(None, "iterations per epoch; default, one pass over the shard")
@@ -190,14 +186,11 @@ class TrainingConfig:
         slot="loss",
     )
     collate: PyObjectRef | None = option(
-        None,
-        "fn(items) -> batch for the training loader; null: torch_geometric's for graphs, else torch's "
-        "default_collate",
-        slot="collate",
+        None, "fn(items) -> batch for the training loader; null: torch_geometric's for graphs, else torch's "
+        "default_collate", slot="collate",
     )
     batch: dict[str, str | int | None] | PyObjectRef | None = option(
-        None,
-        "how a batch becomes (inputs, target), in training and evaluation: {target: <field>} keeps it "
+        None, "how a batch becomes (inputs, target), in training and evaluation: {target: <field>} keeps it "
         "whole, or !pyobject fn(batch, device) -> (inputs, target); null: (x, y) pairs split, else whole with y",
         slot="batch",
     )
@@ -218,9 +211,7 @@ class TrainingConfig:
     num_workers: int = option(0, "DataLoader worker processes per rank")
     pin_memory: bool = option(False, "pin host memory for faster copies to the GPU")
     drop_last: bool = option(False, "drop the last incomplete training batch")
-    shuffle: bool = option(
-        True, "shuffle the training data, with a new order each epoch (the same on every rank)"
-    )
+    shuffle: bool = option(True, "shuffle the training data, with a new order each epoch (the same on every rank)")
     prefetch_factor: int | None = option(None, "batches each worker loads ahead (needs num_workers > 0)")
     sync_every: int | None = option(100, "iterations between sync points inside an epoch")
     time_limit: float | None = option(None, "stop every rank together after this many seconds")
@@ -251,8 +242,7 @@ class ValidationConfig:
     collate: PyObjectRef | None = option(None, "fn(items) -> batch; default training.collate", slot="collate")
     shuffle: bool = option(False, "a new order each evaluation, the same on every rank (from training.seed)")
     validator: dict[str, Any] = option(
-        {},
-        "QuantumGrav's validator: criterion (!pyobject fn(outputs, batch), the loss metric) and apply_model "
+        {}, "QuantumGrav's validator: criterion (!pyobject fn(outputs, batch), the loss metric) and apply_model "
         "(the model call) are used; device is not needed, every rank evaluates on its own device (logged)",
     )
     metrics: dict[str, Any] = option(
@@ -274,13 +264,10 @@ class TestingConfig:
     prefetch_factor: int | None = option(
         None, "batches each worker loads ahead; default validation.prefetch_factor"
     )
-    collate: PyObjectRef | None = option(
-        None, "fn(items) -> batch; default validation.collate", slot="collate"
-    )
+    collate: PyObjectRef | None = option(None, "fn(items) -> batch; default validation.collate", slot="collate")
     shuffle: bool = option(False, "a new order each evaluation, as validation.shuffle")
     tester: dict[str, Any] = option(
-        {},
-        "QuantumGrav's tester: criterion and apply_model as validation.validator's (default theirs); "
+        {}, "QuantumGrav's tester: criterion and apply_model as validation.validator's (default theirs); "
         "device is not needed (logged)",
     )
 
@@ -313,8 +300,7 @@ class EarlyStoppingConfig:
     )
     args: list[Any] = option([], "positional arguments after the trainer (for EarlyStopping: the metric)")
     kwargs: dict[str, Any] = option(
-        {},
-        "keyword arguments: this section's keys (patience, mode, min_delta or delta ...) set them; the "
+        {}, "keyword arguments: this section's keys (patience, mode, min_delta or delta ...) set them; the "
         "others go to a handler class of your own",
     )
 
@@ -322,10 +308,8 @@ class EarlyStoppingConfig:
 @dataclass
 class HooksConfig:
     after_training: PyObjectRef | None = option(
-        None,
-        "fn(context) called on every rank after training and testing; context holds config (the config as "
-        "plain data, URL credentials masked), run_dir, model, optimizer, trainer, evaluator, datasets and results",
-        slot="hook",
+        None, "fn(context) called on every rank after training and testing; context holds config (the config as "
+        "plain data, URL credentials masked), run_dir, model, optimizer, trainer, evaluator, datasets and results", slot="hook"
     )
 
 

@@ -117,10 +117,7 @@ class FixedBucketsDDP(DistributedDataParallel):
         if reducer is None:  # every parameter's all-reduce is delayed: DDP made no Reducer
             return
         if not getattr(self, "_reducer_order_reversed", False):  # DDP built its Reducer another way
-            rebuilt, reason = (
-                False,
-                "DDP no longer builds the Reducer's parameters by _build_params_for_reducer()",
-            )
+            rebuilt, reason = False, "DDP no longer builds the Reducer's parameters by _build_params_for_reducer()"
         else:
             try:
                 reducer._push_all_rebuilt_params()

@@ -142,9 +142,7 @@ def prepare_model(
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"prepare_model(strategy={strategy!r}): expected 'ddp' or 'fsdp'.")
     if fsdp is not None and strategy != "fsdp":
-        raise ValueError(
-            "prepare_model(fsdp=...) was given with strategy='ddp'; pass strategy='fsdp' to shard."
-        )
+        raise ValueError("prepare_model(fsdp=...) was given with strategy='ddp'; pass strategy='fsdp' to shard.")
     fsdp_options = FSDPOptions.of(fsdp) if strategy == "fsdp" else None
     compile_options = compile_spec(compile)
     ac_rule = ac_spec(activation_checkpointing, "prepare_model(activation_checkpointing=...)")

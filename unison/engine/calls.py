@@ -145,9 +145,7 @@ class ModelCall:
         for key in kwargs:
             if not isinstance(key, str) or not key.isidentifier():
                 raise TypeError(f"ModelCall(kwargs=...) keys must be keyword names, got {key!r}.")
-        self.kwargs = {
-            key: _check_field(value, f"ModelCall(kwargs={{{key!r}: ...}})") for key, value in kwargs.items()
-        }
+        self.kwargs = {key: _check_field(value, f"ModelCall(kwargs={{{key!r}: ...}})") for key, value in kwargs.items()}
         self.whole = not self.args and not self.kwargs
         """No fields named: the model gets the inputs as they are."""
         self._owner = repr(self)

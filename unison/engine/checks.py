@@ -30,9 +30,7 @@ def handler_name(func: Callable[..., Any]) -> str:
 
 def check_sync_every(sync_every: int | None) -> int | None:
     """``Engine(sync_every=...)``: a positive int, or None."""
-    if sync_every is not None and (
-        isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
-    ):
+    if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
         raise ValueError(
             f"Engine(sync_every={sync_every!r}) must be a positive int (iterations between sync points) "
             "or None (sync at epoch ends only)."
@@ -117,9 +115,6 @@ def note_failure(engine: EngineParts, err: BaseException) -> None:
         return
     if engine.last_event_name is Events.GET_BATCH_STARTED:
         where = engine._where("GET_BATCH_STARTED")
-        add_note(
-            err,
-            f"raised while fetching the batch of iteration {engine.state.iteration + 1} from the data, at {where}",
-        )
+        add_note(err, f"raised while fetching the batch of iteration {engine.state.iteration + 1} from the data, at {where}")
     elif engine.last_event_name is Events.ITERATION_STARTED:
         add_note(err, f"raised by the process function (the step) at {engine._where('ITERATION')}")

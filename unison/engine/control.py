@@ -146,12 +146,7 @@ class StopControl:
         return {r: everyone[r] for r in decision.ranks}
 
     def _log(
-        self,
-        engine: IgniteEngine,
-        kind: Kind,
-        ranks: list[int],
-        reasons: dict[int, list[str]],
-        agreed: list[str],
+        self, engine: IgniteEngine, kind: Kind, ranks: list[int], reasons: dict[int, list[str]], agreed: list[str]
     ) -> None:
         if get_rank() != 0:
             return

@@ -206,9 +206,7 @@ class Engine(AgreedStops):
         # ignite's contract; handlers named in errors, sync points after an event's handlers.
         # The epoch loop (engine/loop.py) calls it only for events with handlers.
         if self._log_debug:  # read once per run: a call per event is a quarter of ignite's overhead
-            self.logger.debug(
-                f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}"
-            )
+            self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, Firing handlers for event {event_name}")
         self.last_event_name = event_name
         hot = self._hot  # per-iteration events: handlers found by identity, not by hashing the enum
         if event_name is Events.ITERATION_STARTED:

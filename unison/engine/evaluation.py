@@ -190,11 +190,7 @@ def _warn_if_padded(engine: Engine) -> None:
     """Warns (once per evaluator) when the evaluation data's sampler pads the shards."""
     loader = engine.state.dataloader
     sampler = getattr(loader, "sampler", None)
-    if (
-        not isinstance(sampler, DistributedSampler)
-        or sampler.drop_last
-        or getattr(engine, "_warned_padding", False)
-    ):
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or getattr(engine, "_warned_padding", False):
         return
     size = len(sampler.dataset)  # type: ignore[arg-type]  # a map-style dataset: sized
     padded = sampler.total_size - size

@@ -36,9 +36,7 @@ _EVERY_IN_RANGE = CallableEventWithFilter.every_before_and_after_event_filter(2,
 
 def _cells(event_filter: Callable[..., bool]) -> dict[str, Any]:
     names = event_filter.__code__.co_freevars
-    return {
-        name: cell.cell_contents for name, cell in zip(names, event_filter.__closure__ or (), strict=True)
-    }
+    return {name: cell.cell_contents for name, cell in zip(names, event_filter.__closure__ or (), strict=True)}
 
 
 def _predicate(event_filter: Callable[..., bool]) -> tuple[str, tuple[Any, ...]] | None:

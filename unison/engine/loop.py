@@ -42,9 +42,7 @@ _ITERATION_COMPLETED = Events.ITERATION_COMPLETED
 _STOP_ITERATION = Events.DATALOADER_STOP_ITERATION
 
 
-def call_handlers(
-    engine: EngineParts, handlers: list, event_name: Any, event_args: tuple, event_kwargs: dict
-) -> None:
+def call_handlers(engine: EngineParts, handlers: list, event_name: Any, event_args: tuple, event_kwargs: dict) -> None:
     """Calls an event's handlers as ignite does (a weak reference to the engine resolved as the
     first argument); an exception gets a note naming the handler and where it was raised.
 
@@ -96,11 +94,7 @@ def run_epoch_as_gen(engine: EngineParts) -> Generator[State, None, float]:
                         engine.last_event_name = _GET_BATCH_STARTED
                         if engine._hot[2]:
                             call_handlers(engine, engine._hot[2], _GET_BATCH_STARTED, (), {})
-                    if (
-                        engine.should_terminate
-                        or engine.should_terminate_single_epoch
-                        or engine.should_interrupt
-                    ):
+                    if engine.should_terminate or engine.should_terminate_single_epoch or engine.should_interrupt:
                         yield from engine._maybe_terminate_or_interrupt()
 
                 state.batch = next(engine._dataloader_iter)
@@ -114,11 +108,7 @@ def run_epoch_as_gen(engine: EngineParts) -> Generator[State, None, float]:
                         engine.last_event_name = _GET_BATCH_COMPLETED
                         if engine._hot[3]:
                             call_handlers(engine, engine._hot[3], _GET_BATCH_COMPLETED, (), {})
-                    if (
-                        engine.should_terminate
-                        or engine.should_terminate_single_epoch
-                        or engine.should_interrupt
-                    ):
+                    if engine.should_terminate or engine.should_terminate_single_epoch or engine.should_interrupt:
                         yield from engine._maybe_terminate_or_interrupt()
 
                 iter_counter += 1
@@ -133,9 +123,7 @@ def run_epoch_as_gen(engine: EngineParts) -> Generator[State, None, float]:
                 if should_exit:  # a fresh iterator gave nothing either
                     if not engine._is_done(state):
                         total_iters = (
-                            state.epoch_length * state.max_epochs
-                            if state.max_epochs is not None
-                            else state.max_iters
+                            state.epoch_length * state.max_epochs if state.max_epochs is not None else state.max_iters
                         )
                         warnings.warn(
                             "Data iterator can not provide data anymore but required total number of "
@@ -147,11 +135,7 @@ def run_epoch_as_gen(engine: EngineParts) -> Generator[State, None, float]:
 
                 if state.dataloader is not None:
                     engine._fire_event(_STOP_ITERATION)
-                    if (
-                        engine.should_terminate
-                        or engine.should_terminate_single_epoch
-                        or engine.should_interrupt
-                    ):
+                    if engine.should_terminate or engine.should_terminate_single_epoch or engine.should_interrupt:
                         yield from engine._maybe_terminate_or_interrupt()
 
                 engine._setup_dataloader_iter()

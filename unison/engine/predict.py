@@ -54,11 +54,7 @@ def predict(
     was_training = net.training
     net.eval()
     outputs: list[torch.Tensor] = []
-    with (
-        torch.no_grad(),
-        swapped_in(net),
-        gathered_parameters(net),
-    ):  # shards differ in batches: forwards stay local
+    with torch.no_grad(), swapped_in(net), gathered_parameters(net):  # shards differ in batches: forwards stay local
         for batch in loader:
             x = pick(batch)
             x = x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x

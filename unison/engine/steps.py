@@ -379,9 +379,7 @@ def create_trainer(
             )
 
     def _rank_streams(engine: Engine) -> None:
-        if (
-            engine.state.iteration == 0
-        ):  # a fresh run; a resumed one gets its streams back from the checkpoint
+        if engine.state.iteration == 0:  # a fresh run; a resumed one gets its streams back from the checkpoint
             fork_rank_streams(get_rank())
 
     trainer.add_event_handler(Events.STARTED, _check_epoch_length)

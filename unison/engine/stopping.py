@@ -110,3 +110,4 @@ class AgreedStops(IgniteEngine):
         """
         check = getattr(self._process_function, "at_boundary", None)
         return True if check is None else bool(check(self))
+

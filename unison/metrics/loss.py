@@ -147,9 +147,7 @@ class Perplexity(Loss):
         scores, targets = output
         value = self.loss_fn(scores, targets)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise ValueError(
-                "Perplexity: loss_fn must return a scalar tensor (the mean over counted tokens)."
-            )
+            raise ValueError("Perplexity: loss_fn must return a scalar tensor (the mean over counted tokens).")
         count = (targets != self.ignore_index).sum().to(torch.float64)
         # A batch of padding only: the loss's mean is NaN, and it adds nothing.
         total = torch.where(count > 0, value.detach().reshape(()).to(torch.float64) * count, 0.0)

@@ -40,6 +40,8 @@ def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
 
 
+
+
 def _planned(tmp_path: Path, extra: str = ""):
     (tmp_path / "gpus_data.py").write_text(DATA_MODULE)
     path = tmp_path / "c.yaml"

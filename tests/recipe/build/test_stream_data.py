@@ -85,9 +85,7 @@ def test_training_shuffle_true_written_for_a_stream_is_refused_at_its_line(tmp_p
     with pytest.raises(ConfigError) as err:
         build_loaders(planned, Datasets(*planned.resolved.data_build(seed=0)))
     message = str(err.value)
-    assert message.startswith(
-        f"{tmp_path / 'config.yaml'}:{_line(tmp_path, 'shuffle: true')}: training.shuffle:"
-    )
+    assert message.startswith(f"{tmp_path / 'config.yaml'}:{_line(tmp_path, 'shuffle: true')}: training.shuffle:")
     assert "a stream shuffles itself" in message and "Remove training.shuffle" in message
 
 
