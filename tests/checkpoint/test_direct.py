@@ -224,3 +224,18 @@ def test_a_state_below_direct_from_goes_through_the_page_cache_and_one_above_aro
     atomic_save(state, tmp_path / "c.pt")
     assert sinks == (["WritebackFile"] if numel * 4 < 8 << 20 else ["DirectFile"])
     assert torch.equal(load_checkpoint(tmp_path / "c.pt")["w"], state["w"])
+
+
+def test_a_link_put_in_the_files_place_is_not_followed_every_byte_goes_to_the_file_opened(tmp_path):
+    path, elsewhere = tmp_path / "f.bin", tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"untouched")
+    payload = os.urandom(3 * CHUNK + 7)
+    with open(path, "w+b", buffering=0) as raw, DirectFile(raw, path, chunk=CHUNK) as sink:
+        sink.write(payload[:10])
+        path.unlink()
+        path.symlink_to(elsewhere)  # before the first full buffer opens the name again
+        sink.write(payload[10:])
+        sink.flush()
+        written = os.pread(raw.fileno(), len(payload) + 1, 0)
+    assert elsewhere.read_bytes() == b"untouched"
+    assert written == payload and not sink.direct

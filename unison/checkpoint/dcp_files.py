@@ -72,7 +72,10 @@ class DirectFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, "wb", buffering=0) as raw:
+        flags = (
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        )
+        with os.fdopen(os.open(path, flags, 0o644), "wb", buffering=0) as raw:  # a link there is refused
             with DirectFile(raw, path, checksum=True) as sink:
                 yield DirectStream(sink, raw)
                 sink.flush()

@@ -268,10 +268,19 @@ class DirectFile:
     def _direct_fd(self) -> int | None:
         """The ``O_DIRECT`` descriptor, opened at the first full buffer; None where it is refused."""
         if self._fd is None and self.direct:
+            flags = (
+                os.O_WRONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+            )
             try:
-                self._fd = os.open(self.path, os.O_WRONLY | (_O_DIRECT or 0) | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(self.path, flags)  # a link put in the file's place is refused, not followed
             except OSError:  # a file system without O_DIRECT (some FUSE and network ones)
                 self.direct = False
+                return None
+            if not os.path.samestat(os.fstat(fd), os.fstat(self.raw.fileno())):
+                os.close(fd)  # the name now holds another file: every byte goes to the one opened
+                self.direct = False
+                return None
+            self._fd = fd
         return self._fd
 
 
