@@ -14,7 +14,7 @@ import torch
 from unison.checkpoint.archive import archive_complete, load_archive
 from unison.checkpoint.archive_save import save_archive
 from unison.checkpoint.checkpoint_error import CheckpointError
-from unison.checkpoint.direct import DirectFile, open_sink
+from unison.checkpoint.direct import open_sink
 from unison.checkpoint.sharded_check import sharded_complete, sharded_problem
 from unison.checkpoint.sharded_files import REST
 
@@ -48,15 +48,12 @@ def _atomic_write(path: Path, write: Any, size: int = 0, direct: bool | None = N
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb", buffering=0) as fh:
-            sink = open_sink(
-                fh, tmp, size, direct
-            )  # from DIRECT_FROM bytes on: O_DIRECT, around the page cache
+            sink = open_sink(fh, tmp, size, direct)  # from DIRECT_FROM bytes on: around the page cache
             try:
                 write(sink)
                 sink.flush()
             finally:
-                if isinstance(sink, DirectFile):
-                    sink.close()
+                sink.close()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:

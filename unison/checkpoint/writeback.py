@@ -74,6 +74,10 @@ class WritebackFile:
         """Writes the gathered small pieces; the data is then in the kernel's hands (not yet durable)."""
         self._drain()
 
+    def close(self) -> None:
+        """Nothing to release (the caller closes ``raw``): as :meth:`DirectFile.close
+        <unison.checkpoint.direct.DirectFile.close>`, so that a durable write closes either alike."""
+
     def _drain(self) -> None:
         if self._small:
             small, self._small = self._small, bytearray()
