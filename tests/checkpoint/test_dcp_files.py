@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from _direct_io import direct_folder  # noqa: F401 - the fixture
 
 import unison.checkpoint.direct as direct_module
-from unison.checkpoint.dcp_files import direct_writer
+from unison.checkpoint.dcp_files import DirectWriter
 from unison.checkpoint.sharded import own_checksums
 from unison.checkpoint.sharded_files import file_checksum
 
@@ -35,7 +35,7 @@ def test_dcp_files_are_written_around_the_page_cache_and_checksummed_as_they_are
     gen = torch.Generator().manual_seed(0)
     state = {f"w{i}": torch.randn(1_000_000, generator=gen) for i in range(10)}  # 40 MB in one file
     state["step"] = torch.tensor(7)
-    writer = direct_writer(tmp_path)
+    writer = DirectWriter(tmp_path)
     dcp.save(state, storage_writer=writer, no_dist=True)
 
     shards = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))

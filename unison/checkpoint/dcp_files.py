@@ -4,7 +4,7 @@ file: with ``O_DIRECT`` from staging buffers, and checksummed as they are writte
 DCP's :class:`~torch.distributed.checkpoint.FileSystemWriter` opens each of a rank's files through
 its ``fs`` (a :class:`~torch.distributed.checkpoint.FileSystem`), writes every tensor with its own
 ``torch.save``, flushes after each one, and fsyncs the file through ``fileno()`` before closing it.
-:func:`direct_writer` gives it a file system whose streams write through a
+:class:`DirectWriter` gives it a file system whose streams write through a
 :class:`~unison.checkpoint.direct.DirectFile` with ``checksum=True``: the bytes go around the page
 cache, a flush after each tensor writes nothing (it would send every partial buffer through the
 page cache, only for the next direct write to take it back out), ``fileno()`` first writes what
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from unison.checkpoint.direct import DirectFile, direct_available
 
-__all__ = ["DirectFileSystem", "DirectWriter", "direct_writer"]
+__all__ = ["DirectFileSystem", "DirectWriter"]
 
 
 class DirectStream(io.RawIOBase):
@@ -96,8 +96,3 @@ class DirectWriter(FileSystemWriter):
     def checksums(self) -> dict[str, tuple[int, int]]:
         """``{file name: (size, crc32)}`` of every file this writer wrote."""
         return self.files.checksums
-
-
-def direct_writer(folder: str | os.PathLike[str]) -> DirectWriter:
-    """A :class:`DirectWriter` for ``folder``."""
-    return DirectWriter(folder)

@@ -207,10 +207,10 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> dict[str, tuple[int, i
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
-    from unison.checkpoint.dcp_files import direct_writer  # imports DCP: only when saving
+    from unison.checkpoint.dcp_files import DirectWriter  # imports DCP: only when saving
 
     try:
-        writer = direct_writer(tmp)  # O_DIRECT, each file checksummed as it is written
+        writer = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
         dcp.save(dict(states), storage_writer=writer, no_dist=not dist.is_initialized())
         return own_checksums(tmp, writer.checksums)
     except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps every rank's error

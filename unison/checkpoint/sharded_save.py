@@ -94,9 +94,9 @@ def save_sharded(
         return final if get_rank() == 0 else None
     import torch.distributed.checkpoint as dcp
 
-    from unison.checkpoint.dcp_files import direct_writer
+    from unison.checkpoint.dcp_files import DirectWriter
 
-    storage = direct_writer(tmp)  # O_DIRECT, each file checksummed as it is written
+    storage = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
     pending = dcp.async_save(dict(states), storage_writer=storage, process_group=async_group)
     rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
 
