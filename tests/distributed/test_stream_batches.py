@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from unison.distributed import prepare_loaders, shard_stream
 from unison.distributed.stream_batches import StreamBatches, cut_batches_whole
+from unison.distributed.stream_loader import SNAPSHOT_EVERY
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -34,15 +35,15 @@ def _context(workers: int) -> dict[str, Any]:
     )
 
 
-def _torchdata(workers: int) -> Any:
-    context = _context(workers)
+def _torchdata(workers: int, **settings: Any) -> Any:
+    context = {**_context(workers), **settings}
     return StatefulDataLoader(
         shard_stream(Numbers(), rank=0, world_size=1), batch_size=BATCH, num_workers=workers, **context
     )
 
 
-def _unison(workers: int) -> Any:
-    context = _context(workers)
+def _unison(workers: int, **settings: Any) -> Any:
+    context = {**_context(workers), **settings}
     stream = shard_stream(Numbers(), rank=0, world_size=1)
     return prepare_loaders(train=stream, batch_size=BATCH, num_workers=workers, **context)[0]
 
@@ -61,7 +62,32 @@ def test_the_state_is_torchdata_s_own_at_every_point_of_an_epoch(workers):
     loader = _unison(workers)
     assert isinstance(loader.batch_sampler, StreamBatches) and isinstance(loader, StatefulDataLoader)
     stops = [0, 1, 5, 12, 13, 14]  # before the first batch, within, the last batch (13), past the end
-    assert _states(loader, stops) == _states(_torchdata(workers), stops)
+    same = (
+        {"snapshot_every_n_steps": SNAPSHOT_EVERY} if workers else {}
+    )  # unison's setting, given to torchdata's
+    assert _states(loader, stops) == _states(_torchdata(workers, **same), stops)
+
+
+def test_workers_send_their_position_every_snapshot_every_batches_unless_told_otherwise():
+    assert _unison(2).snapshot_every_n_steps == SNAPSHOT_EVERY
+    assert _unison(2, snapshot_every_n_steps=1).snapshot_every_n_steps == 1
+    assert _unison(0).snapshot_every_n_steps == 1  # no workers: the position is the loader's own
+
+
+@pytest.mark.parametrize("every", [SNAPSHOT_EVERY, 4])
+def test_a_state_saved_between_two_worker_snapshots_resumes_at_the_next_batch_exactly(every):
+    """Saved after each number of batches of an epoch (14 of them, 2 workers): the resume reads the
+    batches since the last snapshot again, drops them, and hands out exactly the rest."""
+    whole = [b.tolist() for b in _unison(2, snapshot_every_n_steps=every)]
+    for done in range(len(whole) + 1):
+        saver = _unison(2, snapshot_every_n_steps=every)
+        it = iter(saver)
+        for _ in range(done):
+            next(it)
+        state = saver.state_dict()
+        resumed = _unison(2, snapshot_every_n_steps=every)
+        resumed.load_state_dict(state)
+        assert [b.tolist() for b in resumed] == whole[done:], f"saved after {done} batches"
 
 
 @pytest.mark.parametrize("workers", [0, 2])

