@@ -83,3 +83,130 @@ def test_a_reserved_copy_follows_a_change_of_shape(tmp_path):
     writer.wait()
     assert first != second
     assert torch.equal(load_checkpoint(second)["objects"]["model"]["0.bias"], run.model[0].bias.detach())
+
+
+# --- the copy of what only the optimizer's step changes, taken while the next iteration runs ---
+
+
+def _held_copy(monkeypatch, release: threading.Event) -> list[list[str]]:
+    """Holds the writer thread's later copy until ``release`` is set; returns the names it copied."""
+    real = snapshot_module.Pending.fill
+    copied: list[list[str]] = []
+
+    def held(self):
+        assert release.wait(10), "the copy was never released"
+        copied.append(list(self.names))
+        return real(self)
+
+    monkeypatch.setattr(snapshot_module.Pending, "fill", held)
+    return copied
+
+
+def _states(run) -> dict:
+    return {
+        "model": {k: v.clone() for k, v in run.model.state_dict().items()},
+        "adam": {
+            i: {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+            for i, s in run.optimizer.state_dict()["state"].items()
+        },
+    }
+
+
+def test_the_next_step_waits_for_the_copy_of_its_weights_and_the_file_holds_them_as_saved(
+    tmp_path, monkeypatch
+):
+    """The copy of the weights and Adam's state is taken only once the next iteration's step is
+    reached (held until then): without the step's wait, the step would change them first."""
+    run = build_run(str(tmp_path), checkpoint=dict(every_epochs=None, at_end=False, async_save=True))
+    writer = run.checkpoint.writer
+    at_step = threading.Event()
+    copied = _held_copy(monkeypatch, at_step)
+    real_fence = type(writer).fence
+    waits: list[float] = []
+
+    def fence(self):
+        at_step.set()  # the trainer reached the optimizer's step: only now is the copy taken
+        waits.append(real_fence(self))
+        return waits[-1]
+
+    monkeypatch.setattr(type(writer), "fence", fence)
+    saved: dict = {}
+
+    @run.trainer.on(Events.ITERATION_COMPLETED(once=2))
+    def _save(engine) -> None:
+        saved["path"] = run.checkpoint.save(engine)
+        saved["state"], saved["stall"] = _states(run), run.checkpoint.stall_seconds[-1]
+
+    run.trainer.run(run.loader, max_epochs=1, epoch_length=4)
+    run.checkpoint.wait()
+    on_disk = load_checkpoint(saved["path"])["objects"]
+    for name, value in saved["state"]["model"].items():
+        assert torch.equal(on_disk["model"][name], value), name
+        assert not torch.equal(run.model.state_dict()[name], value) or "bias" in name  # training moved on
+    for i, tensors in saved["state"]["adam"].items():
+        for key, value in tensors.items():
+            assert torch.equal(on_disk["optimizer"]["state"][i][key], value), (i, key)
+    expected = {f"objects.model.{n}" for n in run.model.state_dict()}
+    expected |= {f"objects.optimizer.state.{i}.{k}" for i, t in saved["state"]["adam"].items() for k in t}
+    assert copied and set(copied[0]) == expected  # the rest (RNG states, positions) was copied at the save
+    assert waits[0] > 0 and run.checkpoint.stall_seconds[-1] == saved["stall"] + waits[0]
+    assert len(run.optimizer._optimizer_step_pre_hooks) == 1
+
+
+def test_a_weight_changed_in_place_before_its_copy_is_caught_and_that_checkpoint_is_not_written(
+    tmp_path, monkeypatch
+):
+    run = build_run(str(tmp_path), checkpoint=dict(every_epochs=None, at_end=False, async_save=True))
+    changed = threading.Event()
+    _held_copy(monkeypatch, changed)
+    paths: list = []
+
+    @run.trainer.on(Events.ITERATION_COMPLETED(once=2))
+    def _save_then_change(engine) -> None:
+        paths.append(run.checkpoint.save(engine))
+        with torch.no_grad():
+            run.model[0].weight.mul_(0.5)  # outside the optimizer's step: breaks the promise
+        changed.set()
+
+    with LogRecords() as logs:
+        run.trainer.run(run.loader, max_epochs=1, epoch_length=4)
+        run.checkpoint.wait()
+    assert not paths[0].exists() and run.checkpoint.manifest.entries == []
+    warned = [m for m in logs.messages if "Not saving checkpoint" in m]
+    assert len(warned) == 1 and "objects.model.0.weight" in warned[0], logs.messages
+    assert run.checkpoint.writer.overlap is False
+    taken_later = _threads_calling(monkeypatch, snapshot_module.Snapshot, "take_later")
+    run.trainer.state.iteration += 1
+    path = run.checkpoint.save()  # the next save copies every tensor before it returns
+    run.checkpoint.wait()
+    assert taken_later == [] and path.exists()
+    assert torch.equal(load_checkpoint(path)["objects"]["model"]["0.weight"], run.model[0].weight.detach())
+
+
+def test_a_change_after_the_copys_own_check_is_reported_by_the_step_and_later_saves_copy_at_once(
+    tmp_path, monkeypatch
+):
+    run = build_run(str(tmp_path), checkpoint=dict(every_epochs=None, at_end=False, async_save=True))
+    writer = run.checkpoint.writer
+
+    @run.trainer.on(Events.ITERATION_COMPLETED(once=2))
+    def _save_then_change(engine) -> None:
+        run.checkpoint.save(engine)
+        writer._copied.wait(10)  # the copy is taken and checked unchanged
+        with torch.no_grad():
+            run.model[0].bias.add_(1.0)
+
+    with LogRecords() as logs:
+        run.trainer.run(run.loader, max_epochs=1, epoch_length=4)
+        run.checkpoint.wait()
+    warned = [m for m in logs.messages if "changed in place after the save began" in m]
+    assert len(warned) == 1 and "objects.model.0.bias" in warned[0], logs.messages
+    assert writer.overlap is False and len(run.checkpoint.manifest.entries) == 1
+
+
+def test_a_run_that_ends_right_after_an_async_save_writes_it(tmp_path):
+    run = build_run(str(tmp_path), checkpoint=dict(every_epochs=1, at_end=False, async_save=True))
+    run.trainer.run(run.loader, max_epochs=1)  # saved at the epoch's end: no step follows it
+    assert len(run.checkpoint.manifest.entries) == 1
+    path = run.checkpoint.saved[-1]
+    assert torch.equal(load_checkpoint(path)["objects"]["model"]["0.weight"], run.model[0].weight.detach())

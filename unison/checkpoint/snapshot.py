@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -62,6 +62,25 @@ class Snapshot:
         self._copy = copy
         return copy
 
+    def take_later(self, state: Any, later: Callable[[torch.Tensor], bool]) -> tuple[Any, Pending]:
+        """As :meth:`take`, but the tensors for which ``later(tensor)`` holds are copied only by
+        the returned :class:`Pending`'s :meth:`~Pending.fill` (in another thread, while training
+        goes on, up to the moment those tensors may change)."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copy = _mirror(state, self._copy, pairs)
+        now: list[tuple[torch.Tensor, torch.Tensor]] = []
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        names: list[str] = []
+        for pair, name in zip(pairs, _tensor_paths(state, ""), strict=True):
+            if later(pair[1]):
+                deferred.append(pair)
+                names.append(name)
+            else:
+                now.append(pair)
+        _fill(now, self.threads)
+        self._copy = copy
+        return copy, Pending(deferred, names, self.threads)
+
     def reserve(self, state: Any) -> None:
         """Allocates the buffers a copy of ``state`` needs and writes every page of them once,
         without reading ``state``'s values (only shapes, dtypes and devices): the next
@@ -74,6 +93,53 @@ class Snapshot:
     def release(self) -> None:
         """Drops the buffers."""
         self._copy = None
+
+
+class Pending:
+    """The copies a snapshot left for later (:meth:`Snapshot.take_later`): each buffer, its source,
+    and the source's version counter when the snapshot was taken. Every in-place change of a
+    tensor moves its counter, so a copy taken later can tell whether its source changed since.
+
+    Attributes:
+        names: each source's key path in the state (``objects.model.0.weight``).
+    """
+
+    def __init__(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], names: list[str], threads: int
+    ) -> None:
+        self.pairs = pairs
+        self.names = names
+        self.threads = threads
+        self.versions = [tensor._version for _, tensor in pairs]
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def fill(self) -> list[str]:
+        """Copies every source into its buffer; returns the key paths of the sources changed in place
+        since the snapshot was taken (their copies may hold some of the change)."""
+        _fill(self.pairs, self.threads)
+        return self.changed()
+
+    def changed(self) -> list[str]:
+        """The key paths of the sources changed in place since the snapshot was taken."""
+        return [
+            name
+            for name, (_, tensor), version in zip(self.names, self.pairs, self.versions, strict=True)
+            if tensor._version != version
+        ]
+
+
+def _tensor_paths(obj: Any, where: str) -> Iterator[str]:
+    """The key path of each tensor of ``obj``, in the order :func:`_mirror` meets them."""
+    if isinstance(obj, torch.Tensor):
+        yield where
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _tensor_paths(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensor_paths(value, f"{where}.{i}" if where else str(i))
 
 
 def _fits(buffer: Any, tensor: torch.Tensor) -> bool:

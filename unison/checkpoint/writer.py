@@ -24,7 +24,7 @@ from unison.checkpoint.io import atomic_save, state_bytes
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.retention import retain
 from unison.checkpoint.sharded_files import remove
-from unison.checkpoint.snapshot import Snapshot
+from unison.checkpoint.snapshot import Pending, Snapshot
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -72,6 +72,12 @@ class CheckpointWriter:
         """The CPU buffers an asynchronous write copies the state into, kept between saves."""
         self._reserving: threading.Thread | None = None
         self._removing: threading.Thread | None = None
+        self.overlap = True
+        """Whether an asynchronous save may copy the tensors its caller names (``later``) while
+        training goes on; False once one of them changed before its copy was taken."""
+        self._copied: threading.Event | None = None  # set once the copy left for later is taken
+        self._pending: Pending | None = None
+        self._pending_path: Path | None = None
 
     @property
     def folder(self) -> Path:
@@ -89,12 +95,20 @@ class CheckpointWriter:
         entry: Entry,
         *,
         check: Callable[[dict[str, Any]], str | None] | None = None,
+        later: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         """Writes ``state`` to ``path`` and records ``entry``; in the background with ``async_save``.
 
         Waits first for a write still in flight (re-raising its error). ``check`` runs on what
         is written (the copy, in the writer's thread, with ``async_save``) before anything is:
         a message it returns is logged as a warning and nothing is written or recorded.
+
+        ``later`` (with ``async_save``): the tensors it holds for are copied by the writer's thread,
+        after this returns, while training goes on. The caller promises that they do not change
+        until it calls :meth:`fence`, which waits for that copy (the step of the optimizer they
+        belong to). A tensor that changed in place all the same is found by its version counter:
+        that checkpoint is not written (a warning names the tensor), and later saves copy every
+        tensor before they return (:attr:`overlap`).
         """
         self.wait()
         if not self.async_save:
@@ -103,11 +117,51 @@ class CheckpointWriter:
         # The previous write has finished (wait() above): its buffers are free to reuse.
         if self._reserving is not None:
             self._reserving.join()
-        copy = self.snapshot.take(state)
-        self._thread = threading.Thread(
-            target=self._write, args=(copy, path, entry, check), name="unison-ckpt", daemon=False
-        )
+        if later is not None and self.overlap:
+            copy, pending = self.snapshot.take_later(state, later)
+        else:
+            copy, pending = self.snapshot.take(state), None
+        if pending:
+            self._copied, self._pending, self._pending_path = threading.Event(), pending, path
+            self._thread = threading.Thread(
+                target=self._copy_then_write,
+                args=(copy, pending, self._copied, path, entry, check),
+                name="unison-ckpt",
+                daemon=False,
+            )
+        else:
+            self._thread = threading.Thread(
+                target=self._write, args=(copy, path, entry, check), name="unison-ckpt", daemon=False
+            )
         self._thread.start()
+
+    def fence(self) -> float:
+        """Waits until the copy an asynchronous save left for later is taken (call it before the
+        tensors it copies may change: an optimizer's step); the seconds waited.
+
+        A tensor found changed here, which the writer's thread did not see, changed after that
+        thread's check: a warning says the file may hold part of the change, and later saves copy
+        every tensor before they return.
+        """
+        copied, pending, path = self._copied, self._pending, self._pending_path
+        if copied is None or pending is None:
+            return 0.0
+        start = time.perf_counter()
+        copied.wait()
+        waited = time.perf_counter() - start
+        self._copied = self._pending = self._pending_path = None
+        moved = pending.changed()
+        if moved and self.overlap:  # the writer's own check, just after its copy, saw nothing
+            self.overlap = False
+            _log.warning(
+                "Checkpoint %s: %s changed in place after the save began, before the optimizer's next step. The "
+                "copy was checked unchanged when it was taken, but a change still running then may be partly in "
+                "the file. Change these tensors only in the optimizer's step; later saves copy every tensor "
+                "before training goes on.",
+                path,
+                _listed(moved),
+            )
+        return waited
 
     def reserve(self, state: Any) -> None:
         """Allocates the copy's buffers for a state shaped like ``state`` in a background thread
@@ -134,6 +188,7 @@ class CheckpointWriter:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        self._copied = self._pending = self._pending_path = None  # taken: the thread has ended
         self._removed()
         if self._error is not None:
             err, self._error = self._error, None
@@ -186,6 +241,36 @@ class CheckpointWriter:
                 self._error = None
                 raise
 
+    def _copy_then_write(
+        self,
+        copy: dict[str, Any],
+        pending: Pending,
+        copied: threading.Event,
+        path: Path,
+        entry: Entry,
+        check: Callable[[dict[str, Any]], str | None] | None,
+    ) -> None:
+        """The writer's thread of a save that left copies for later: takes them, then writes."""
+        try:
+            moved = pending.fill()
+        except BaseException as err:
+            self._error = err
+            return
+        finally:
+            copied.set()  # the optimizer's step may go on
+        if moved:
+            self.overlap = False
+            _log.warning(
+                "Not saving checkpoint %s: %s changed in place while the asynchronous save copied it, between the "
+                "save and the optimizer's next step, so the copy may hold a mix of before and after. The newest "
+                "checkpoint stays the previous one. Change these tensors only in the optimizer's step; later saves "
+                "copy every tensor before training goes on.",
+                path,
+                _listed(moved),
+            )
+            return
+        self._write(copy, path, entry, check)
+
     def _save(self, state: Mapping[str, Any], path: Path) -> None:
         try:
             # a background write goes around the page cache whatever its size (training competes for the CPU)
@@ -216,6 +301,12 @@ class CheckpointWriter:
         thread, self._removing = self._removing, None
         if thread is not None:
             thread.join()
+
+
+def _listed(names: list[str]) -> str:
+    """Up to three key paths, and how many more."""
+    shown = ", ".join(names[:3])
+    return shown + (f" and {len(names) - 3} more tensor(s)" if len(names) > 3 else "")
 
 
 def _remove_all(paths: list[Path]) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from ignite.engine import Engine, Events
 
 from unison.checkpoint.archive import keep_checked
@@ -160,7 +161,9 @@ class Checkpoint:
         )
         """Writes, records and rotates the files (rank 0)."""
         self.stall_seconds: list[float] = []
-        """How long each save blocked training, in seconds (rank 0)."""
+        """How long each save blocked training, in seconds (rank 0): an asynchronous save's includes
+        the wait of the optimizer's next step for its copy."""
+        self._fences: dict[int, Any] = {}  # id(optimizer) -> the hook that waits for a save's copy
         self._last_saved_iteration = -1
         self._save_due = False
         self._pending_resume: dict[str, Any] | None = None
@@ -357,7 +360,11 @@ class Checkpoint:
         else:
             path = self.folder / entry.file
             self.writer.write(
-                state, path, entry, check=finite_check(self.manifest, iteration) if deferred else None
+                state,
+                path,
+                entry,
+                check=finite_check(self.manifest, iteration) if deferred else None,
+                later=self._step_only(engine) if deferred else None,
             )
         if path is not None:
             self.stall_seconds.append(time.perf_counter() - start)
@@ -366,6 +373,32 @@ class Checkpoint:
     def wait(self) -> None:
         """Blocks until an asynchronous write has finished; re-raises its error."""
         self.writer.wait()
+
+    def _step_only(self, engine: Engine) -> Callable[[torch.Tensor], bool] | None:
+        """Which tensors of an asynchronous save only an optimizer's step changes: the CPU parameters
+        and state of the optimizers it holds. The writer's thread copies them while the next
+        iteration's forward and backward run; each of these optimizers waits for that copy before
+        its step (a hook, added once: :meth:`_fence`)."""
+        optimizers = [o for o in self._objects(engine).values() if isinstance(o, torch.optim.Optimizer)]
+        storages: set[int] = set()
+        for optimizer in optimizers:
+            if id(optimizer) not in self._fences:
+                self._fences[id(optimizer)] = optimizer.register_step_pre_hook(self._fence)
+            tensors = [p for group in optimizer.param_groups for p in group["params"]]
+            tensors += [
+                v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+            ]
+            storages.update(t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu")
+        if not storages:
+            return None
+        return lambda t: t.device.type == "cpu" and t.untyped_storage().data_ptr() in storages
+
+    def _fence(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Before an optimizer's step: waits for the copy of its tensors that an asynchronous save
+        left for later; that wait is part of the save's stall."""
+        waited = self.writer.fence()
+        if waited and self.stall_seconds:
+            self.stall_seconds[-1] += waited
 
     @property
     def best(self) -> Entry | None:
