@@ -92,6 +92,24 @@ def test_the_data_is_fsynced_before_the_rename_and_the_folder_after(tmp_path, mo
     assert events == ["fsync file", "rename", "fsync folder"] * 2
 
 
+def test_a_file_keep_refuses_is_removed_durable_but_unnamed_and_the_old_one_stays(tmp_path, monkeypatch):
+    path = atomic_save(_state(0), tmp_path / "a.pt")
+    asked: list[list[str]] = []
+
+    def keep() -> bool:
+        asked.append(sorted(os.listdir(tmp_path)))  # the temp file is there, whole, before the rename
+        return False
+
+    assert atomic_save(_state(1), path, keep=keep) is None
+    assert (
+        len(asked) == 1 and len(asked[0]) == 2 and asked[0][0].startswith(".a.pt.") and asked[0][1] == "a.pt"
+    )
+    assert os.listdir(tmp_path) == ["a.pt"]
+    _assert_same(torch.load(path, weights_only=True), _state(0))
+    assert atomic_save(_state(1), path, keep=lambda: True) == path
+    _assert_same(torch.load(path, weights_only=True), _state(1))
+
+
 def test_atomic_write_json_replaces_the_file_whole(tmp_path):
     path = tmp_path / "m.json"
     atomic_write_json({"b": [1, 2], "a": "x"}, path)

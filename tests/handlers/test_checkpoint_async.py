@@ -33,7 +33,9 @@ def test_an_async_save_checks_the_weights_in_the_writers_thread(tmp_path, monkey
     checked = _threads_calling(monkeypatch, verify_module, "first_non_finite")
     path = run.checkpoint.save()
     run.checkpoint.wait()
-    assert checked == ["unison-ckpt"], f"the finite check ran in {checked}, not (only) in the writer's thread"
+    assert len(checked) == 1 and checked[0].startswith("unison-ckpt"), (
+        f"the finite check ran in {checked}, not (only) in the writer's threads"
+    )
     assert path.exists() and torch.equal(
         load_checkpoint(path)["objects"]["model"]["0.weight"], run.model.state_dict()["0.weight"]
     )

@@ -116,6 +116,43 @@ def test_non_finite_optimizer_state_is_named_too(tmp_path):
     assert any("optimizer.state.0.exp_avg_sq" in m for m in logs.messages), logs.messages
 
 
+def test_a_sync_saves_finite_check_runs_while_its_file_is_written(tmp_path, monkeypatch):
+    """The check waits until the file has begun to be written: run one after the other, the save
+    would never finish. A NaN found that way keeps the file from taking its name."""
+    import threading
+
+    import unison.checkpoint.io as io_module
+    import unison.checkpoint.verify as verify_module
+
+    run = build_run(str(tmp_path), checkpoint=dict(keep_last=1, every_epochs=None, at_end=False))
+    run.trainer.run(run.loader, max_epochs=1)
+    writing = threading.Event()
+    real_archive, real_check = io_module.save_archive, verify_module.first_non_finite
+    threads: list[str] = []
+
+    def archive(obj, sink, **kwargs):
+        writing.set()
+        return real_archive(obj, sink, **kwargs)
+
+    def check(objects):
+        threads.append(threading.current_thread().name)
+        assert writing.wait(10), "the finite check ran before the file was written"
+        return real_check(objects)
+
+    monkeypatch.setattr(io_module, "save_archive", archive)
+    monkeypatch.setattr(verify_module, "first_non_finite", check)
+    first = run.checkpoint.save()
+    assert first is not None and first.exists() and threads[0].startswith("unison-ckpt-check")
+    with torch.no_grad():
+        run.model[0].weight[0, 0] = float("nan")
+    run.trainer.state.iteration += 1
+    writing.clear()
+    with LogRecords() as logs:
+        assert run.checkpoint.save() is None
+    assert on_disk(tmp_path) == in_manifest(tmp_path) == [first.name]
+    assert [m for m in logs.messages if "Not saving a checkpoint" in m and first.name in m]
+
+
 # --- 3. values a weights-only load refuses ---------------------------------------------------------
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,9 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Any, size: int = 0, direct: bool | None = None) -> None:
+def _atomic_write(
+    path: Path, write: Any, size: int = 0, direct: bool | None = None, keep: Callable[[], bool] | None = None
+) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
@@ -55,14 +57,24 @@ def _atomic_write(path: Path, write: Any, size: int = 0, direct: bool | None = N
             finally:
                 sink.close()
             os.fsync(fh.fileno())
+        if keep is not None and not keep():
+            tmp.unlink()
+            return False
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+    return True
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str], *, direct: bool | None = None) -> Path:
+def atomic_save(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    direct: bool | None = None,
+    keep: Callable[[], bool] | None = None,
+) -> Path | None:
     """Writes ``obj`` with ``torch.save`` so that ``path`` is either the old file or the new one.
 
     The data goes to a temp file in the same folder, is flushed and fsynced, renamed over
@@ -79,10 +91,14 @@ def atomic_save(obj: Any, path: str | os.PathLike[str], *, direct: bool | None =
     The records' CRC-32s are computed by other threads while their bytes are written
     (:func:`~unison.checkpoint.archive_save.save_archive`): the file is the one ``torch.save``
     writes, byte for byte.
+
+    ``keep``, when given, is asked once the temp file is durable, just before the rename: False
+    removes the temp file, ``path`` is left as it was, and None is returned (a check that ran
+    while the file was written refused it).
     """
     target = Path(path)
-    _atomic_write(target, lambda fh: save_archive(obj, fh), state_bytes(obj), direct)
-    return target
+    kept = _atomic_write(target, lambda fh: save_archive(obj, fh), state_bytes(obj), direct, keep)
+    return target if kept else None
 
 
 def state_bytes(state: Any) -> int:

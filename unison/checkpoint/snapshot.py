@@ -8,6 +8,9 @@ layout changed. It can :meth:`~Snapshot.reserve` them ahead of the first save, i
 touched, so that even the first save only copies. Large CPU tensors are copied in slices
 by several threads (``Tensor.copy_`` releases the GIL) when torch's own intra-op threads are
 fewer; a GPU tensor is copied into pinned memory, all copies queued before one wait.
+:meth:`~Snapshot.take_later` leaves the tensors its caller names to a :class:`Pending` copy,
+taken in another thread while training goes on, which tells by each tensor's version
+counter whether it changed in place before its copy was taken.
 """
 
 from __future__ import annotations

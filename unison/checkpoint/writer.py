@@ -4,7 +4,9 @@ No engine and no ranks: it takes a state dict, a path and an :class:`Entry`, on 
 process that writes (rank 0). With ``async_save`` the state is first copied to CPU memory
 (into buffers kept from save to save, :class:`~unison.checkpoint.snapshot.Snapshot`) and
 written by a background thread, which first runs the save's ``check`` on the copy; at most
-one write is in flight.
+one write is in flight. The tensors a caller says only an optimizer's step changes are copied
+by that thread while training goes on, and :meth:`CheckpointWriter.fence` (called before the
+step) waits for their copy.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -96,12 +99,17 @@ class CheckpointWriter:
         *,
         check: Callable[[dict[str, Any]], str | None] | None = None,
         later: Callable[[torch.Tensor], bool] | None = None,
-    ) -> None:
+    ) -> bool:
         """Writes ``state`` to ``path`` and records ``entry``; in the background with ``async_save``.
 
         Waits first for a write still in flight (re-raising its error). ``check`` runs on what
-        is written (the copy, in the writer's thread, with ``async_save``) before anything is:
-        a message it returns is logged as a warning and nothing is written or recorded.
+        is written (the copy, with ``async_save``) in a thread of its own while the file is
+        written: a message it returns is logged as a warning, and the file is removed before it
+        takes its name, unrecorded.
+
+        Returns:
+            Whether the file was written and recorded: always True for an asynchronous write
+            (its thread decides later).
 
         ``later`` (with ``async_save``): the tensors it holds for are copied by the writer's thread,
         after this returns, while training goes on. The caller promises that they do not change
@@ -112,8 +120,7 @@ class CheckpointWriter:
         """
         self.wait()
         if not self.async_save:
-            self._write(state, path, entry, check)
-            return
+            return self._write(state, path, entry, check)
         # The previous write has finished (wait() above): its buffers are free to reuse.
         if self._reserving is not None:
             self._reserving.join()
@@ -134,6 +141,7 @@ class CheckpointWriter:
                 target=self._write, args=(copy, path, entry, check), name="unison-ckpt", daemon=False
             )
         self._thread.start()
+        return True
 
     def fence(self) -> float:
         """Waits until the copy an asynchronous save left for later is taken (call it before the
@@ -223,23 +231,32 @@ class CheckpointWriter:
         path: Path,
         entry: Entry,
         check: Callable[[dict[str, Any]], str | None] | None = None,
-    ) -> None:
+    ) -> bool:
+        """Writes and records one file, ``check`` running on ``state`` while it is written; whether
+        the file was kept (False: ``check`` refused it, and nothing took its name)."""
         try:
-            refusal = check(state) if check is not None else None
-            if refusal is not None:
-                _log.warning(refusal)
-                return
-            self._save(state, path)
+            if check is None:
+                self._save(state, path)
+            else:
+                with ThreadPoolExecutor(1, thread_name_prefix="unison-ckpt-check") as pool:
+                    verdict = pool.submit(check, state)
+                    self._save(state, path, keep=lambda: verdict.result() is None)
+                refusal = verdict.result()
+                if refusal is not None:
+                    _log.warning(refusal)
+                    return False
             entry.saved_at = time.time()
             entry.size = path.stat().st_size
             self._record(entry)
             self.saved.append(path)
             _log.info("Saved checkpoint %s", path)
+            return True
         except BaseException as err:
             self._error = err
             if threading.current_thread() is threading.main_thread():
                 self._error = None
                 raise
+            return False
 
     def _copy_then_write(
         self,
@@ -271,10 +288,10 @@ class CheckpointWriter:
             return
         self._write(copy, path, entry, check)
 
-    def _save(self, state: Mapping[str, Any], path: Path) -> None:
+    def _save(self, state: Mapping[str, Any], path: Path, keep: Callable[[], bool] | None = None) -> None:
         try:
             # a background write goes around the page cache whatever its size (training competes for the CPU)
-            atomic_save(state, path, direct=True if self.async_save else None)
+            atomic_save(state, path, direct=True if self.async_save else None, keep=keep)
         except (OSError, RuntimeError) as err:
             if _disk_full_cause(err) is None:
                 raise

@@ -338,8 +338,9 @@ class Checkpoint:
             state, problem = (self.collect(engine, sharded=names) if names else self.collect(engine)), None
         except PositionUnknown as err:  # rank 0 only, after the collective: shared below
             state, problem = None, err
-        # An asynchronous file save leaves the finite check to the writer's thread, on its copy.
-        deferred = self.writer.async_save and shards is None
+        # A file save leaves the finite check to its writer, which runs it while the file is written
+        # (on its copy, for an asynchronous save): a refused file never takes its name.
+        deferred = shards is None
         iteration = self.trainer.state.iteration
         state, write = vetted(state, problem, shards, self.manifest, iteration, finite=not deferred)
         self._last_saved_iteration = engine.state.iteration
@@ -359,13 +360,15 @@ class Checkpoint:
             return None
         else:
             path = self.folder / entry.file
-            self.writer.write(
+            written = self.writer.write(
                 state,
                 path,
                 entry,
-                check=finite_check(self.manifest, iteration) if deferred else None,
-                later=self._step_only(engine) if deferred else None,
+                check=finite_check(self.manifest, iteration),
+                later=self._step_only(engine) if self.writer.async_save else None,
             )
+            if not written:  # a synchronous save whose weights are not finite (the writer warned)
+                return None
         if path is not None:
             self.stall_seconds.append(time.perf_counter() - start)
         return path
