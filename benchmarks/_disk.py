@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -34,20 +35,39 @@ def probe(folder: Path, nbytes: int, *, read: bool = True) -> tuple[float, float
     back from the disk (its pages dropped from the cache first): each the faster of the page
     cache's way and ``O_DIRECT``'s. The file is then removed. With ``read=False`` the read is
     skipped (its seconds are NaN)."""
+    ways = probe_ways(folder, nbytes, read=read)
+    return min(w for w, _ in ways.values()), min(r for _, r in ways.values())
+
+
+def probe_ways(folder: Path, nbytes: int, *, read: bool = True) -> dict[str, tuple[float, float]]:
+    """:func:`probe`'s write and read seconds for each way apart: ``{"page cache": (write, read),
+    "O_DIRECT": (write, read)}`` (the second where the platform has ``O_DIRECT``)."""
     folder.mkdir(parents=True, exist_ok=True)
     block = os.urandom(min(BLOCK, max(nbytes, 1)))
     path = folder / f"disk-probe-{os.getpid()}.bin"
+    out: dict[str, tuple[float, float]] = {}
     try:
-        written = min(_write(path, nbytes, block, direct) for direct in _WAYS)
-        if not read:
-            return written, float("nan")
-        return written, min(_read(path, direct) for direct in _WAYS)
+        for direct in _WAYS:
+            written = _write(path, nbytes, block, direct)
+            out[_NAMES[direct]] = (written, _read(path, direct) if read else float("nan"))
+        return out
     finally:
         path.unlink(missing_ok=True)
 
 
+def faster_way(rounds: list[dict[str, tuple[float, float]]], index: int) -> tuple[str, list[float]]:
+    """The way whose median seconds (``index`` 0: write, 1: read) over ``rounds`` of
+    :func:`probe_ways` is the least, and its seconds round by round: the disk's speed is that
+    way's median. Taking the faster way within each round instead would pick the luckier of two
+    noisy samples every time, and set the disk faster than either way ever is at its median."""
+    names = list(rounds[0]) if rounds else [_NAMES[False]]
+    best = min(names, key=lambda n: statistics.median(r[n][index] for r in rounds))
+    return best, [r[best][index] for r in rounds]
+
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _WAYS = (False, True) if _O_DIRECT else (False,)
+_NAMES = {False: "page cache", True: "O_DIRECT"}
 
 
 def _aligned(block: bytes) -> mmap.mmap:

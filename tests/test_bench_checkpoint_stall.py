@@ -32,6 +32,20 @@ def test_the_disk_probe_writes_the_bytes_asked_and_leaves_nothing(tmp_path):
     assert disk.mb_per_s(4e6, 2.0) == 2.0
 
 
+def test_the_disks_speed_is_the_faster_ways_median_not_each_rounds_luckier_sample():
+    disk = _module("_disk")
+    rounds = [  # (write, read) seconds: the page cache is the faster writer at its median, O_DIRECT the reader
+        {"page cache": (1.0, 5.0), "O_DIRECT": (0.5, 2.0)},
+        {"page cache": (1.0, 5.0), "O_DIRECT": (3.0, 2.0)},
+        {"page cache": (1.0, 5.0), "O_DIRECT": (3.0, 2.0)},
+    ]
+    assert disk.faster_way(rounds, 0) == (
+        "page cache",
+        [1.0, 1.0, 1.0],
+    )  # round by round it would be 0.5, 1, 1
+    assert disk.faster_way(rounds, 1) == ("O_DIRECT", [2.0, 2.0, 2.0])
+
+
 def test_the_report_sets_each_save_against_the_disk(tmp_path):
     stall = _module("checkpoint_stall")
     out = tmp_path / "stall.json"
@@ -57,6 +71,9 @@ def test_the_report_sets_each_save_against_the_disk(tmp_path):
         assert row["save_mb_s"] > 0 and row["disk_mb_s"] > 0
         assert abs(row["x_disk"] - row["save_mb_s"] / row["disk_mb_s"]) < 1e-9
     assert report["results"]["sync"]["stall_ms_median"] > 0  # the stall report is unchanged
+    probes = report["disk_probes_s"]
+    assert len(probes) == 1 and all(len(seconds) == 2 for seconds in probes[0].values())
+    assert rows["file_sync"]["disk_way"] in probes[0]
 
 
 def test_size_mb_picks_a_model_of_about_that_size():
