@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from ignite.engine import Engine, Events
 
 from unison.checkpoint.archive import keep_checked
@@ -45,6 +44,7 @@ from unison.checkpoint.state import (
     rng_of_rank,
     world_size_note,
 )
+from unison.checkpoint.step_fence import StepFence
 from unison.checkpoint.verify import finite_check, to_plain
 from unison.checkpoint.vetting import vetted
 from unison.checkpoint.writer import CheckpointWriter
@@ -163,7 +163,8 @@ class Checkpoint:
         self.stall_seconds: list[float] = []
         """How long each save blocked training, in seconds (rank 0): an asynchronous save's includes
         the wait of the optimizer's next step for its copy."""
-        self._fences: dict[int, Any] = {}  # id(optimizer) -> the hook that waits for a save's copy
+        self._step_fence = StepFence(self.writer, self.stall_seconds)
+        """Which tensors an asynchronous save copies beside the next iteration; the steps that wait for them."""
         self._last_saved_iteration = -1
         self._save_due = False
         self._pending_resume: dict[str, Any] | None = None
@@ -365,7 +366,7 @@ class Checkpoint:
                 path,
                 entry,
                 check=finite_check(self.manifest, iteration),
-                later=self._step_only(engine) if self.writer.async_save else None,
+                later=self._step_fence.later(self._objects(engine)) if self.writer.async_save else None,
             )
             if not written:  # a synchronous save whose weights are not finite (the writer warned)
                 return None
@@ -376,32 +377,6 @@ class Checkpoint:
     def wait(self) -> None:
         """Blocks until an asynchronous write has finished; re-raises its error."""
         self.writer.wait()
-
-    def _step_only(self, engine: Engine) -> Callable[[torch.Tensor], bool] | None:
-        """Which tensors of an asynchronous save only an optimizer's step changes: the CPU parameters
-        and state of the optimizers it holds. The writer's thread copies them while the next
-        iteration's forward and backward run; each of these optimizers waits for that copy before
-        its step (a hook, added once: :meth:`_fence`)."""
-        optimizers = [o for o in self._objects(engine).values() if isinstance(o, torch.optim.Optimizer)]
-        storages: set[int] = set()
-        for optimizer in optimizers:
-            if id(optimizer) not in self._fences:
-                self._fences[id(optimizer)] = optimizer.register_step_pre_hook(self._fence)
-            tensors = [p for group in optimizer.param_groups for p in group["params"]]
-            tensors += [
-                v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
-            ]
-            storages.update(t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu")
-        if not storages:
-            return None
-        return lambda t: t.device.type == "cpu" and t.untyped_storage().data_ptr() in storages
-
-    def _fence(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Before an optimizer's step: waits for the copy of its tensors that an asynchronous save
-        left for later; that wait is part of the save's stall."""
-        waited = self.writer.fence()
-        if waited and self.stall_seconds:
-            self.stall_seconds[-1] += waited
 
     @property
     def best(self) -> Entry | None:
