@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from _ckpt_workers import LogRecords, build_run
 
@@ -212,3 +213,37 @@ def test_a_run_that_ends_right_after_an_async_save_writes_it(tmp_path):
     assert len(run.checkpoint.manifest.entries) == 1
     path = run.checkpoint.saved[-1]
     assert torch.equal(load_checkpoint(path)["objects"]["model"]["0.weight"], run.model[0].weight.detach())
+
+
+def _same(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_async_checkpoints_taken_beside_training_equal_sync_ones_at_the_same_iterations(tmp_path, every):
+    """The truth is the synchronous save: every async checkpoint, its optimizer tensors copied while
+    the next iterations ran, holds bitwise what the sync run saved at the same iteration."""
+    for mode in ("sync", "async"):
+        run = build_run(
+            str(tmp_path / mode),
+            checkpoint=dict(every_epochs=None, every_iters=every, at_end=False, async_save=mode == "async"),
+        )
+        run.trainer.run(run.loader, max_epochs=2)
+        run.checkpoint.wait()
+    names = sorted(p.name for p in (tmp_path / "sync").glob("*.pt"))
+    assert names and names == sorted(p.name for p in (tmp_path / "async").glob("*.pt"))
+    for name in names:
+        sync, later = (load_checkpoint(tmp_path / mode / name) for mode in ("sync", "async"))
+        _same(sync["objects"], later["objects"], f"{name}: objects")
+        _same(sync["rng"], later["rng"], f"{name}: rng")
