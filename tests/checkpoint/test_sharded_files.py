@@ -29,3 +29,26 @@ def test_a_files_checksum_is_its_crc32_from_blocks_checksummed_side_by_side(tmp_
     assert len(set(names)) >= 2
     (tmp_path / "empty").write_bytes(b"")
     assert file_checksum(tmp_path / "empty") == (0, 0)
+
+
+def test_several_files_are_read_at_once_and_their_checksums_come_back_in_order(tmp_path, monkeypatch):
+    import unison.checkpoint.sharded_files as files_module
+
+    rng = random.Random(2)
+    paths = []
+    for i, size in enumerate([30_000, 0, 70_001, 5]):
+        paths.append(tmp_path / f"__{i}_0.distcp")
+        paths[-1].write_bytes(rng.randbytes(size))
+    real = files_module.file_checksum
+    together = threading.Barrier(2, timeout=30)  # two files are read at the same time, or this fails
+    started: list[str] = []
+
+    def spy(path):
+        started.append(path.name)
+        if len(started) <= 2:
+            together.wait()
+        return real(path)
+
+    monkeypatch.setattr(files_module, "file_checksum", spy)
+    assert files_module.files_checksums(paths) == [real(p) for p in paths]
+    assert sorted(started) == sorted(p.name for p in paths)

@@ -27,7 +27,7 @@ import torch
 from unison.checkpoint.archive import archive_complete, file_whole
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.entry import file_in
-from unison.checkpoint.sharded_files import CHECKSUMS, REST, file_checksum
+from unison.checkpoint.sharded_files import CHECKSUMS, REST, files_checksums
 from unison.checkpoint.sharded_layout import layout_problem, storage_problem
 
 _DCP = "torch.distributed.checkpoint"
@@ -127,13 +127,16 @@ def _checksum_problem(folder: Path, required: bool) -> Problem | None:
         recorded = {n: (int(v["size"]), int(v["crc32"])) for n, v in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return Problem(f"its {CHECKSUMS} does not read ({type(err).__name__}: {err})")
-    for name, (size, crc) in sorted(recorded.items()):
-        path = file_in(folder, name, source=str(listed))
+    paths = {}
+    for name, (size, _) in sorted(recorded.items()):
+        path = paths[name] = file_in(folder, name, source=str(listed))
         if not path.is_file():
             return Problem(f"its file {name}, listed in {CHECKSUMS}, is missing")
         if path.stat().st_size != size:
             return Problem(f"its file {name} holds {path.stat().st_size} bytes where {size} were written")
-        if file_checksum(path)[1] != crc:
+    found = files_checksums(list(paths.values()))  # every size matched: now the bytes, files read at once
+    for (name, (_, crc)), (_, got) in zip(sorted(recorded.items()), found, strict=True):
+        if got != crc:
             return Problem(
                 f"its file {name} is corrupt (its CRC-32 differs from the one recorded in {CHECKSUMS})"
             )
