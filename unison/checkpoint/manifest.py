@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.entry import Entry, checkpoint_name, entry_for, file_in
 from unison.checkpoint.io import atomic_write_json, is_complete, load_checkpoint
 from unison.checkpoint.retention import oldest_first
-from unison.checkpoint.sharded_check import checkpoint_verdict
+from unison.checkpoint.sharded_check import Problem, checkpoint_verdict
 from unison.checkpoint.sharded_files import folder_size, remove
 from unison.utils.logging import get_logger
 from unison.utils.run_files import read_text
@@ -154,8 +155,12 @@ class Manifest:
         """Entries from newest to oldest (see ``retention.oldest_first``)."""
         return list(reversed(oldest_first(self.entries)))
 
-    def newest_complete(self) -> Path | None:
+    def newest_complete(self, verdict: Callable[[Path], Problem | None] = checkpoint_verdict) -> Path | None:
         """The newest recorded checkpoint that is whole, warning of each damaged newer one; None if none is.
+
+        ``verdict`` judges each candidate (default :func:`~unison.checkpoint.sharded_check.checkpoint_verdict`,
+        in this process; :func:`unison.checkpoint.ranks.choose` passes one that every rank
+        shares).
 
         A damaged checkpoint (a save cut short, a file altered on disk) is passed over. One
         that was written whole but that this software cannot read (a class the ``.metadata``
@@ -169,7 +174,7 @@ class Manifest:
         entries = self.newest()
         for n, entry in enumerate(entries):
             path = file_in(self.folder, entry.file, source=str(self.path))
-            problem = checkpoint_verdict(path)
+            problem = verdict(path)
             if problem is None:
                 return path
             if problem.unreadable:

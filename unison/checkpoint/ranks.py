@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -12,6 +13,7 @@ from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.lock import Claim, hold_folder
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.sharded import local_view
+from unison.checkpoint.sharded_check import Problem, checkpoint_verdict, sharded_verdict
 from unison.checkpoint.verify import Verdict, first_non_finite, vet
 from unison.distributed.primitives import broadcast_object, get_rank, get_world_size, is_distributed
 
@@ -56,6 +58,11 @@ def open_folder(manifest: Manifest, *, require_empty: bool) -> Claim:
 def choose(manifest: Manifest, which: str | os.PathLike[str]) -> str | None:
     """Collective: the file to resume from, chosen on rank 0 and shared.
 
+    With ``"auto"`` at several ranks, rank 0 walks the checkpoints from the newest and every rank
+    checks a share of each sharded candidate's files (:func:`sharded_verdict`'s ``share``): a
+    rank reads 1/N of the folder, whatever the world size, where rank 0 alone read it all. A
+    file checkpoint is checked by rank 0 (its check is its load).
+
     Args:
         manifest: the folder's manifest.
         which: ``"auto"`` for the newest complete checkpoint (None when there is none), or a path.
@@ -63,6 +70,8 @@ def choose(manifest: Manifest, which: str | os.PathLike[str]) -> str | None:
     Raises:
         CheckpointError: on every rank, when rank 0 finds checkpoints it cannot read.
     """
+    if which == "auto" and is_distributed() and get_world_size() > 1:
+        return _newest_checked_together(manifest)
     choice, problem = None, None
     if get_rank() == 0:
         try:
@@ -74,6 +83,53 @@ def choose(manifest: Manifest, which: str | os.PathLike[str]) -> str | None:
     if problem is not None:
         raise CheckpointError(problem)
     return choice
+
+
+def _newest_checked_together(manifest: Manifest) -> str | None:
+    """Collective: :meth:`Manifest.newest_complete` on rank 0, each sharded candidate checked by every
+    rank, a share each. Rank 0 sends every rank each candidate (and whether it is sharded) and
+    gathers their verdicts, then sends its choice; the others follow until it does."""
+    rank, world = get_rank(), get_world_size()
+    if rank != 0:
+        while True:
+            kind, path, problem = broadcast_object(None)
+            if kind == "check":  # a sharded candidate: this rank's share of its files
+                gather_on_first(_share(Path(path), rank, world))
+                continue
+            if problem is not None:
+                raise CheckpointError(problem)
+            return path
+
+    def verdict(path: Path) -> Problem | None:
+        if not path.is_dir():
+            return checkpoint_verdict(path)  # a file: read whole here, kept for the load
+        broadcast_object(("check", str(path), None))
+        found = gather_on_first(_share(path, 0, world)) or []
+        return next((p for p in found if p is not None), None)
+
+    try:
+        newest = manifest.rebuild().newest_complete(verdict=verdict)
+        outcome: tuple[str, str | None, str | None] = ("done", None if newest is None else str(newest), None)
+    except CheckpointError as err:
+        outcome = ("done", None, str(err))
+    except BaseException as err:  # the other ranks must not wait for a candidate that never comes
+        broadcast_object(
+            ("done", None, f"rank 0 failed while choosing a checkpoint: {type(err).__name__}: {err}")
+        )
+        raise
+    broadcast_object(outcome)
+    if outcome[2] is not None:
+        raise CheckpointError(outcome[2])
+    return outcome[1]
+
+
+def _share(folder: Path, rank: int, world: int) -> Problem | None:
+    """This rank's verdict on its share of a sharded folder; a check that fails is a problem, so that
+    every rank still reaches the gather."""
+    try:
+        return sharded_verdict(folder, share=(rank, world))
+    except Exception as err:
+        return Problem(f"checking it failed on rank {rank} ({type(err).__name__}: {err})")
 
 
 def summed_over_ranks(per_rank: list[list[list[float]] | None]) -> list[list[float]] | None:

@@ -93,7 +93,9 @@ def sharded_problem(folder: Path, *, require_checksums: bool = True) -> str | No
     return None if problem is None else problem.text
 
 
-def sharded_verdict(folder: Path, *, require_checksums: bool = True) -> Problem | None:
+def sharded_verdict(
+    folder: Path, *, require_checksums: bool = True, share: tuple[int, int] = (0, 1)
+) -> Problem | None:
     """What is wrong with a sharded checkpoint folder, and of which kind; None when it is whole.
 
     Checks every file's size and CRC-32 against ``checksums.json`` (written last, so its
@@ -102,23 +104,31 @@ def sharded_verdict(folder: Path, *, require_checksums: bool = True) -> Problem 
     classes: nothing in it can run code), that what it declares is sound (every tensor
     covered exactly by stored pieces; :mod:`~unison.checkpoint.sharded_layout`) and names
     files present at their recorded lengths, and that ``rest.pt`` is whole.
+
+    ``share=(k, n)``: one of ``n`` processes checking the folder together (every rank of a
+    resume, :func:`unison.checkpoint.ranks.choose`) checks the files listed ``k``-th, ``k + n``-th...
+    in ``checksums.json``'s name order; ``.metadata`` and ``rest.pt`` are checked by share 0.
+    The folder is whole when no share finds a problem.
     """
     if not folder.is_dir():
         return Problem("it is not a folder")
+    first = share[0] == 0
     try:
-        problem = _checksum_problem(folder, require_checksums)
-        if problem is None:
+        problem = _checksum_problem(folder, require_checksums, share)
+        if problem is None and first:
             problem = _metadata_problem(folder, whole=(folder / CHECKSUMS).is_file())
     except CheckpointError as err:  # a file named outside the folder
         return Problem(str(err), unreadable=True)
-    if problem is not None:
+    except OSError as err:  # a file that shrank or vanished while it was read
+        return Problem(f"a file of it could not be read whole ({err})")
+    if problem is not None or not first:
         return problem
     if not file_in(folder, REST).is_file():
         return Problem(f"it holds no {REST} (the meta record and the objects not stored sharded)")
     return None if archive_complete(folder / REST) else Problem(f"its {REST} is truncated or corrupt")
 
 
-def _checksum_problem(folder: Path, required: bool) -> Problem | None:
+def _checksum_problem(folder: Path, required: bool, share: tuple[int, int] = (0, 1)) -> Problem | None:
     listed = folder / CHECKSUMS
     if not listed.is_file():
         return Problem(f"its {CHECKSUMS} is missing (the save did not finish)") if required else None
@@ -127,15 +137,16 @@ def _checksum_problem(folder: Path, required: bool) -> Problem | None:
         recorded = {n: (int(v["size"]), int(v["crc32"])) for n, v in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return Problem(f"its {CHECKSUMS} does not read ({type(err).__name__}: {err})")
+    mine = sorted(recorded.items())[share[0] :: share[1]]
     paths = {}
-    for name, (size, _) in sorted(recorded.items()):
+    for name, (size, _) in mine:
         path = paths[name] = file_in(folder, name, source=str(listed))
         if not path.is_file():
             return Problem(f"its file {name}, listed in {CHECKSUMS}, is missing")
         if path.stat().st_size != size:
             return Problem(f"its file {name} holds {path.stat().st_size} bytes where {size} were written")
     found = files_checksums(list(paths.values()))  # every size matched: now the bytes, files read at once
-    for (name, (_, crc)), (_, got) in zip(sorted(recorded.items()), found, strict=True):
+    for (name, (_, crc)), (_, got) in zip(mine, found, strict=True):
         if got != crc:
             return Problem(
                 f"its file {name} is corrupt (its CRC-32 differs from the one recorded in {CHECKSUMS})"

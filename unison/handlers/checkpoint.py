@@ -404,7 +404,8 @@ class Checkpoint:
             if choice is None:
                 _log.info("No checkpoint in %s: starting fresh.", self.folder)
                 return None
-            checked = which == "auto" and get_rank() == 0  # choose() read it whole
+            # choose() read a file whole on rank 0, and a sharded folder by every rank, a share each
+            checked = which == "auto" and (get_rank() == 0 or Path(choice).is_dir())
             state = load_checkpoint(choice, checked=checked)
         # Raises for what does not fit; the note on another world size waits for the run's layout.
         check_checkpoint(state, source=choice, names=self.to_save, world_size=get_world_size())
