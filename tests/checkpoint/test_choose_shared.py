@@ -4,40 +4,21 @@ rank reads the whole folder, and a corrupt file in any rank's share is passed ov
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
-import torch.distributed.checkpoint as dcp
 from _choose_workers import choose_counting
+from _sharded_folders import checkpoints
 from torch import nn
 
-from unison.checkpoint.entry import Entry
 from unison.checkpoint.manifest import Manifest
-from unison.checkpoint.sharded import finish_folder, own_checksums, temp_folder
 from unison.checkpoint.sharded_check import sharded_verdict
 from unison.checkpoint.sharded_files import CHECKSUMS
 from unison.testing import run_distributed
 
 
-def _save(folder: Path, n: int) -> Entry:
-    final = folder / f"ckpt-e{n:04d}-i{10 * n:09d}.dcp"
-    tmp = temp_folder(final)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that no process group exists
-        dcp.save({"model": nn.Linear(4, 3).state_dict()}, checkpoint_id=tmp, no_dist=True)
-    meta = {"epoch": n, "iteration": 10 * n, "sharded": ["model"], "sequence": n}
-    finish_folder(tmp, final, {"meta": meta, "objects": {}, "trainer": {}}, own_checksums(tmp))
-    return Entry(final.name, n, 10 * n, sequence=n)
-
-
 def _checkpoints(tmp_path: Path) -> Manifest:
-    manifest = Manifest(tmp_path / "checkpoints")
-    manifest.folder.mkdir()
-    for n in (1, 2):
-        manifest.add(_save(manifest.folder, n))
-    manifest.write()
-    return manifest
+    return checkpoints(tmp_path, 2, nn.Linear(4, 3))
 
 
 def _flip(path: Path, offset: int) -> None:

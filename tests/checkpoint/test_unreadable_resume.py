@@ -8,41 +8,20 @@ every such checkpoint and why, with the folder left as it was.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
-import torch.distributed.checkpoint as dcp
-from torch import nn
+from _sharded_folders import checkpoints
 
 from unison.checkpoint import sharded_check
-from unison.checkpoint.entry import Entry
 from unison.checkpoint.io import CheckpointError
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.ranks import choose
-from unison.checkpoint.sharded import finish_folder, own_checksums, temp_folder
 from unison.checkpoint.sharded_files import CHECKSUMS
 
 
-def _save(folder: Path, n: int) -> Entry:
-    """A sharded checkpoint written whole, as a save writes it (shards, rest.pt, checksums, rename)."""
-    final = folder / f"ckpt-e{n:04d}-i{10 * n:09d}.dcp"
-    tmp = temp_folder(final)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that no process group exists
-        dcp.save({"model": nn.Linear(2, 1).state_dict()}, checkpoint_id=tmp, no_dist=True)
-    meta = {"epoch": n, "iteration": 10 * n, "sharded": ["model"], "sequence": n}
-    finish_folder(tmp, final, {"meta": meta, "objects": {}, "trainer": {}}, own_checksums(tmp))
-    return Entry(final.name, n, 10 * n, sequence=n)
-
-
 def _folder(tmp_path: Path, saves: int = 2) -> Manifest:
-    manifest = Manifest(tmp_path / "checkpoints")
-    manifest.folder.mkdir()
-    for n in range(1, saves + 1):
-        manifest.add(_save(manifest.folder, n))
-    manifest.write()
-    return manifest
+    return checkpoints(tmp_path, saves)
 
 
 def _listing(folder: Path) -> dict[str, bytes]:
