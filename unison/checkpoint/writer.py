@@ -270,13 +270,14 @@ class CheckpointWriter:
         """The writer's thread of a save that left copies for later: takes them, then writes."""
         try:
             moved = pending.fill()
+            if moved:  # set before the step may go on: its own check then knows this change was seen
+                self.overlap = False
         except BaseException as err:
             self._error = err
             return
         finally:
             copied.set()  # the optimizer's step may go on
         if moved:
-            self.overlap = False
             _log.warning(
                 "Not saving checkpoint %s: %s changed in place while the asynchronous save copied it, between the "
                 "save and the optimizer's next step, so the copy may hold a mix of before and after. The newest "
