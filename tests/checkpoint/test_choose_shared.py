@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _choose_workers import choose_counting
+from _choose_workers import choose_counting, choose_with_a_failing_read
 from _sharded_folders import checkpoints
 from torch import nn
 
@@ -52,3 +52,14 @@ def test_every_rank_checks_its_share_and_a_corrupt_file_in_rank_1s_share_is_pass
     damaged = run_distributed(choose_counting, str(manifest.folder), nproc=2, timeout=90)
     assert [r["choice"] for r in damaged] == [older, older]
     assert f"{newest}/{listed[1]}" in damaged[1]["read"] and f"{newest}/{listed[1]}" not in damaged[0]["read"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_read_that_fails_on_one_rank_stops_the_choice_on_every_rank_and_none_waits(tmp_path):
+    """As the error would in one process: the choice stops, naming the rank and the error, rather
+    than passing over a checkpoint that may be sound."""
+    manifest = _checkpoints(tmp_path)
+    told = run_distributed(choose_with_a_failing_read, str(manifest.folder), 1, nproc=2, timeout=90)
+    assert all(t.startswith("CheckpointError: ") for t in told), told
+    assert all("checking it failed on rank 1 (PermissionError" in t for t in told), told

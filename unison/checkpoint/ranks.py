@@ -124,12 +124,13 @@ def _newest_checked_together(manifest: Manifest) -> str | None:
 
 
 def _share(folder: Path, rank: int, world: int) -> Problem | None:
-    """This rank's verdict on its share of a sharded folder; a check that fails is a problem, so that
-    every rank still reaches the gather."""
+    """This rank's verdict on its share of a sharded folder. A check that raises (a file this rank
+    may not read, a read error) is a problem that stops the choice, as the error would in one
+    process, and every rank still reaches the gather."""
     try:
         return sharded_verdict(folder, share=(rank, world))
     except Exception as err:
-        return Problem(f"checking it failed on rank {rank} ({type(err).__name__}: {err})")
+        return Problem(f"checking it failed on rank {rank} ({type(err).__name__}: {err})", unreadable=True)
 
 
 def summed_over_ranks(per_rank: list[list[list[float]] | None]) -> list[list[float]] | None:

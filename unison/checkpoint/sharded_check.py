@@ -119,8 +119,6 @@ def sharded_verdict(
             problem = _metadata_problem(folder, whole=(folder / CHECKSUMS).is_file())
     except CheckpointError as err:  # a file named outside the folder
         return Problem(str(err), unreadable=True)
-    except OSError as err:  # a file that shrank or vanished while it was read
-        return Problem(f"a file of it could not be read whole ({err})")
     if problem is not None or not first:
         return problem
     if not file_in(folder, REST).is_file():
