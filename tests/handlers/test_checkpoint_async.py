@@ -198,7 +198,7 @@ def test_a_change_after_the_copys_own_check_is_reported_by_the_step_and_later_sa
     @run.trainer.on(Events.ITERATION_COMPLETED(once=2))
     def _save_then_change(engine) -> None:
         run.checkpoint.save(engine)
-        writer._copied.wait(10)  # the copy is taken and checked unchanged
+        writer._later[1].wait(10)  # the copy is taken and checked unchanged
         with torch.no_grad():
             run.model[0].bias.add_(1.0)
 

@@ -62,11 +62,7 @@ def populate(address: int, length: int) -> bool:
 
 def address(view: memoryview) -> int:
     """Where a writable buffer's first byte is in memory."""
-    holder = ctypes.c_char.from_buffer(view)
-    try:
-        return ctypes.addressof(holder)
-    finally:
-        del holder
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))  # the export ends with the expression
 
 
 class FaultAhead:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from unison.checkpoint.keypaths import tensors_with_paths
 
 SLICE = 4 << 20
 """Bytes below which a CPU tensor is copied whole, by one thread (4 MiB)."""
@@ -74,7 +76,7 @@ class Snapshot:
         now: list[tuple[torch.Tensor, torch.Tensor]] = []
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         names: list[str] = []
-        for pair, name in zip(pairs, _tensor_paths(state, ""), strict=True):
+        for pair, (name, _) in zip(pairs, tensors_with_paths(state), strict=True):
             if later(pair[1]):
                 deferred.append(pair)
                 names.append(name)
@@ -131,18 +133,6 @@ class Pending:
             for name, (_, tensor), version in zip(self.names, self.pairs, self.versions, strict=True)
             if tensor._version != version
         ]
-
-
-def _tensor_paths(obj: Any, where: str) -> Iterator[str]:
-    """The key path of each tensor of ``obj``, in the order :func:`_mirror` meets them."""
-    if isinstance(obj, torch.Tensor):
-        yield where
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _tensor_paths(value, f"{where}.{key}" if where else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _tensor_paths(value, f"{where}.{i}" if where else str(i))
 
 
 def _fits(buffer: Any, tensor: torch.Tensor) -> bool:

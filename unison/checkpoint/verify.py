@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from unison.checkpoint.keypaths import tensors_with_paths
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.positions import PositionUnknown
 
@@ -93,15 +94,9 @@ def _short(value: Any) -> str:
 
 
 def _float_tensors(states: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(states, torch.Tensor):
-        if states.is_floating_point() or states.is_complex():
-            yield where, states
-    elif isinstance(states, Mapping):
-        for key, value in states.items():
-            yield from _float_tensors(value, f"{where}.{key}")
-    elif isinstance(states, (list, tuple)):
-        for i, value in enumerate(states):
-            yield from _float_tensors(value, f"{where}.{i}")
+    return (
+        (name, t) for name, t in tensors_with_paths(states, where) if t.is_floating_point() or t.is_complex()
+    )
 
 
 def first_non_finite(objects: Mapping[str, Any]) -> str | None:

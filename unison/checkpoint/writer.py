@@ -78,9 +78,9 @@ class CheckpointWriter:
         self.overlap = True
         """Whether an asynchronous save may copy the tensors its caller names (``later``) while
         training goes on; False once one of them changed before its copy was taken."""
-        self._copied: threading.Event | None = None  # set once the copy left for later is taken
-        self._pending: Pending | None = None
-        self._pending_path: Path | None = None
+        self._later: tuple[Pending, threading.Event, Path] | None = (
+            None  # a copy left for later, set once taken
+        )
 
     @property
     def folder(self) -> Path:
@@ -129,10 +129,11 @@ class CheckpointWriter:
         else:
             copy, pending = self.snapshot.take(state), None
         if pending:
-            self._copied, self._pending, self._pending_path = threading.Event(), pending, path
+            copied = threading.Event()
+            self._later = (pending, copied, path)
             self._thread = threading.Thread(
                 target=self._copy_then_write,
-                args=(copy, pending, self._copied, path, entry, check),
+                args=(copy, pending, copied, path, entry, check),
                 name="unison-ckpt",
                 daemon=False,
             )
@@ -151,13 +152,12 @@ class CheckpointWriter:
         thread's check: a warning says the file may hold part of the change, and later saves copy
         every tensor before they return.
         """
-        copied, pending, path = self._copied, self._pending, self._pending_path
-        if copied is None or pending is None:
+        if self._later is None:
             return 0.0
+        (pending, copied, path), self._later = self._later, None
         start = time.perf_counter()
         copied.wait()
         waited = time.perf_counter() - start
-        self._copied = self._pending = self._pending_path = None
         moved = pending.changed()
         if moved and self.overlap:  # the writer's own check, just after its copy, saw nothing
             self.overlap = False
@@ -196,7 +196,7 @@ class CheckpointWriter:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-        self._copied = self._pending = self._pending_path = None  # taken: the thread has ended
+        self._later = None  # taken: the thread has ended
         self._removed()
         if self._error is not None:
             err, self._error = self._error, None

@@ -1,0 +1,28 @@
+"""Where each tensor sits in a nested state: the key paths that warnings and errors name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["tensors_with_paths"]
+
+
+def tensors_with_paths(obj: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of ``obj`` (nested dicts, lists, tuples) with its key path below ``where``
+    (``model.0.weight``), in the containers' own order.
+
+    Example:
+        >>> [p for p, _ in tensors_with_paths({"model": {"w": torch.ones(1)}, "steps": [torch.zeros(1), 3]})]
+        ['model.w', 'steps.0']
+    """
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from tensors_with_paths(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from tensors_with_paths(value, f"{where}.{i}" if where else str(i))
