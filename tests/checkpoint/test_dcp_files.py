@@ -33,7 +33,8 @@ def test_dcp_files_are_written_around_the_page_cache_and_checksummed_as_they_are
 
     monkeypatch.setattr(direct_module, "_pwrite_all", record)
     gen = torch.Generator().manual_seed(0)
-    state = {f"w{i}": torch.randn(1_000_000, generator=gen) for i in range(10)}  # 40 MB in one file
+    # ten tensors of a quarter buffer each, in one file: two full staging buffers and a tail
+    state = {f"w{i}": torch.randn(direct_module.CHUNK // 16, generator=gen) for i in range(10)}
     state["step"] = torch.tensor(7)
     writer = DirectWriter(tmp_path)
     dcp.save(state, storage_writer=writer, no_dist=True)

@@ -188,8 +188,8 @@ def test_a_checkpoint_goes_to_the_disk_around_the_page_cache_before_its_fsync(tm
 
     monkeypatch.setattr(io_module.os, "fsync", fsync)
     monkeypatch.setattr(direct_module, "_pwrite_all", pwrite_all)
-    monkeypatch.setattr(direct_module, "DIRECT_FROM", 32 << 20)
-    state = {"w": torch.randn(9_000_000), "step": 3}  # 36 MB: two full 16 MiB buffers and a tail
+    monkeypatch.setattr(direct_module, "DIRECT_FROM", 2 * direct_module.CHUNK)
+    state = {"w": torch.randn(9 * direct_module.CHUNK // 16), "step": 3}  # two full buffers and a tail
     atomic_save(state, tmp_path / "c.pt")
     full = (tmp_path / "c.pt").stat().st_size // direct_module.CHUNK
     assert full == 2

@@ -38,8 +38,12 @@ from unison.checkpoint.writeback import WritebackFile, start_writeback, written_
 
 __all__ = ["CHUNK", "DIRECT_FROM", "DirectFile", "direct_available", "open_sink"]
 
-CHUNK = 16 << 20
-"""Bytes per staging buffer and per ``O_DIRECT`` write (16 MiB)."""
+CHUNK = 32 << 20
+"""Bytes per staging buffer and per ``O_DIRECT`` write (32 MiB). The size of each write is what the
+disk sees: measured here, 1 GB saves of 7 interleaved rounds ran at a median 2975 MB/s with two
+16 MiB writes in flight, 3514 with two of 32 MiB and 3417 with two of 64 MiB, against the
+disk's 3725 (one 8 MiB ``O_DIRECT`` write after another from one buffer); four 16 MiB writes in
+flight gave 3056. Three buffers are kept from file to file (96 MiB)."""
 DEPTH = 2
 """Buffers written at once while the next one fills."""
 DIRECT_FROM = 128 << 20
