@@ -141,7 +141,7 @@ def test_outside_keep_checked_nothing_is_kept(tmp_path):
     path = atomic_save(_state(), tmp_path / "a.pt")
     assert file_whole(path) and _kept.stack == []
     with keep_checked():
-        assert file_whole(path) and len(_kept.stack) == 1 and len(_kept.stack[0]) == 1
+        assert file_whole(path) and len(_kept.stack) == 1 and len(_kept.stack[0].states) == 1
     assert _kept.stack == []
 
 
@@ -167,4 +167,6 @@ def test_what_one_thread_keeps_is_its_own(tmp_path):
         thread = threading.Thread(target=other)
         thread.start()
         thread.join(30)
-        assert seen == [0] and _kept.stack == [{}], "the other thread's check kept a state here"
+        assert seen == [0] and [f.states for f in _kept.stack] == [{}], (
+            "the other thread's check kept a state here"
+        )

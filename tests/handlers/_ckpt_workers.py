@@ -295,6 +295,26 @@ def resume_equivalence(
     return out
 
 
+def in_place_resume(folder: str, scenario: dict[str, Any]) -> dict[str, Any]:
+    """:func:`resume_equivalence` with every record of a byte or more read straight into the run's
+    own tensors (``unison.checkpoint.in_place``; 1 MiB in a run), and the key paths that were."""
+    from unison.checkpoint import archive_load
+
+    placed: list[tuple[Any, ...]] = []
+    real_from, real_put = archive_load.IN_PLACE_FROM, archive_load.put
+
+    def put(state: Any, keys: tuple[Any, ...], value: Any) -> None:
+        placed.append(keys)
+        real_put(state, keys, value)
+
+    archive_load.IN_PLACE_FROM, archive_load.put = 1, put
+    try:
+        result = resume_equivalence(folder, **scenario)
+    finally:
+        archive_load.IN_PLACE_FROM, archive_load.put = real_from, real_put
+    return {**result, "placed": placed}
+
+
 def resume_scenarios(folder: str, scenarios: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """:func:`resume_equivalence` for each named scenario, each in its own sub-folder."""
     return {name: resume_equivalence(f"{folder}/{name}", **kwargs) for name, kwargs in scenarios.items()}

@@ -19,6 +19,7 @@ from _ckpt_workers import (
     LogRecords,
     build_run,
     epoch_length,
+    in_place_resume,
     resume_equivalence,
     resume_scenarios,
     stop_at,
@@ -76,6 +77,29 @@ def check_equivalence(result: dict, scenario: dict, world_size: int) -> None:
 def test_resume_on_one_rank_ends_bitwise_equal_to_an_uninterrupted_run(name, tmp_path):
     scenario = scenarios(1)[name]
     check_equivalence(resume_equivalence(str(tmp_path), **scenario), scenario, world_size=1)
+
+
+_MODEL_WEIGHTS = [("objects", "model", key) for key in ("0.weight", "0.bias", "3.weight", "3.bias")]
+
+
+def test_a_resume_that_reads_into_the_models_own_memory_ends_bitwise_equal(tmp_path):
+    scenario = scenarios(1)["mid-epoch"]
+    result = in_place_resume(str(tmp_path), scenario)
+    check_equivalence(result, scenario, world_size=1)
+    assert sorted(result["placed"]) == sorted(_MODEL_WEIGHTS), "the weights were not read into the model"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_resume_that_reads_into_the_models_own_memory_on_two_ranks_ends_bitwise_equal(tmp_path):
+    scenario = scenarios(2)["mid-epoch"]
+    results = run_distributed(in_place_resume, str(tmp_path), scenario, nproc=2, timeout=150)
+    for rank, result in enumerate(results):  # rank 0 reads it as it checks it; rank 1 in its load
+        check_equivalence(result, scenario, world_size=2)
+        assert sorted(result["placed"]) == sorted(_MODEL_WEIGHTS), (
+            f"rank {rank} read the weights into new memory"
+        )
 
 
 @pytest.fixture(scope="module")

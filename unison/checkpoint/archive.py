@@ -14,6 +14,7 @@ from unison.checkpoint.archive_load import Damaged, read_archive
 from unison.checkpoint.archive_records import records, unrecorded_note
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.crc import range_crcs
+from unison.checkpoint.in_place import Into
 from unison.checkpoint.snapshot import default_threads
 from unison.utils.run_files import open_fd
 
@@ -58,29 +59,53 @@ def _read_ahead(fd: int, offset: int, length: int, advice: int) -> None:
             pass
 
 
+class _Frame:
+    """One :func:`keep_checked` entered: the state of the file last found whole by loading it, by the
+    file's identity, and the run's tensors its reads go into (or None)."""
+
+    def __init__(self, into: Into | None) -> None:
+        self.states: dict[tuple[int, ...], Any] = {}
+        self.into = into
+
+
 class _Kept(threading.local):
-    """Per thread, one dict per :func:`keep_checked` entered: the state of the file last found whole
-    by loading it, by the file's identity."""
+    """Per thread, the :func:`keep_checked` frames entered, innermost last."""
 
     def __init__(self) -> None:
-        self.stack: list[dict[tuple[int, ...], Any]] = []
+        self.stack: list[_Frame] = []
 
 
 _kept = _Kept()
 
 
 @contextmanager
-def keep_checked() -> Iterator[None]:
+def keep_checked(into: Into | None = None) -> Iterator[None]:
     """Inside, :func:`file_whole` finds a file whole by loading it (one read, every CRC-32 checked)
     and keeps its state for the :func:`load_archive` of the same file with ``checked=True``
-    that follows: a check and its load read the file once. The state is let go on leaving."""
-    kept: dict[tuple[int, ...], Any] = {}
-    _kept.stack.append(kept)
+    that follows: a check and its load read the file once. The state is let go on leaving.
+
+    With ``into`` (a resume's own tensors), both read big records straight into those tensors
+    (:mod:`unison.checkpoint.in_place`); :func:`overwritten` then lists the files read into them.
+    """
+    frame = _Frame(into)
+    _kept.stack.append(frame)
     try:
         yield
     finally:
-        _kept.stack.remove(kept)
-        kept.clear()
+        _kept.stack.remove(frame)
+        frame.states.clear()
+
+
+def overwritten() -> list[str]:
+    """The checkpoint files read into the run's own tensors inside the innermost :func:`keep_checked`,
+    whole or damaged (none outside one): once any was, those tensors no longer hold what the run
+    started with."""
+    into = _into()
+    return list(into.files) if into is not None else []
+
+
+def _into() -> Into | None:
+    return _kept.stack[-1].into if _kept.stack else None
 
 
 def _identity(path: str | os.PathLike[str]) -> tuple[int, ...]:
@@ -93,13 +118,13 @@ def file_whole(path: str | os.PathLike[str]) -> bool:
     if not _kept.stack:
         return archive_complete(path)
     try:
-        state = read_archive(path, verify=True)
+        state = read_archive(path, verify=True, into=_into())
     except Damaged:
         return False
     except Exception:  # noqa: BLE001 - missing, or whole but not loadable: the load says why
         return archive_complete(path)
-    _kept.stack[-1].clear()  # one state at most
-    _kept.stack[-1][_identity(path)] = state
+    _kept.stack[-1].states.clear()  # one state at most
+    _kept.stack[-1].states[_identity(path)] = state
     return True
 
 
@@ -121,7 +146,7 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
             f"Checkpoint {file} is a symbolic link (to {os.path.realpath(file)}); checkpoints are read "
             "without following links. Give the file it points to."
         )
-    kept = _kept.stack[-1].pop(_identity(file), None) if checked and _kept.stack else None
+    kept = _kept.stack[-1].states.pop(_identity(file), None) if checked and _kept.stack else None
     if kept is not None:
         state = kept
     else:
@@ -133,7 +158,7 @@ def load_archive(file: Path, *, checked: bool = False) -> dict[str, Any]:
 
 def _read(file: Path, checked: bool) -> Any:
     try:  # read once, into the tensors, every record's CRC-32 checked as it is read (unless just checked)
-        state = read_archive(file, verify=not checked)
+        state = read_archive(file, verify=not checked, into=_into())
     except Damaged as err:
         # torch.load does not verify the archive's checksums: damaged bytes would load as wrong weights.
         raise CheckpointError(

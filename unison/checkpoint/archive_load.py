@@ -12,12 +12,20 @@ once, into the tensors, and no state is returned before every record's CRC-32 ma
 archive's central directory. The new tensor's pages are given to it by another thread a few
 blocks ahead of the read (:class:`~unison.checkpoint.prefault.FaultAhead`): a read that takes
 a page fault every 4 KiB ran at half the disk's speed.
+
+A resume goes further (``into``, :mod:`unison.checkpoint.in_place`): ``torch.load`` builds the
+state with its big records left unread (their new memory untouched, so never given pages), and
+each is then read, in file order, straight into the run's own tensor at its key path where one
+fits it, into its new tensor where none does.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import os
+import sys
 import zipfile
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from typing import IO, Any, cast
@@ -27,7 +35,9 @@ import torch
 import unison.checkpoint.crc as checksums  # its crc32 looked up at each call: one place to patch in tests
 from unison.checkpoint.archive_records import Record, records, unrecorded_note
 from unison.checkpoint.crc import blocks, range_crcs, shift
-from unison.checkpoint.prefault import FROM, FaultAhead
+from unison.checkpoint.in_place import FROM as IN_PLACE_FROM
+from unison.checkpoint.in_place import Into, plan, put
+from unison.checkpoint.prefault import FROM, FaultAhead, address
 from unison.checkpoint.snapshot import default_threads
 from unison.utils.run_files import open_fd
 
@@ -40,11 +50,20 @@ class Damaged(Exception):
 
 class ParallelReader(io.RawIOBase):
     """A read-only file object over ``fd`` that reads in 8 MiB blocks; a read of a whole record of
-    ``checked`` (by its start) is checksummed block by block by ``pool``'s threads, its CRC-32 put
-    in :attr:`crcs`."""
+    ``checked`` (by its start) is checksummed block by block by ``pool``'s threads (with
+    ``verify``), its CRC-32 put in :attr:`crcs`. A read of a whole record whose start is in
+    ``defer`` reads nothing: the buffer is left untouched and the record kept in :attr:`deferred`,
+    to be read later with :meth:`fill`."""
 
     def __init__(
-        self, fd: int, pool: Executor, checked: dict[int, Record], faulter: Executor | None = None
+        self,
+        fd: int,
+        pool: Executor,
+        checked: dict[int, Record],
+        faulter: Executor | None = None,
+        *,
+        verify: bool = True,
+        defer: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()
         self.fd = fd
@@ -52,8 +71,12 @@ class ParallelReader(io.RawIOBase):
         self.faulter = faulter
         """The thread that faults in a big new buffer's pages ahead of the reads (None: the reads fault them)."""
         self.checked = checked
+        self.verify = verify
+        self.defer = defer
         self.crcs: dict[int, int] = {}
         """The CRC-32 of each record read whole, by its start."""
+        self.deferred: dict[int, Record] = {}
+        """The records left unread, by the address of the buffer they were asked into."""
         self._pos = 0
         self._size = os.fstat(fd).st_size
 
@@ -73,8 +96,20 @@ class ParallelReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        start, record = self._pos, self.checked.get(self._pos)
-        check = record is not None and record.crc is not None and record.size == len(view)
+        record = self.checked.get(self._pos)
+        if record is not None and record.start in self.defer and record.size == len(view):
+            self.deferred[address(view)] = record
+            self._pos += len(view)
+            return len(view)
+        read = self.fill(view, self._pos)
+        self._pos += read
+        return read
+
+    def fill(self, view: memoryview, start: int) -> int:
+        """Reads the file from ``start`` into all of ``view``; the bytes read (fewer at the file's
+        end). A whole record of :attr:`checked` is checksummed as it is read (with ``verify``)."""
+        record = self.checked.get(start)
+        check = self.verify and record is not None and record.crc is not None and record.size == len(view)
         read, crcs = 0, []
         spans = list(blocks(0, len(view)))
         ahead = FaultAhead(view, spans, self.faulter) if self.faulter and len(view) >= FROM else None
@@ -92,10 +127,9 @@ class ParallelReader(io.RawIOBase):
             if ahead is not None:
                 ahead.close()
             wait(crcs)  # no thread touches the buffer once it is handed back
-        self._pos += read
         if check and read == len(view):
             crc = 0
-            for n, (part, (_, length)) in enumerate(zip(crcs, blocks(0, len(view)), strict=True)):
+            for n, (part, (_, length)) in enumerate(zip(crcs, spans, strict=True)):
                 crc = shift(crc, length) ^ part.result() if n else part.result()
             self.crcs[start] = crc
         return read
@@ -113,26 +147,52 @@ def _read_block(fd: int, view: memoryview, offset: int, at: int, length: int) ->
     return read
 
 
-def read_archive(path: str | os.PathLike[str], *, verify: bool = True, threads: int | None = None) -> Any:
+def read_archive(
+    path: str | os.PathLike[str], *, verify: bool = True, threads: int | None = None, into: Into | None = None
+) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)``, the file read once; with
     ``verify``, its blocks checksummed by ``threads`` threads as they are read (default
     :func:`~unison.checkpoint.snapshot.default_threads`) and every record's CRC-32 checked (or,
     for an archive written without them, its structure) before the state is returned.
 
+    With ``into`` (the run's own tensors, :class:`~unison.checkpoint.in_place.Into`), each record
+    of :data:`~unison.checkpoint.in_place.FROM` bytes or more that fits the run's tensor at its key
+    path is read into that tensor, and the state holds that tensor; the file is then listed in
+    ``into.files`` (before the check: a damaged file has written them too).
+
     Raises:
         Damaged: the archive's structure is broken, or a record's CRC-32 does not match.
         Exception: whatever ``torch.load`` raises for a file it cannot read.
     """
+    try:
+        return _read_archive(path, verify, threads, into)
+    except _Unplaced:  # a record left unread that the state does not hold: read it all as torch does
+        return _read_archive(path, verify, threads, None)
+
+
+class _Unplaced(Exception):
+    """A record left unread belongs to no tensor of the loaded state."""
+
+
+def _read_archive(path: str | os.PathLike[str], verify: bool, threads: int | None, into: Into | None) -> Any:
     with os.fdopen(open_fd(path), "rb", buffering=0) as raw:
-        found = _members(raw) if verify else []
+        found, tensors, native = _members(raw) if verify or into is not None else ([], [], False)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         with (
             ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="unison-read") as pool,
             ThreadPoolExecutor(1, thread_name_prefix="unison-fault") as faulter,
         ):
-            reader = ParallelReader(raw.fileno(), pool, {r.start: r for r in found}, faulter)
+            big = (r.start for r in tensors if r.size >= IN_PLACE_FROM)
+            defer = frozenset(big) if into is not None and native else frozenset()
+            reader = ParallelReader(
+                raw.fileno(), pool, {r.start: r for r in found}, faulter, verify=verify, defer=defer
+            )
             state = torch.load(cast(IO[bytes], reader), map_location="cpu", weights_only=True)
+            if reader.deferred:
+                _read_deferred(reader, state, cast(Into, into), path)
+        if not verify:
+            return state
         left = [
             r for r in found if r.crc is not None and r.start not in reader.crcs
         ]  # not read whole by torch
@@ -151,13 +211,57 @@ def read_archive(path: str | os.PathLike[str], *, verify: bool = True, threads: 
     return state
 
 
-def _members(raw: Any) -> list[Record]:
-    """The archive's records, from its central directory; raises :class:`Damaged` when its structure is broken."""
+def _read_deferred(reader: ParallelReader, state: Any, into: Into, path: str | os.PathLike[str]) -> None:
+    """Reads the records ``torch.load`` left unread, in file order: each into the run's tensor that
+    :func:`~unison.checkpoint.in_place.plan` pairs it with (which then takes its place in
+    ``state``), else into its own new tensor."""
+    targets, swaps = plan(state, into.tensors, set(reader.deferred))
+    if len(targets) != len(reader.deferred):
+        raise _Unplaced
+    own = {id(tensor) for _, tensor in swaps}
+    if own:
+        into.files.append(str(path))
+    refused: set[int] = set()
+    for pointer, record in sorted(reader.deferred.items(), key=lambda item: item[1].start):
+        target = targets[pointer]
+        try:
+            reader.fill(_memory(target), record.start)
+        except OSError as err:  # a read-only tensor of the run's: into the state's own instead
+            if err.errno != errno.EFAULT or id(target) not in own:
+                raise
+            refused.add(id(target))
+            reader.fill(_memory_at(pointer, record.size), record.start)
+    for keys, tensor in swaps:
+        if id(tensor) not in refused:
+            put(state, keys, tensor)
+
+
+def _memory(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor``'s storage, writable."""
+    storage = tensor.untyped_storage()
+    return _memory_at(storage.data_ptr(), storage.nbytes())
+
+
+def _memory_at(pointer: int, size: int) -> memoryview:
+    """``size`` writable bytes of this process's memory from ``pointer`` (a live storage's)."""
+    return memoryview((ctypes.c_char * size).from_address(pointer)).cast("B")
+
+
+def _members(raw: Any) -> tuple[list[Record], list[Record], bool]:
+    """The archive's records, from its central directory; those of them that hold a storage's
+    bytes; and whether ``torch.load`` leaves those bytes as they are (the archive was written in
+    this machine's byte order, which this torch keeps). Raises :class:`Damaged` when its structure
+    is broken."""
     try:
         with zipfile.ZipFile(raw) as archive:
             found = records(raw, archive)
+            infos = sorted(archive.infolist(), key=lambda info: info.header_offset)  # as records() lists them
     except (zipfile.BadZipFile, EOFError, ValueError) as err:
         raise Damaged(f"its structure is broken ({err})") from err
     if found is None:
         raise Damaged("a record is not where the central directory says, or does not fit the file")
-    return found
+    orders = [r for info, r in zip(infos, found, strict=True) if info.filename.endswith("/byteorder")]
+    order = os.pread(raw.fileno(), 8, orders[0].start)[: orders[0].size] if len(orders) == 1 else b""
+    native = order == sys.byteorder.encode() and torch.serialization.get_default_load_endianness() is None
+    tensors = [r for info, r in zip(infos, found, strict=True) if "/data/" in info.filename]
+    return found, tensors, native

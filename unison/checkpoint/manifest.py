@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from unison.checkpoint.archive import overwritten
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.entry import Entry, checkpoint_name, entry_for, file_in
 from unison.checkpoint.io import atomic_write_json, is_complete, load_checkpoint
@@ -169,7 +170,9 @@ class Manifest:
 
         Raises:
             CheckpointError: naming every checkpoint of the folder this software cannot read,
-                and why.
+                and why; or, when none is whole, naming the damaged ones a resume read straight
+                into the run's tensors (:func:`unison.checkpoint.archive.overwritten`): the run
+                no longer holds its initial weights, so it cannot start afresh.
         """
         entries = self.newest()
         for n, entry in enumerate(entries):
@@ -180,6 +183,14 @@ class Manifest:
             if problem.unreadable:
                 raise CheckpointError(self._unreadable(path, problem.text, entries[n + 1 :]))
             _log.warning("Checkpoint %s is damaged (%s); falling back to an older one.", path, problem.text)
+        spoiled = overwritten()
+        if spoiled:
+            raise CheckpointError(
+                f"No checkpoint in {self.folder} is whole, and reading {', '.join(spoiled)} wrote into the "
+                "run's model and optimizer before its damage showed: the run cannot start afresh from its "
+                "initial weights. Move the damaged checkpoints out of the folder and start again to train "
+                "afresh, or resume from a sound copy by its path."
+            )
         return None
 
     def _unreadable(self, path: Path, why: str, older: list[Entry]) -> str:

@@ -13,6 +13,7 @@ from ignite.engine import Engine, Events
 from unison.checkpoint.archive import keep_checked
 from unison.checkpoint.attached import attached_states
 from unison.checkpoint.data_entry import DataEntry, mid_epoch_cause
+from unison.checkpoint.in_place import Into
 from unison.checkpoint.io import load_checkpoint
 from unison.checkpoint.loading import load_states
 from unison.checkpoint.lock import hold_folder
@@ -399,7 +400,9 @@ class Checkpoint:
             CheckpointError: naming the file, when it is missing, truncated or corrupt, or
                 does not fit this run.
         """
-        with keep_checked():  # rank 0's check of the newest checkpoint loads it: read once
+        # Rank 0's check of the newest checkpoint loads it, read once; big records go straight into
+        # the run's own tensors where they fit them (unison.checkpoint.in_place).
+        with keep_checked(into=Into(self._objects(self.trainer))):
             choice = choose(self.manifest, which)
             if choice is None:
                 _log.info("No checkpoint in %s: starting fresh.", self.folder)
