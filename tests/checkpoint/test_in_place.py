@@ -23,6 +23,7 @@ import unison.checkpoint.archive_load as archive_load
 from unison.checkpoint.archive import keep_checked, overwritten
 from unison.checkpoint.archive_load import Damaged, read_archive
 from unison.checkpoint.checkpoint_error import CheckpointError
+from unison.checkpoint.crc import BLOCK
 from unison.checkpoint.in_place import Into, mirror, plan
 from unison.checkpoint.io import atomic_save
 from unison.checkpoint.keypaths import tensors_with_keys
@@ -312,3 +313,27 @@ def test_when_no_checkpoint_is_whole_after_reading_into_the_run_the_resume_raise
     with keep_checked():  # nothing read into the run: no checkpoint, and a fresh start as before
         assert manifest.newest_complete() is None
     assert all(os.path.exists(p) for p in paths), "a damaged checkpoint was deleted"
+
+
+def test_a_big_record_is_read_into_the_run_by_several_threads_and_still_checked(tmp_path, monkeypatch):
+    blocks = []
+    real = archive_load.ParallelReader._fill_at_once
+
+    def spy(self, view, start, spans, check):
+        blocks.append(len(spans))
+        return real(self, view, start, spans, check)
+
+    monkeypatch.setattr(archive_load.ParallelReader, "_fill_at_once", spy)
+    weight = torch.randn(2 * BLOCK // 4 + 1000)  # two whole 8 MiB blocks and a bit: three blocks
+    path = atomic_save({"objects": {"m": {"w": weight}}}, tmp_path / "c.pt")
+    mine = torch.zeros_like(weight)
+    into = Into({})
+    into.tensors = {"objects": {"m": {"w": mine}}}
+    state = read_archive(path, into=into)
+    assert state["objects"]["m"]["w"] is mine and torch.equal(mine, weight) and blocks == [3]
+
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(struct.pack("<f", weight[-10].item()))] ^= 0xFF  # a byte of the last block
+    path.write_bytes(bytes(raw))
+    with pytest.raises(Damaged, match="CRC-32"):
+        read_archive(path, into=into)

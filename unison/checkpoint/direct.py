@@ -39,13 +39,14 @@ from unison.checkpoint.writeback import WritebackFile, start_writeback, written_
 __all__ = ["CHUNK", "DIRECT_FROM", "DirectFile", "direct_available", "open_sink"]
 
 CHUNK = 32 << 20
-"""Bytes per staging buffer and per ``O_DIRECT`` write (32 MiB). The size of each write is what the
-disk sees: measured here, 1 GB saves of 7 interleaved rounds ran at a median 2975 MB/s with two
-16 MiB writes in flight, 3514 with two of 32 MiB and 3417 with two of 64 MiB, against the
-disk's 3725 (one 8 MiB ``O_DIRECT`` write after another from one buffer); four 16 MiB writes in
-flight gave 3056. Three buffers are kept from file to file (96 MiB)."""
-DEPTH = 2
-"""Buffers written at once while the next one fills."""
+"""Bytes per staging buffer and per ``O_DIRECT`` write (32 MiB)."""
+DEPTH = 3
+"""Buffers written at once while the next one fills. What the disk is given at once decides its
+speed: measured here on 1 GB saves (8 interleaved rounds, medians), two 16 MiB writes in flight
+ran at 0.59-0.80x the disk's own speed (one 8 MiB ``O_DIRECT`` write after another from one
+buffer), two of 32 MiB at 0.78-0.94x, and 96-128 MiB in flight (6 x 16, 3 x 32, 4 x 32,
+2 x 64 MiB) at 0.88-0.94x, with no order among them beyond the noise. Four buffers are kept
+from file to file (128 MiB)."""
 DIRECT_FROM = 128 << 20
 """Files of this many bytes on are written with ``O_DIRECT`` (128 MiB). A smaller one fits the page
 cache's dirty limits whole: measured here, 101 and 160 MB files went out through the page cache at
