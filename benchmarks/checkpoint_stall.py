@@ -44,10 +44,11 @@ and fsyncs it (``_disk.py``), and the report sets each save's MB/s against that 
 
 "x disk" is the save's median MB/s over the disk's median MB/s, each over the same number
 of rounds: 1.0 would be a save that costs nothing but its bytes. The disk's file is written
-and read both through the page cache and with ``O_DIRECT``; the disk's speed is the faster
-way's median (``_disk.faster_way``; the report prints both ways). Taking the faster way
-within each round instead picked the luckier of two noisy samples every round, and set the
-disk faster than either way's median.
+and read four ways: through the page cache and with ``O_DIRECT``, each one 8 MiB block after
+another and 3 x 32 MiB at once (``_disk.probe_ways``); the disk's speed is the fastest way's
+median (``_disk.faster_way``; the report prints every way). Taking the faster way within
+each round instead picked the luckier of noisy samples every round, and set the disk faster
+than any way's median.
 
 ``--large`` checkpoints a model of about 1 GB (16 x Linear(4096, 4096)) instead;
 ``--size-mb N`` a model of about N MB (Linear(2048, 2048) layers below 512 MB, Linear(4096,
