@@ -38,15 +38,17 @@ from unison.checkpoint.writeback import WritebackFile, start_writeback, written_
 
 __all__ = ["CHUNK", "DIRECT_FROM", "DirectFile", "direct_available", "open_sink"]
 
-CHUNK = 32 << 20
-"""Bytes per staging buffer and per ``O_DIRECT`` write (32 MiB)."""
-DEPTH = 3
+CHUNK = 16 << 20
+"""Bytes per staging buffer and per ``O_DIRECT`` write (16 MiB). What is left after the last full
+buffer goes through the page cache: a smaller buffer keeps that tail small in files of tens of
+MB (a rank's shard of a sharded checkpoint, a background save of a small model)."""
+DEPTH = 6
 """Buffers written at once while the next one fills. What the disk is given at once decides its
 speed: measured here on 1 GB saves (8 interleaved rounds, medians), two 16 MiB writes in flight
 ran at 0.59-0.80x the disk's own speed (one 8 MiB ``O_DIRECT`` write after another from one
 buffer), two of 32 MiB at 0.78-0.94x, and 96-128 MiB in flight (6 x 16, 3 x 32, 4 x 32,
-2 x 64 MiB) at 0.88-0.94x, with no order among them beyond the noise. Four buffers are kept
-from file to file (128 MiB)."""
+2 x 64 MiB) at 0.88-0.94x, with no order among them beyond the noise. Seven buffers are kept
+from file to file (112 MiB)."""
 DIRECT_FROM = 128 << 20
 """Files of this many bytes on are written with ``O_DIRECT`` (128 MiB). A smaller one fits the page
 cache's dirty limits whole: measured here, 101 and 160 MB files went out through the page cache at
