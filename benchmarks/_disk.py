@@ -18,6 +18,7 @@ import os
 import queue
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,50 +94,46 @@ def _aligned(block: bytes) -> mmap.mmap:
 
 
 def _write(path: Path, nbytes: int, block: bytes, direct: bool) -> float:
-    """Seconds to write ``nbytes`` of ``block`` over and over to ``path`` and fsync it; inf where
-    ``direct`` is refused by the file system."""
-    path.unlink(missing_ok=True)
-    source = _aligned(block) if direct else block
-    whole = nbytes - nbytes % 4096 if direct else nbytes  # O_DIRECT writes whole pages; the rest goes after
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0), 0o644)
-    except OSError:
-        return float("inf")
-    start = time.perf_counter()
-    try:
-        view, done = memoryview(source), 0
+    """Seconds to write ``nbytes`` of ``block`` over and over to ``path``, one call after another,
+    and fsync it; inf where ``direct`` is refused by the file system."""
+    source = memoryview(_aligned(block) if direct else block)
+    step = len(block) - len(block) % 4096 or len(block)
+
+    def calls(fd: int, whole: int) -> None:
+        done = 0
         while done < whole:
-            done += os.write(fd, view[: min(whole - done, len(block) - len(block) % 4096 or len(block))])
-    except OSError:
-        return float("inf")
-    finally:
-        os.close(fd)
-    if done < nbytes:
-        with open(path, "r+b", buffering=0) as fh:
-            fh.seek(done)
-            fh.write(block[: nbytes - done])
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - start
+            done += os.write(fd, source[: min(whole - done, step)])
+
+    return _timed_write(path, nbytes, direct, calls, block)
 
 
 def _write_deep(path: Path, nbytes: int, source: mmap.mmap, direct: bool) -> float:
     """Seconds to write ``nbytes`` to ``path`` in :data:`DEEP`-byte calls, :data:`DEPTH` at once by
     as many threads, and fsync it; inf where ``direct`` is refused."""
+    view = memoryview(source)
+
+    def calls(fd: int, whole: int) -> None:
+        with ThreadPoolExecutor(DEPTH) as pool:
+            list(pool.map(lambda at: os.pwrite(fd, view[: min(DEEP, whole - at)], at), range(0, whole, DEEP)))
+
+    return _timed_write(path, nbytes, direct, calls, bytes(view[:4096]))
+
+
+def _timed_write(
+    path: Path, nbytes: int, direct: bool, calls: Callable[[int, int], None], tail: bytes
+) -> float:
+    """Seconds to create ``path``, write it with ``calls(fd, whole)`` (its first ``whole`` bytes:
+    ``O_DIRECT`` writes whole pages), write the rest from ``tail`` and fsync it; inf where
+    ``direct`` is refused by the file system."""
     path.unlink(missing_ok=True)
     whole = nbytes - nbytes % 4096 if direct else nbytes
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0), 0o644)
     except OSError:
         return float("inf")
-    view = memoryview(source)
     start = time.perf_counter()
     try:
-        with ThreadPoolExecutor(DEPTH) as pool:
-            list(pool.map(lambda at: os.pwrite(fd, view[: min(DEEP, whole - at)], at), range(0, whole, DEEP)))
+        calls(fd, whole)
     except OSError:
         return float("inf")
     finally:
@@ -144,7 +141,7 @@ def _write_deep(path: Path, nbytes: int, source: mmap.mmap, direct: bool) -> flo
     if whole < nbytes:
         with open(path, "r+b", buffering=0) as fh:
             fh.seek(whole)
-            fh.write(bytes(view[: nbytes - whole]))
+            fh.write(tail[: nbytes - whole])
     fd = os.open(path, os.O_WRONLY)
     try:
         os.fsync(fd)

@@ -32,6 +32,26 @@ def test_the_disk_probe_writes_the_bytes_asked_and_leaves_nothing(tmp_path):
     assert disk.mb_per_s(4e6, 2.0) == 2.0
 
 
+def test_every_way_of_the_disk_probe_writes_the_bytes_asked(tmp_path):
+    disk = _module("_disk")
+    nbytes = disk.DEEP * 2 + 4096 * 3 + 17  # two whole calls, a short one, and a tail of part of a page
+    source = disk._aligned(bytes(range(256)) * (disk.DEEP // 256))
+    for direct in disk._WAYS:
+        path = tmp_path / f"deep-{direct}.bin"
+        assert disk._write_deep(path, nbytes, source, direct) > 0
+        data = path.read_bytes()
+        assert len(data) == nbytes and data[: disk.DEEP] == source[: disk.DEEP]
+        assert data[2 * disk.DEEP : 2 * disk.DEEP + 4096] == source[:4096]
+        assert disk._read_deep(path, direct) > 0
+    ways = disk.probe_ways(tmp_path / "probe", 1 << 20)
+    assert sorted(ways) == sorted(
+        name
+        for direct in disk._WAYS
+        for name in (disk._NAMES[direct], f"{disk._NAMES[direct]}, 3 x 32 MiB at once")
+    )
+    assert list((tmp_path / "probe").iterdir()) == []
+
+
 def test_the_disks_speed_is_the_faster_ways_median_not_each_rounds_luckier_sample():
     disk = _module("_disk")
     rounds = [  # (write, read) seconds: the page cache is the faster writer at its median, O_DIRECT the reader
