@@ -16,7 +16,8 @@ a page fault every 4 KiB ran at half the disk's speed.
 A resume goes further (``into``, :mod:`unison.checkpoint.in_place`): ``torch.load`` builds the
 state with its big records left unread (their new memory untouched, so never given pages), and
 each is then read, in file order, straight into the run's own tensor at its key path where one
-fits it, into its new tensor where none does.
+fits it (its blocks read by several threads at once: that memory has its pages), into its new
+tensor where none does.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def read_archive(
 ) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)``, the file read once; with
     ``verify``, its blocks checksummed by ``threads`` threads as they are read (default
-    :func:`~unison.checkpoint.snapshot.default_threads`) and every record's CRC-32 checked (or,
+    :func:`~unison.checkpoint.snapshot.default_threads`, at least :data:`READERS`) and every
+    record's CRC-32 checked (or,
     for an archive written without them, its structure) before the state is returned.
 
     With ``into`` (the run's own tensors, :class:`~unison.checkpoint.in_place.Into`), each record
