@@ -96,7 +96,7 @@ def test_a_models_and_optimizers_records_go_into_their_own_tensors(tmp_path, eve
     live = mirror({"model": model, "optimizer": optimizer})
     pointers = {keys: t.data_ptr() for keys, t in tensors_with_keys(live)}
 
-    into = Into({"model": model, "optimizer": optimizer})
+    into = Into.of({"model": model, "optimizer": optimizer})
     state = read_archive(path, into=into)
 
     _same(state, expected)
@@ -200,8 +200,7 @@ def test_whatever_the_state_it_loads_as_torch_load_does(tmp_path_factory, drawn)
     expected = torch.load(path, weights_only=True)
     before = {keys: t.clone() for keys, t in tensors_with_keys(live)}
     pointers = {keys: t.data_ptr() for keys, t in tensors_with_keys(live)}
-    into = Into({})
-    into.tensors = live
+    into = Into(live)
     archive_load.IN_PLACE_FROM, old = 1, archive_load.IN_PLACE_FROM
     try:
         state = read_archive(path, into=into)
@@ -236,7 +235,7 @@ def test_a_damaged_file_read_in_place_is_listed_before_its_damage_shows(tmp_path
     at = raw.index(struct.pack("<f", model[0].weight.flatten()[3].item()))
     raw[at] ^= 0xFF  # one byte of a weight flipped: its CRC-32 no longer matches
     path.write_bytes(bytes(raw))
-    into = Into({"model": model})
+    into = Into.of({"model": model})
     with pytest.raises(Damaged, match="CRC-32"):
         read_archive(path, into=into)
     assert into.files == [str(path)]
@@ -248,8 +247,7 @@ def test_a_read_only_tensor_of_the_run_is_read_around(tmp_path, every_record):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch: "the given buffer is not writable"
         read_only = torch.frombuffer(page, dtype=torch.float32, count=6)
-    into = Into({})
-    into.tensors = {"objects": {"m": {"w": read_only}}}
+    into = Into({"objects": {"m": {"w": read_only}}})
     state = read_archive(path, into=into)
     assert torch.equal(state["objects"]["m"]["w"], torch.arange(6.0))
     assert state["objects"]["m"]["w"].data_ptr() != read_only.data_ptr() and not read_only.any()
@@ -259,8 +257,7 @@ def test_a_read_only_tensor_of_the_run_is_read_around(tmp_path, every_record):
 def test_a_file_of_another_byte_order_is_read_as_torch_reads_it(tmp_path, every_record, monkeypatch):
     path = atomic_save({"objects": {"m": {"w": torch.arange(6.0)}}}, tmp_path / "c.pt")
     mine = torch.zeros(6)
-    into = Into({})
-    into.tensors = {"objects": {"m": {"w": mine}}}
+    into = Into({"objects": {"m": {"w": mine}}})
     monkeypatch.setattr(sys, "byteorder", "big")  # torch now swaps every record's bytes after reading it
     expected = torch.load(path, weights_only=True)
     state = read_archive(path, into=into)
@@ -277,8 +274,7 @@ def test_a_file_of_another_byte_order_is_read_as_torch_reads_it(tmp_path, every_
 def test_a_record_the_state_does_not_reach_is_read_as_torch_reads_it(tmp_path, every_record, monkeypatch):
     path = atomic_save({"objects": {"m": {"w": torch.arange(6.0)}}}, tmp_path / "c.pt")
     monkeypatch.setattr(archive_load, "plan", lambda state, into, deferred: ({}, []))  # places nothing
-    into = Into({})
-    into.tensors = {"objects": {"m": {"w": torch.zeros(6)}}}
+    into = Into({"objects": {"m": {"w": torch.zeros(6)}}})
     state = read_archive(path, into=into)
     assert torch.equal(state["objects"]["m"]["w"], torch.arange(6.0)) and into.files == []
 
@@ -305,7 +301,7 @@ def test_when_no_checkpoint_is_whole_after_reading_into_the_run_the_resume_raise
         raw = bytearray(path.read_bytes())
         raw[raw.index(struct.pack("<f", model[0].weight.flatten()[0].item()))] ^= 0xFF
         path.write_bytes(bytes(raw))
-    with keep_checked(into=Into({"model": model})):
+    with keep_checked(into=Into.of({"model": model})):
         with pytest.raises(CheckpointError, match="cannot start afresh") as raised:
             manifest.newest_complete()
         assert overwritten() == [str(p) for p in reversed(paths)]
@@ -327,8 +323,7 @@ def test_a_big_record_is_read_into_the_run_by_several_threads_and_still_checked(
     weight = torch.randn(2 * BLOCK // 4 + 1000)  # two whole 8 MiB blocks and a bit: three blocks
     path = atomic_save({"objects": {"m": {"w": weight}}}, tmp_path / "c.pt")
     mine = torch.zeros_like(weight)
-    into = Into({})
-    into.tensors = {"objects": {"m": {"w": mine}}}
+    into = Into({"objects": {"m": {"w": mine}}})
     state = read_archive(path, into=into)
     assert state["objects"]["m"]["w"] is mine and torch.equal(mine, weight) and blocks == [3]
 

@@ -42,7 +42,7 @@ from unison.checkpoint.prefault import FROM, FaultAhead, address
 from unison.checkpoint.snapshot import default_threads
 from unison.utils.run_files import open_fd
 
-__all__ = ["Damaged", "ParallelReader", "read_archive"]
+__all__ = ["Damaged", "ParallelReader", "read_archive", "read_window"]
 
 
 READERS = 3
@@ -71,9 +71,12 @@ class ParallelReader(io.RawIOBase):
         *,
         verify: bool = True,
         defer: frozenset[int] = frozenset(),
+        window: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.fd = fd
+        self.base = window[0] if window is not None else 0
+        """Where the archive starts in the file (an archive inside another file: ``window``)."""
         self.pool = pool
         self.faulter = faulter
         """The thread that faults in a big new buffer's pages ahead of the reads (None: the reads fault them)."""
@@ -85,7 +88,7 @@ class ParallelReader(io.RawIOBase):
         self.deferred: dict[int, Record] = {}
         """The records left unread, by the address of the buffer they were asked into."""
         self._pos = 0
-        self._size = os.fstat(fd).st_size
+        self._size = window[1] if window is not None else os.fstat(fd).st_size
 
     def readable(self) -> bool:
         return True
@@ -130,7 +133,7 @@ class ParallelReader(io.RawIOBase):
             for n, (at, length) in enumerate(spans):
                 if ahead is not None:  # the faulter's thread gives the next blocks their pages meanwhile
                     ahead.before(n)
-                got = _read_block(self.fd, view, start + at, at, length)
+                got = _read_block(self.fd, view, self.base + start + at, at, length)
                 if check:  # checksummed by the pool's threads while the next block is read
                     crcs.append(self.pool.submit(checksums.crc32, view[at : at + got]))
                 read += got
@@ -146,7 +149,7 @@ class ParallelReader(io.RawIOBase):
 
     def _fill_at_once(self, view: memoryview, start: int, spans: list[tuple[int, int]], check: bool) -> int:
         def block(at: int, length: int) -> tuple[int, int | None]:
-            got = _read_block(self.fd, view, start + at, at, length)
+            got = _read_block(self.fd, view, self.base + start + at, at, length)
             return got, checksums.crc32(view[at : at + got]) if check else None
 
         parts = [self.pool.submit(block, at, length) for at, length in spans]
@@ -187,8 +190,8 @@ def read_archive(
     """``torch.load(path, map_location="cpu", weights_only=True)``, the file read once; with
     ``verify``, its blocks checksummed by ``threads`` threads as they are read (default
     :func:`~unison.checkpoint.snapshot.default_threads`, at least :data:`READERS`) and every
-    record's CRC-32 checked (or,
-    for an archive written without them, its structure) before the state is returned.
+    record's CRC-32 checked (or, for an archive written without them, its structure) before the
+    state is returned.
 
     With ``into`` (the run's own tensors, :class:`~unison.checkpoint.in_place.Into`), each record
     of :data:`~unison.checkpoint.in_place.FROM` bytes or more that fits the run's tensor at its key
@@ -199,65 +202,80 @@ def read_archive(
         Damaged: the archive's structure is broken, or a record's CRC-32 does not match.
         Exception: whatever ``torch.load`` raises for a file it cannot read.
     """
-    try:
-        return _read_archive(path, verify, threads, into)
-    except _Unplaced:  # a record left unread that the state does not hold: read it all as torch does
-        return _read_archive(path, verify, threads, None)
+    with os.fdopen(open_fd(path), "rb", buffering=0) as raw:
+        return _read_any(raw.fileno(), None, verify, threads, into, str(path))
+
+
+def read_window(fd: int, offset: int, length: int, *, verify: bool = True, into: Into | None = None) -> Any:
+    """:func:`read_archive` of the ``torch.save`` archive held in bytes ``[offset, offset + length)`` of
+    the open file ``fd`` (a Distributed Checkpoint's file holds one per tensor). With ``into``
+    whose :attr:`~unison.checkpoint.in_place.Into.tensors` is a tensor, an archive of one tensor
+    of 1 MiB or more that fits it is read straight into it, and that tensor is returned."""
+    return _read_any(fd, (offset, length), verify, None, into, f"bytes {offset}-{offset + length} of a file")
 
 
 class _Unplaced(Exception):
     """A record left unread belongs to no tensor of the loaded state."""
 
 
-def _read_archive(path: str | os.PathLike[str], verify: bool, threads: int | None, into: Into | None) -> Any:
-    with os.fdopen(open_fd(path), "rb", buffering=0) as raw:
-        found, tensors, native = _members(raw) if verify or into is not None else ([], [], False)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        with (
-            ThreadPoolExecutor(
-                threads or max(READERS, default_threads()), thread_name_prefix="unison-read"
-            ) as pool,
-            ThreadPoolExecutor(1, thread_name_prefix="unison-fault") as faulter,
-        ):
-            big = (r.start for r in tensors if r.size >= IN_PLACE_FROM)
-            defer = frozenset(big) if into is not None and native else frozenset()
-            reader = ParallelReader(
-                raw.fileno(), pool, {r.start: r for r in found}, faulter, verify=verify, defer=defer
-            )
-            state = torch.load(cast(IO[bytes], reader), map_location="cpu", weights_only=True)
-            if reader.deferred:
-                _read_deferred(reader, state, cast(Into, into), path)
-        if not verify:
-            return state
-        left = [
-            r for r in found if r.crc is not None and r.start not in reader.crcs
-        ]  # not read whole by torch
-        crcs = dict(
-            zip(
-                (r.start for r in left),
-                range_crcs(raw.fileno(), [(r.start, r.size) for r in left], 1),
-                strict=True,
-            )
+def _read_any(
+    fd: int, window: tuple[int, int] | None, verify: bool, threads: int | None, into: Into | None, name: str
+) -> Any:
+    try:
+        return _read_archive(fd, window, verify, threads, into, name)
+    except _Unplaced:  # a record left unread that the state does not hold: read it all as torch does
+        return _read_archive(fd, window, verify, threads, None, name)
+
+
+def _read_archive(
+    fd: int, window: tuple[int, int] | None, verify: bool, threads: int | None, into: Into | None, name: str
+) -> Any:
+    base = window[0] if window is not None else 0
+    found, tensors, native = _members(_Window(fd, window)) if verify or into is not None else ([], [], False)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, base, window[1] if window is not None else 0, os.POSIX_FADV_SEQUENTIAL)
+    with (
+        ThreadPoolExecutor(
+            threads or max(READERS, default_threads()), thread_name_prefix="unison-read"
+        ) as pool,
+        ThreadPoolExecutor(1, thread_name_prefix="unison-fault") as faulter,
+    ):
+        big = (r.start for r in tensors if r.size >= IN_PLACE_FROM)
+        defer = frozenset(big) if into is not None and native else frozenset()
+        reader = ParallelReader(
+            fd, pool, {r.start: r for r in found}, faulter, verify=verify, defer=defer, window=window
         )
+        state = torch.load(cast(IO[bytes], reader), map_location="cpu", weights_only=True)
+        if reader.deferred:
+            state = _read_deferred(reader, state, cast(Into, into), name)
+    if not verify:
+        return state
+    left = [r for r in found if r.crc is not None and r.start not in reader.crcs]  # not read whole by torch
+    crcs = dict(
+        zip(
+            (r.start for r in left),
+            range_crcs(fd, [(base + r.start, r.size) for r in left], 1),
+            strict=True,
+        )
+    )
     crcs.update(reader.crcs)
     if any(r.crc is not None and crcs.get(r.start) != r.crc for r in found):
         raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
     if any(r.crc is None for r in found):
-        unrecorded_note(path)
+        unrecorded_note(name)
     return state
 
 
-def _read_deferred(reader: ParallelReader, state: Any, into: Into, path: str | os.PathLike[str]) -> None:
+def _read_deferred(reader: ParallelReader, state: Any, into: Into, name: str) -> Any:
     """Reads the records ``torch.load`` left unread, in file order: each into the run's tensor that
     :func:`~unison.checkpoint.in_place.plan` pairs it with (which then takes its place in
-    ``state``), else into its own new tensor."""
+    ``state``; a state that is one tensor is replaced whole), else into its own new tensor."""
     targets, swaps = plan(state, into.tensors, set(reader.deferred))
     if len(targets) != len(reader.deferred):
         raise _Unplaced
     own = {id(tensor) for _, tensor in swaps}
     if own:
-        into.files.append(str(path))
+        into.files.append(name)
     refused: set[int] = set()
     for pointer, record in sorted(reader.deferred.items(), key=lambda item: item[1].start):
         target = targets[pointer]
@@ -270,7 +288,41 @@ def _read_deferred(reader: ParallelReader, state: Any, into: Into, path: str | o
             reader.fill(_memory_at(pointer, record.size), record.start)
     for keys, tensor in swaps:
         if id(tensor) not in refused:
-            put(state, keys, tensor)
+            if keys:
+                put(state, keys, tensor)
+            else:
+                state = tensor
+    return state
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable file object over bytes ``[offset, offset + length)`` of ``fd`` (all of it
+    with no ``window``), for :mod:`zipfile`."""
+
+    def __init__(self, fd: int, window: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.fd = fd
+        self.base, self.size = window if window is not None else (0, os.fstat(fd).st_size)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self.size - self._pos)]
+        got = os.preadv(self.fd, [view], self.base + self._pos) if len(view) else 0
+        self._pos += got
+        return got
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:
@@ -298,7 +350,10 @@ def _members(raw: Any) -> tuple[list[Record], list[Record], bool]:
     if found is None:
         raise Damaged("a record is not where the central directory says, or does not fit the file")
     orders = [r for info, r in zip(infos, found, strict=True) if info.filename.endswith("/byteorder")]
-    order = os.pread(raw.fileno(), 8, orders[0].start)[: orders[0].size] if len(orders) == 1 else b""
+    order = b""
+    if len(orders) == 1:
+        raw.seek(orders[0].start)
+        order = raw.read(min(orders[0].size, 8))
     native = order == sys.byteorder.encode() and torch.serialization.get_default_load_endianness() is None
     tensors = [r for info, r in zip(infos, found, strict=True) if "/data/" in info.filename]
     return found, tensors, native

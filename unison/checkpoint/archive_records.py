@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zipfile
@@ -24,7 +25,7 @@ def records(raw: BinaryIO, archive: zipfile.ZipFile) -> list[Record] | None:
     """The members of ``archive`` (read from ``raw``) in file order; None when one is not where
     the central directory says, not stored, or does not fit the file. A member whose CRC is
     zero although it holds data was written with ``set_crc32_options(False)``: its CRC is None."""
-    size = os.fstat(raw.fileno()).st_size
+    size = raw.seek(0, io.SEEK_END)  # a file, or an archive inside one
     found = []
     for info in sorted(archive.infolist(), key=lambda info: info.header_offset):  # in file order
         start = _record_start(raw, info, size)

@@ -54,13 +54,20 @@ def mirror(objects: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Into:
-    """The run's own tensors a resume reads records into (:func:`mirror` of ``objects``), and the
-    checkpoint files it has read into them so far (:attr:`files`)."""
+    """The run's own tensors a load reads records into, under the key paths of the state it loads
+    (a nested state, or one tensor for a state that is one tensor), and the checkpoint files it
+    has read into them so far (:attr:`files`)."""
 
-    def __init__(self, objects: Mapping[str, Any]) -> None:
-        self.tensors = mirror(objects)
+    def __init__(self, tensors: Any) -> None:
+        self.tensors = tensors
         self.files: list[str] = []
         """Files read into the run's tensors, whole or damaged, in the order they were read."""
+
+    @classmethod
+    def of(cls, objects: Mapping[str, Any]) -> Into:
+        """The tensors of the models and torch optimizers of ``objects``, where a resume loads a
+        checkpoint's states (:func:`mirror`)."""
+        return cls(mirror(objects))
 
 
 def plan(
@@ -133,7 +140,10 @@ def _whole(tensor: torch.Tensor) -> bool:
 
 
 def _replaceable(state: Any, keys: tuple[Any, ...]) -> bool:
-    """Whether the container that holds the value at ``keys`` can take a new one (not a tuple)."""
+    """Whether the container that holds the value at ``keys`` can take a new one (not a tuple); a
+    state that is one tensor (no keys) is replaced whole by the caller."""
+    if not keys:
+        return True
     holder = state
     for key in keys[:-1]:
         holder = holder[key]

@@ -22,6 +22,7 @@ must have come through the safe hook.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import types
 import warnings
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from unison.checkpoint.checkpoint_error import CheckpointError
+from unison.checkpoint.dcp_reads import read_in_place
 from unison.checkpoint.sharded_check import read_metadata
 
 _NO_GROUP_WARNING = r"torch\.distributed is (disabled, )?(unavailable|uninitialized)"
@@ -153,6 +155,12 @@ def _reader(folder: Path) -> Any:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            """Tensor items that fill their shard are read straight into it (:mod:`unison.checkpoint.dcp_reads`);
+            DCP reads the rest."""
+            left = read_in_place(folder, getattr(self, "storage_data", None), plan, planner)
+            return super().read_data(dataclasses.replace(plan, items=left), planner)
 
     return SafeFolderReader(folder)
 

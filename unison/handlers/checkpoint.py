@@ -402,7 +402,7 @@ class Checkpoint:
         """
         # Rank 0's check of the newest checkpoint loads it, read once; big records go straight into
         # the run's own tensors where they fit them (unison.checkpoint.in_place).
-        with keep_checked(into=Into(self._objects(self.trainer))):
+        with keep_checked(into=Into.of(self._objects(self.trainer))):
             choice = choose(self.manifest, which)
             if choice is None:
                 _log.info("No checkpoint in %s: starting fresh.", self.folder)
