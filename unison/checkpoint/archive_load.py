@@ -55,7 +55,38 @@ class Damaged(Exception):
     """The archive's structure is broken or a record's CRC-32 does not match."""
 
 
-class ParallelReader(io.RawIOBase):
+class _Window(io.RawIOBase):
+    """A read-only, seekable file object over bytes ``[offset, offset + length)`` of ``fd`` (all of it
+    with no ``window``): an archive, alone in its file or inside another one."""
+
+    def __init__(self, fd: int, window: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.fd = fd
+        self.base, self.size = window if window is not None else (0, os.fstat(fd).st_size)
+        """Where the archive starts in the file, and its bytes."""
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self.size - self._pos)]
+        got = os.preadv(self.fd, [view], self.base + self._pos) if len(view) else 0
+        self._pos += got
+        return got
+
+
+class ParallelReader(_Window):
     """A read-only file object over ``fd`` that reads in 8 MiB blocks; a read of a whole record of
     ``checked`` (by its start) is checksummed block by block by ``pool``'s threads (with
     ``verify``), its CRC-32 put in :attr:`crcs`. A read of a whole record whose start is in
@@ -73,10 +104,7 @@ class ParallelReader(io.RawIOBase):
         defer: frozenset[int] = frozenset(),
         window: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__()
-        self.fd = fd
-        self.base = window[0] if window is not None else 0
-        """Where the archive starts in the file (an archive inside another file: ``window``)."""
+        super().__init__(fd, window)
         self.pool = pool
         self.faulter = faulter
         """The thread that faults in a big new buffer's pages ahead of the reads (None: the reads fault them)."""
@@ -87,22 +115,6 @@ class ParallelReader(io.RawIOBase):
         """The CRC-32 of each record read whole, by its start."""
         self.deferred: dict[int, Record] = {}
         """The records left unread, by the address of the buffer they were asked into."""
-        self._pos = 0
-        self._size = window[1] if window is not None else os.fstat(fd).st_size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
@@ -293,36 +305,6 @@ def _read_deferred(reader: ParallelReader, state: Any, into: Into, name: str) ->
             else:
                 state = tensor
     return state
-
-
-class _Window(io.RawIOBase):
-    """A read-only, seekable file object over bytes ``[offset, offset + length)`` of ``fd`` (all of it
-    with no ``window``), for :mod:`zipfile`."""
-
-    def __init__(self, fd: int, window: tuple[int, int] | None) -> None:
-        super().__init__()
-        self.fd = fd
-        self.base, self.size = window if window is not None else (0, os.fstat(fd).st_size)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")[: max(0, self.size - self._pos)]
-        got = os.preadv(self.fd, [view], self.base + self._pos) if len(view) else 0
-        self._pos += got
-        return got
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:
