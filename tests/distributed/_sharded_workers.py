@@ -117,3 +117,24 @@ def nan_in_one_shard(folder: str) -> dict[str, Any]:
         "second": second,
         "saved": sorted(p.name for p in Path(folder).glob("ckpt-*")),
     }
+
+
+def job_read_in_place(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """:func:`job` with every tensor record of a byte or more read straight into its shard
+    (``unison.checkpoint.dcp_reads``; 1 MiB in a run); ``placed`` counts the items that were."""
+    from unison.checkpoint import archive_load, dcp_reads
+
+    placed: list[int] = []
+    real_from, real_read = archive_load.IN_PLACE_FROM, dcp_reads.read_window
+
+    def read_window(fd: int, offset: int, length: int, **options: Any) -> Any:
+        loaded = real_read(fd, offset, length, **options)
+        placed.append(int(loaded is options["into"].tensors))
+        return loaded
+
+    archive_load.IN_PLACE_FROM, dcp_reads.read_window = 1, read_window
+    try:
+        result = job(*args, **kwargs)
+    finally:
+        archive_load.IN_PLACE_FROM, dcp_reads.read_window = real_from, real_read
+    return {**result, "placed": sum(placed), "read": len(placed)}

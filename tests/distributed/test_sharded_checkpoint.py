@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _sharded_workers import BATCH, SAMPLES, job
+from _sharded_workers import BATCH, SAMPLES, job, job_read_in_place
 
 from unison.checkpoint import Manifest
 from unison.testing import run_distributed
@@ -40,6 +40,24 @@ def test_fsdp_resume_mid_epoch_ends_as_the_uninterrupted_run(tmp_path):
     _same(resumed["params"], truth["params"], atol=1e-6)
     _same(resumed["ema"], truth["ema"], atol=1e-6)
     assert resumed["lr"] == truth["lr"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_resume_that_reads_the_shards_into_their_own_memory_ends_as_the_uninterrupted_run(tmp_path):
+    truth = run_distributed(job, str(tmp_path / "a"), "fsdp", EPOCHS, nproc=2, timeout=120)[0]
+    folder = str(tmp_path / "b")
+    run_distributed(job, folder, "fsdp", EPOCHS, stop_after=11, nproc=2, timeout=120)
+    resumed = run_distributed(job_read_in_place, folder, "fsdp", EPOCHS, resume=True, nproc=2, timeout=120)
+    _same(resumed[0]["params"], truth["params"], atol=1e-6)
+    _same(resumed[0]["ema"], truth["ema"], atol=1e-6)
+    for rank, result in enumerate(resumed):  # each rank read its weights and Adam's moments in place
+        assert result["placed"] > 0 and result["read"] >= result["placed"], (
+            rank,
+            result["placed"],
+            result["read"],
+        )
 
 
 @pytest.mark.distributed
