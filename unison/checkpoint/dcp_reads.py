@@ -7,8 +7,8 @@ shard whole (the request starts at the item's origin and spans the shard's size)
 :func:`~unison.checkpoint.archive_load.read_window`, whose big records go straight into that
 shard's memory where the two are the same bytes (:mod:`unison.checkpoint.in_place`), every
 record's CRC-32 checked; the shard is then committed as DCP would commit it. Every other item (a
-value, a piece of a larger item, an item DCP transformed when it wrote it, a shard that is not
-one plain contiguous CPU tensor) is left to DCP's own loop.
+value, an item under 1 MiB, a piece of a larger item, an item DCP transformed when it wrote it, a
+shard that is not one plain contiguous CPU tensor) is left to DCP's own loop.
 
 It reads DCP's description of where each item lies (``storage_data``: a file, an offset and a
 length per item), which is not DCP's public interface: where that description is not there, or
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+import unison.checkpoint.archive_load as archive_load  # its IN_PLACE_FROM looked up at each call
 from unison.checkpoint.archive_load import read_window
 from unison.checkpoint.in_place import Into
 from unison.utils.run_files import open_fd
@@ -43,7 +44,13 @@ def read_in_place(folder: Path, storage_data: Any, plan: Any, planner: Any) -> l
     for item in plan.items:
         where = storage_data.get(item.storage_index)
         target = planner.resolve_tensor(item).detach() if item.type == LoadItemType.TENSOR else None
-        if where is None or target is None or not _plain_item(where) or not _fills(item, target):
+        if (
+            where is None
+            or target is None
+            or not _plain_item(where)
+            or where.length < archive_load.IN_PLACE_FROM  # nothing to read in place: as DCP reads it
+            or not _fills(item, target)
+        ):
             left.append(item)
             continue
         mine.setdefault(where.relative_path, []).append((item, where, target))
@@ -52,9 +59,7 @@ def read_in_place(folder: Path, storage_data: Any, plan: Any, planner: Any) -> l
         try:
             for item, where, target in sorted(items, key=lambda entry: entry[1].offset):
                 loaded = read_window(fd, where.offset, where.length, into=Into(target))
-                if (
-                    loaded is not target
-                ):  # not the same bytes (a larger item, another dtype): copied as DCP does
+                if loaded is not target:  # a larger item, or another dtype: copied, as DCP does
                     target.copy_(_corner(loaded, target, f"{relative} for {item.storage_index.fqn}"))
                 planner.commit_tensor(item, target)
         finally:
