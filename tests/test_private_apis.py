@@ -53,7 +53,9 @@ def test_the_compiled_call_probe_notices_a_call_that_ignores_it(call_ignores_com
     assert "no longer runs" in compile_hook.compiled_call_problem()
 
 
-def test_compile_refuses_where_the_model_would_train_uncompiled_while_reported_compiled(call_ignores_compiled):
+def test_compile_refuses_where_the_model_would_train_uncompiled_while_reported_compiled(
+    call_ignores_compiled,
+):
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(compile_hook.CompiledCallChanged, match=r"training\.compile: false"):
         compile_model(model)
@@ -65,7 +67,9 @@ def test_compile_refuses_where_the_model_would_train_uncompiled_while_reported_c
 
 @pytest.fixture
 def ignite_ignores_parent(monkeypatch, fresh_probes):
-    monkeypatch.setattr(IgniteEngine, "_compare_handlers", staticmethod(lambda user, registered: user == registered))
+    monkeypatch.setattr(
+        IgniteEngine, "_compare_handlers", staticmethod(lambda user, registered: user == registered)
+    )
 
 
 def test_the_ignite_probe_notices_handlers_no_longer_found_by_parent(ignite_ignores_parent):
@@ -121,6 +125,31 @@ def test_the_layout_probe_notices_a_missing_function(monkeypatch):
 
     monkeypatch.delattr(torch.serialization, "_get_layout")
     assert "ImportError" in private_apis._layout_by_name()
+
+
+def test_the_optimizer_init_probe_notices_a_torch_that_no_longer_calls_it(monkeypatch):
+    from torch.distributed.checkpoint import state_dict
+
+    monkeypatch.delattr(state_dict, "_init_optim_state")
+    assert "no _init_optim_state" in private_apis._optim_init()
+    monkeypatch.setattr(state_dict, "_init_optim_state", lambda optimizer: None, raising=False)
+    monkeypatch.setattr(
+        state_dict, "_get_optim_state_dict", _stepping_each_time(state_dict._get_optim_state_dict)
+    )
+    assert "2 times" in private_apis._optim_init()
+
+
+def _stepping_each_time(get):  # a torch that initialises by a path of its own, around the function
+    def stepped(model, optimizers, info):
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = p.detach() * 0
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return get(model, optimizers, info)
+
+    return stepped
 
 
 def test_probe_all_reports_each_api_with_its_answer():

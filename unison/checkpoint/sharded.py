@@ -35,6 +35,7 @@ from torch import nn
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.disk_full import unwritten
 from unison.checkpoint.io import atomic_save, atomic_write_json, fsync_dir
+from unison.checkpoint.optim_init import init_once
 from unison.checkpoint.safe_dcp import safe_load
 from unison.checkpoint.sharded_files import CHECKSUMS, REST, SUFFIX, file_checksum, folder_size
 from unison.distributed.fsdp import is_dtensor, is_sharded
@@ -104,7 +105,8 @@ def dcp_states(to_save: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
         if isinstance(obj, nn.Module):
             states[name] = get_model_state_dict(unwrap_model(obj))
         elif isinstance(obj, torch.optim.Optimizer):
-            states[name] = get_optimizer_state_dict(_model_of(obj, to_save), obj)
+            with init_once():
+                states[name] = get_optimizer_state_dict(_model_of(obj, to_save), obj)
         else:
             states[name] = obj.state_dict()
     return states
@@ -137,7 +139,8 @@ def load_dcp_states(folder: Path, to_save: Mapping[str, Any], names: list[str]) 
         if isinstance(obj, nn.Module):
             set_model_state_dict(unwrap_model(obj), states[name])
         elif isinstance(obj, torch.optim.Optimizer):
-            set_optimizer_state_dict(_model_of(obj, to_save), obj, states[name])
+            with init_once():
+                set_optimizer_state_dict(_model_of(obj, to_save), obj, states[name])
         else:
             obj.load_state_dict(states[name])
 
@@ -164,7 +167,8 @@ def load_full_states(to_save: Mapping[str, Any], states: Mapping[str, Any], name
             set_model_state_dict(unwrap_model(obj), dict(state), options=full)
         elif isinstance(obj, torch.optim.Optimizer):
             model = _model_of(obj, to_save)
-            set_optimizer_state_dict(model, obj, _by_name(obj, model, state), options=full)
+            with init_once():
+                set_optimizer_state_dict(model, obj, _by_name(obj, model, state), options=full)
         else:
             obj.load_state_dict(state)
 

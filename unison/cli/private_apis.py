@@ -77,7 +77,9 @@ def _ddp_bucket_hooks() -> str | None:
         Reducer, ("_push_all_rebuilt_params", "_rebuild_buckets"), "torch's DDP Reducer"
     )
     if problem is None and "_build_params_for_reducer" not in DDP.__init__.__code__.co_names:
-        problem = "DistributedDataParallel no longer builds its Reducer's parameters by _build_params_for_reducer()"
+        problem = (
+            "DistributedDataParallel no longer builds its Reducer's parameters by _build_params_for_reducer()"
+        )
     if problem is None and "_has_rebuilt_buckets" not in DDP._pre_forward.__code__.co_names:
         problem = "DDP's forward no longer reads _has_rebuilt_buckets"
     return problem
@@ -168,6 +170,27 @@ def _compile_helpers() -> str | None:
 
 
 @_quietly
+def _optim_init() -> str | None:
+    from torch import nn
+    from torch.distributed.checkpoint import state_dict as module
+
+    from unison.checkpoint.optim_init import init_once
+
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps: list[None] = []
+    optimizer.register_step_pre_hook(lambda *_: steps.append(None))
+    if not callable(getattr(module, "_init_optim_state", None)):
+        return "torch.distributed.checkpoint.state_dict has no _init_optim_state"
+    with init_once():
+        for _ in range(2):
+            module.get_optimizer_state_dict(model, optimizer)
+    if len(steps) != 1:
+        return f"get_optimizer_state_dict stepped a stateless SGD {len(steps)} times inside init_once, where 1 was expected"
+    return None
+
+
+@_quietly
 def _ignite_filters() -> str | None:
     from ignite.engine import Events
 
@@ -254,6 +277,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "compile fails with the error torch raises (trace_rules: decided by the class's module instead)",
         "warning",
         _compile_helpers,
+    ),
+    PrivateApi(
+        "torch.distributed.checkpoint.state_dict._init_optim_state",
+        "sharded saves and resumes of an optimizer that keeps no state (SGD without momentum)",
+        "every such save gives each parameter a zero gradient and takes a step again, as torch does",
+        "torch's initialisation runs at every call (correct, slower, a model-sized allocation)",
+        "warning",
+        _optim_init,
     ),
     PrivateApi(
         "ignite's event filter closures (every, once, before, after)",
