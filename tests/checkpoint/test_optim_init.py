@@ -96,3 +96,15 @@ def test_an_error_inside_puts_torchs_function_back() -> None:
     with pytest.raises(RuntimeError, match="inside"), init_once():
         raise RuntimeError("inside")
     assert torch_state_dict._init_optim_state is original
+
+
+def test_a_sharded_checkpoints_states_initialise_a_stateless_optimizer_once() -> None:
+    """What a sharded save takes from its objects (``dcp_states``), save after save."""
+    from unison.checkpoint.sharded import dcp_states
+
+    model, optimizer, steps = _sgd()
+    for _ in range(3):
+        states = dcp_states({"model": model, "optimizer": optimizer}, ["model", "optimizer"])
+    assert steps[0] == 1
+    assert states["optimizer"] == get_optimizer_state_dict(model, optimizer)
+    assert steps[0] == 2  # torch's own, outside
