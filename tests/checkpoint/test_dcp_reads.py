@@ -21,14 +21,15 @@ from unison.checkpoint.dcp_files import DirectWriter
 from unison.checkpoint.safe_dcp import safe_load
 
 
-def _spy(monkeypatch) -> list[tuple[bool, tuple]]:
-    """Each read_window call of the reader: whether it came back in the shard's own memory, and the shape."""
-    seen: list[tuple[bool, tuple]] = []
+def _spy(monkeypatch) -> list[tuple[bool, tuple, int]]:
+    """Each read_window call of the reader: whether it came back in the shard's own memory, its
+    shape, and which threads read it (the same for every item of one load)."""
+    seen: list[tuple[bool, tuple, int]] = []
     real = dcp_reads.read_window
 
-    def spy(fd, offset, length, *, verify=True, into=None):
-        loaded = real(fd, offset, length, verify=verify, into=into)
-        seen.append((loaded is into.tensors, tuple(loaded.shape)))
+    def spy(fd, offset, length, *, verify=True, into=None, pool=None):
+        loaded = real(fd, offset, length, verify=verify, into=into, pool=pool)
+        seen.append((loaded is into.tensors, tuple(loaded.shape), id(pool) if pool is not None else 0))
         return loaded
 
     monkeypatch.setattr(dcp_reads, "read_window", spy)
@@ -58,7 +59,8 @@ def test_a_folders_tensors_load_into_their_own_memory_and_equal_dcps_read(tmp_pa
     for key in ("w", "m", "b"):
         assert torch.equal(mine[key], saved[key]) and mine[key].data_ptr() == pointers[key]
     assert mine["step"] == 3
-    assert seen == [(True, (300_000,))]  # the items under 1 MiB were left to DCP's own loop
+    assert [(placed, shape) for placed, shape, _ in seen] == [(True, (300_000,))]  # the items under
+    # 1 MiB were left to DCP's own loop
 
     dcps = {
         "w": torch.zeros(300_000),
@@ -110,6 +112,18 @@ def _file_of(tmp_path, *values) -> list[tuple[int, int]]:
         data += buffer.getvalue() + b"more junk"
     (tmp_path / "__0_0.distcp").write_bytes(bytes(data))
     return spans
+
+
+def test_the_items_of_one_load_are_read_by_one_set_of_threads(tmp_path, monkeypatch):
+    saved = {f"w{n}": torch.full((64, 64), float(n)) for n in range(4)}
+    dcp.save(saved, storage_writer=DirectWriter(tmp_path), no_dist=True)
+    mine = {key: torch.zeros(64, 64) for key in saved}
+    seen = _spy(monkeypatch)
+    monkeypatch.setattr(archive_load, "IN_PLACE_FROM", 1)
+    safe_load(mine, tmp_path, no_dist=True)
+    assert all(torch.equal(mine[key], saved[key]) for key in saved)
+    assert [placed for placed, _, _ in seen] == [True] * 4
+    assert len({pool for _, _, pool in seen}) == 1 and seen[0][2] != 0
 
 
 def test_an_item_larger_than_its_shard_gives_the_shard_its_corner(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import unison.checkpoint.archive_load as archive_load  # its IN_PLACE_FROM looked up at each call
-from unison.checkpoint.archive_load import read_window
+from unison.checkpoint.archive_load import read_window, reading_pool
 from unison.checkpoint.in_place import Into
 from unison.utils.run_files import open_fd
 
@@ -54,16 +54,19 @@ def read_in_place(folder: Path, storage_data: Any, plan: Any, planner: Any) -> l
             left.append(item)
             continue
         mine.setdefault(where.relative_path, []).append((item, where, target))
-    for relative, items in mine.items():
-        fd = open_fd(folder / relative)  # a link or a FIFO put there is refused, not followed
-        try:
-            for item, where, target in sorted(items, key=lambda entry: entry[1].offset):
-                loaded = read_window(fd, where.offset, where.length, into=Into(target))
-                if loaded is not target:  # a larger item, or another dtype: copied, as DCP does
-                    target.copy_(_corner(loaded, target, f"{relative} for {item.storage_index.fqn}"))
-                planner.commit_tensor(item, target)
-        finally:
-            os.close(fd)
+    if not mine:
+        return left
+    with reading_pool() as pool:  # one set of threads for every item of every file
+        for relative, items in mine.items():
+            fd = open_fd(folder / relative)  # a link or a FIFO put there is refused, not followed
+            try:
+                for item, where, target in sorted(items, key=lambda entry: entry[1].offset):
+                    loaded = read_window(fd, where.offset, where.length, into=Into(target), pool=pool)
+                    if loaded is not target:  # a larger item, or another dtype: copied, as DCP does
+                        target.copy_(_corner(loaded, target, f"{relative} for {item.storage_index.fqn}"))
+                    planner.commit_tensor(item, target)
+            finally:
+                os.close(fd)
     return left
 
 
