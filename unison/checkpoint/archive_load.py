@@ -52,6 +52,10 @@ reads at once. Measured here on a cold 1 GB file, three threads reading 32 MiB e
 1.5-1.7 GB/s through the page cache, one thread reading 8 MiB after 8 MiB at 0.9-1.0."""
 
 
+Window = tuple[int, int] | None
+"""Where an archive lies in its file: ``(offset, length)``, or None for the whole file."""
+
+
 class Damaged(Exception):
     """The archive's structure is broken or a record's CRC-32 does not match."""
 
@@ -60,7 +64,7 @@ class _Window(io.RawIOBase):
     """A read-only, seekable file object over bytes ``[offset, offset + length)`` of ``fd`` (all of it
     with no ``window``): an archive, alone in its file or inside another one."""
 
-    def __init__(self, fd: int, window: tuple[int, int] | None) -> None:
+    def __init__(self, fd: int, window: Window) -> None:
         super().__init__()
         self.fd = fd
         self.base, self.size = window if window is not None else (0, os.fstat(fd).st_size)
@@ -103,7 +107,7 @@ class ParallelReader(_Window):
         *,
         verify: bool = True,
         defer: frozenset[int] = frozenset(),
-        window: tuple[int, int] | None = None,
+        window: Window = None,
     ) -> None:
         super().__init__(fd, window)
         self.pool = pool
@@ -215,8 +219,8 @@ def read_archive(
         Damaged: the archive's structure is broken, or a record's CRC-32 does not match.
         Exception: whatever ``torch.load`` raises for a file it cannot read.
     """
-    with os.fdopen(open_fd(path), "rb", buffering=0) as raw:
-        return _read_any(raw.fileno(), None, verify, threads, into, str(path))
+    with os.fdopen(open_fd(path), "rb", buffering=0) as raw, reading_pool(threads) as pool:
+        return _read_any(raw.fileno(), None, verify, into, str(path), pool)
 
 
 def read_window(
@@ -237,26 +241,19 @@ def read_window(
     to the next (a DCP file holds dozens; starting the threads anew for each cost a sharded
     resume of 1 GB 58 ms here). None: threads of its own, as :func:`read_archive`'s."""
     name = f"bytes {offset}-{offset + length} of a file"
-    return _read_any(fd, (offset, length), verify, None, into, name, pool)
+    with nullcontext(pool) if pool is not None else reading_pool() as threads:
+        return _read_any(fd, (offset, length), verify, into, name, threads)
 
 
 class _Unplaced(Exception):
     """A record left unread belongs to no tensor of the loaded state."""
 
 
-def _read_any(
-    fd: int,
-    window: tuple[int, int] | None,
-    verify: bool,
-    threads: int | None,
-    into: Into | None,
-    name: str,
-    pool: Executor | None = None,
-) -> Any:
+def _read_any(fd: int, window: Window, verify: bool, into: Into | None, name: str, pool: Executor) -> Any:
     try:
-        return _read_archive(fd, window, verify, threads, into, name, pool)
+        return _read_archive(fd, window, verify, into, name, pool)
     except _Unplaced:  # a record left unread that the state does not hold: read it all as torch does
-        return _read_archive(fd, window, verify, threads, None, name, pool)
+        return _read_archive(fd, window, verify, None, name, pool)
 
 
 def reading_pool(threads: int | None = None) -> ThreadPoolExecutor:
@@ -265,25 +262,12 @@ def reading_pool(threads: int | None = None) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads or max(READERS, default_threads()), thread_name_prefix="unison-read")
 
 
-def _read_archive(
-    fd: int,
-    window: tuple[int, int] | None,
-    verify: bool,
-    threads: int | None,
-    into: Into | None,
-    name: str,
-    given: Executor | None,
-) -> Any:
+def _read_archive(fd: int, window: Window, verify: bool, into: Into | None, name: str, pool: Executor) -> Any:
     base = window[0] if window is not None else 0
     found, tensors, native = _members(_Window(fd, window)) if verify or into is not None else ([], [], False)
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, base, window[1] if window is not None else 0, os.POSIX_FADV_SEQUENTIAL)
-    with (
-        nullcontext(given) if given is not None else reading_pool(threads) as pool,
-        ThreadPoolExecutor(
-            1, thread_name_prefix="unison-fault"
-        ) as faulter,  # its thread starts at its first task
-    ):
+    with ThreadPoolExecutor(1, thread_name_prefix="unison-fault") as faulter:  # started at its first task
         big = (r.start for r in tensors if r.size >= IN_PLACE_FROM)
         defer = frozenset(big) if into is not None and native else frozenset()
         reader = ParallelReader(
