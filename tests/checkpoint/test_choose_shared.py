@@ -1,5 +1,6 @@
-"""resume("auto") at several ranks: every rank checks a share of a sharded checkpoint's files, so no
-rank reads the whole folder, and a corrupt file in any rank's share is passed over by all."""
+"""resume("auto") at several ranks: every rank checks a share of a sharded checkpoint's files (the
+data files it wrote, which its load reads next), so no rank reads the whole folder, and a corrupt
+file in any rank's share is passed over by all."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from _sharded_folders import checkpoints
 from torch import nn
 
 from unison.checkpoint.manifest import Manifest
-from unison.checkpoint.sharded_check import sharded_verdict
+from unison.checkpoint.sharded_check import sharded_verdict, share_of
 from unison.checkpoint.sharded_files import CHECKSUMS
 from unison.testing import run_distributed
 
 
 def _checkpoints(tmp_path: Path) -> Manifest:
-    return checkpoints(tmp_path, 2, nn.Linear(4, 3))
+    """Two sharded checkpoints whose data file rank 1 wrote: rank 1's share at 2 ranks."""
+    return checkpoints(tmp_path, 2, nn.Linear(4, 3), writer=1)
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -27,14 +29,23 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_the_shares_of_a_folder_cover_its_files_once_and_any_share_finds_a_corrupt_one(tmp_path):
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_the_shares_cover_a_folders_files_once_each_data_file_with_the_rank_that_wrote_it(world):
+    names = [".metadata", "rest.pt", "extra.bin"] + [f"__{r}_{i}.distcp" for r in range(4) for i in range(2)]
+    shares = [share_of(names, (k, world)) for k in range(world)]
+    assert sorted(n for share in shares for n in share) == sorted(names)  # every file, once
+    for k, share in enumerate(shares):
+        written = [n for n in share if n.endswith(".distcp")]
+        assert written == [f"__{r}_{i}.distcp" for r in range(4) if r % world == k for i in range(2)]
+    assert {".metadata", "rest.pt", "extra.bin"} <= set(shares[0])
+
+
+def test_any_share_finds_a_corrupt_file_of_its_own(tmp_path):
     folder = _checkpoints(tmp_path).folder / "ckpt-e0002-i000000020.dcp"
-    listed = sorted(json.loads((folder / CHECKSUMS).read_text())["files"])
-    assert len(listed) >= 3
     assert all(sharded_verdict(folder, share=(k, 3)) is None for k in range(3))
-    _flip(folder / listed[1], 5)
+    _flip(folder / "__1_0.distcp", 5)
     found = [sharded_verdict(folder, share=(k, 2)) for k in range(2)]
-    assert found[0] is None and found[1] is not None and listed[1] in found[1].text
+    assert found[0] is None and found[1] is not None and "__1_0.distcp" in found[1].text
     assert sharded_verdict(folder) is not None  # one process: the whole folder, as before
 
 
@@ -44,14 +55,16 @@ def test_every_rank_checks_its_share_and_a_corrupt_file_in_rank_1s_share_is_pass
     manifest = _checkpoints(tmp_path)
     newest, older = "ckpt-e0002-i000000020.dcp", "ckpt-e0001-i000000010.dcp"
     listed = sorted(json.loads((manifest.folder / newest / CHECKSUMS).read_text())["files"])
+    assert listed == [".metadata", "__1_0.distcp", "rest.pt"]
     whole = run_distributed(choose_counting, str(manifest.folder), nproc=2, timeout=90)
     assert [r["choice"] for r in whole] == [newest, newest]
-    assert whole[0]["read"] == [f"{newest}/{n}" for n in listed[0::2]]
-    assert whole[1]["read"] == [f"{newest}/{n}" for n in listed[1::2]]  # rank 0 never read these
-    _flip(manifest.folder / newest / listed[1], 5)  # same size: only its CRC-32 tells
+    assert whole[0]["read"] == [f"{newest}/.metadata", f"{newest}/rest.pt"]
+    assert whole[1]["read"] == [f"{newest}/__1_0.distcp"]  # rank 0 never read it
+    _flip(manifest.folder / newest / "__1_0.distcp", 5)  # same size: only its CRC-32 tells
     damaged = run_distributed(choose_counting, str(manifest.folder), nproc=2, timeout=90)
     assert [r["choice"] for r in damaged] == [older, older]
-    assert f"{newest}/{listed[1]}" in damaged[1]["read"] and f"{newest}/{listed[1]}" not in damaged[0]["read"]
+    assert f"{newest}/__1_0.distcp" in damaged[1]["read"]
+    assert f"{newest}/__1_0.distcp" not in damaged[0]["read"]
 
 
 @pytest.mark.distributed

@@ -138,3 +138,38 @@ def job_read_in_place(*args: Any, **kwargs: Any) -> dict[str, Any]:
     finally:
         archive_load.IN_PLACE_FROM, dcp_reads.read_window = real_from, real_read
     return {**result, "placed": sum(placed), "read": len(placed)}
+
+
+def files_checked_and_loaded(folder: str) -> dict[str, Any]:
+    """:func:`job`'s objects resumed from ``folder``: the files this rank checksummed while choosing
+    the checkpoint, and what its load read from each file: each item's key and whether it is a
+    tensor's piece (DCP's description of each item)."""
+    import unison.checkpoint.safe_dcp as safe_dcp
+    import unison.checkpoint.sharded_files as files_module
+
+    model = prepare_model(make_mlp(), strategy="fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    trainer = create_trainer(model, optimizer, nn.functional.cross_entropy)
+    EMA(model, decay=0.8).attach(trainer)
+    checkpoint = Checkpoint(folder, {"model": model, "optimizer": optimizer, "scheduler": schedule}, trainer)
+    checked: list[str] = []
+    loaded: dict[str, list[tuple[str, bool]]] = {}
+    real_checksum, real_read = files_module.file_checksum, safe_dcp.read_in_place
+
+    def checksum(path: Path) -> tuple[int, int]:
+        checked.append(path.name)
+        return real_checksum(path)
+
+    def read_in_place(folder: Path, storage_data: Any, plan: Any, planner: Any) -> list[Any]:
+        for item in plan.items:
+            piece = (item.storage_index.fqn, item.type.name == "TENSOR")
+            loaded.setdefault(storage_data[item.storage_index].relative_path, []).append(piece)
+        return real_read(folder, storage_data, plan, planner)
+
+    files_module.file_checksum, safe_dcp.read_in_place = checksum, read_in_place
+    try:
+        resumed = checkpoint.resume("auto")
+    finally:
+        files_module.file_checksum, safe_dcp.read_in_place = real_checksum, real_read
+    return {"resumed": None if resumed is None else resumed.name, "checked": checked, "loaded": loaded}

@@ -139,6 +139,34 @@ def test_a_damaged_or_unfinished_sharded_checkpoint_is_never_resumed(tmp_path, c
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_each_rank_checks_the_files_its_load_then_reads(tmp_path):
+    """At the world size a folder was written at, a rank's share of the check is the data files it
+    wrote: on a cluster, its own node's page cache then holds what its load reads next."""
+    from _sharded_workers import files_checked_and_loaded
+
+    folder = tmp_path / "ckpts"
+    run_distributed(job, str(folder), "fsdp", EPOCHS, stop_after=4, nproc=2, timeout=120)
+    ranks = run_distributed(files_checked_and_loaded, str(folder), nproc=2, timeout=120)
+    newest = Manifest(folder).rebuild().newest_complete()
+    assert newest is not None and [r["resumed"] for r in ranks] == [newest.name] * 2
+    written = sorted(p.name for p in newest.iterdir())
+    for rank, seen in enumerate(ranks):
+        data = [n for n in seen["checked"] if n.endswith(".distcp")]
+        assert data == [f"__{rank}_0.distcp"], (rank, seen)
+        own = seen["loaded"].pop(data[0])  # what its load read from the file its check read
+        shards = [key for key, tensor in own if tensor and not key.endswith(".step")]
+        assert any(k.startswith("model.") for k in shards) and any("exp_avg" in k for k in shards), own
+        # from the other rank's file: only values DCP keeps once for all (optimizer steps, settings)
+        elsewhere = [piece for pieces in seen["loaded"].values() for piece in pieces]
+        assert all(key.endswith(".step") or not tensor for key, tensor in elsewhere), (rank, elsewhere)
+    assert sorted(n for seen in ranks for n in seen["checked"]) == [
+        n for n in written if n != "checksums.json"
+    ]
+
+
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_nan_in_one_ranks_shard_skips_the_save_on_every_rank(tmp_path):
     from _sharded_workers import nan_in_one_shard

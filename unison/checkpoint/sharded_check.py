@@ -19,6 +19,8 @@ import json
 import os
 import pathlib
 import pickle
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -106,9 +108,9 @@ def sharded_verdict(
     files present at their recorded lengths, and that ``rest.pt`` is whole.
 
     ``share=(k, n)``: one of ``n`` processes checking the folder together (every rank of a
-    resume, :func:`unison.checkpoint.ranks.choose`) checks the files listed ``k``-th, ``k + n``-th...
-    in ``checksums.json``'s name order; ``.metadata`` and ``rest.pt`` are checked by share 0.
-    The folder is whole when no share finds a problem.
+    resume, :func:`unison.checkpoint.ranks.choose`) checks the files :func:`share_of` gives it;
+    ``.metadata`` and ``rest.pt`` are checked by share 0. The folder is whole when no share finds
+    a problem.
     """
     if not folder.is_dir():
         return Problem("it is not a folder")
@@ -126,6 +128,33 @@ def sharded_verdict(
     return None if archive_complete(folder / REST) else Problem(f"its {REST} is truncated or corrupt")
 
 
+_WRITTEN_BY = re.compile(r"__(\d+)_\d+\.distcp")
+"""A DCP data file's name, ``__<rank>_<n>.distcp``: the rank that wrote it."""
+
+
+def share_of(names: Iterable[str], share: tuple[int, int]) -> list[str]:
+    """The files of a sharded folder, by name, that share ``k`` of ``n`` checks (``share=(k, n)``).
+
+    A data file written by rank ``r`` goes to share ``r mod n``: at the world size it was written
+    at, the rank whose load reads that file checks it, so its own page cache, on its own node,
+    holds what its load reads next; every other file (``.metadata``, ``rest.pt``) to share 0.
+
+    Example:
+        >>> names = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "rest.pt"]
+        >>> share_of(names, (0, 3)), share_of(names, (1, 3))
+        (['.metadata', '__0_0.distcp', 'rest.pt'], ['__1_0.distcp'])
+        >>> share_of(names, (0, 2)), share_of(names, (1, 2))
+        (['.metadata', '__0_0.distcp', '__2_0.distcp', 'rest.pt'], ['__1_0.distcp'])
+    """
+    k, n = share
+
+    def checker(name: str) -> int:
+        written = _WRITTEN_BY.fullmatch(name)
+        return int(written.group(1)) % n if written else 0
+
+    return [name for name in sorted(names) if checker(name) == k]
+
+
 def _checksum_problem(folder: Path, required: bool, share: tuple[int, int] = (0, 1)) -> Problem | None:
     listed = folder / CHECKSUMS
     if not listed.is_file():
@@ -135,7 +164,7 @@ def _checksum_problem(folder: Path, required: bool, share: tuple[int, int] = (0,
         recorded = {n: (int(v["size"]), int(v["crc32"])) for n, v in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return Problem(f"its {CHECKSUMS} does not read ({type(err).__name__}: {err})")
-    mine = sorted(recorded.items())[share[0] :: share[1]]
+    mine = [(name, recorded[name]) for name in share_of(recorded, share)]
     paths = {}
     for name, (size, _) in mine:
         path = paths[name] = file_in(folder, name, source=str(listed))
