@@ -116,3 +116,17 @@ def test_the_file_io_benchmark_sets_every_way_against_the_disk_and_compares_the_
     assert report["ways"]["disk write"]["x_disk"] == report["ways"]["disk read"]["x_disk"] == 1.0
     assert all(w["mb_s"] > 0 and w["cpu_s"] >= 0 for w in report["ways"].values())
     assert [p for p in tmp_path.iterdir() if p.name.startswith("unison-io-")] == [], "its folder was left"
+
+
+def test_the_simulated_nodes_leave_cold_exactly_the_files_another_rank_checked():
+    """benchmarks/sharded_check_share.py: a data file is cold for its loader unless the loader checked it."""
+    from unison.checkpoint.sharded_check import share_of
+
+    bench = _module("sharded_check_share")
+    names = [".metadata", "rest.pt"] + [f"__{r}_0.distcp" for r in range(4)]
+    for world in (2, 4):
+        assert bench.cold_for_loader(names, world, share_of) == []  # each rank checks what it loads
+        cold = bench.cold_for_loader(names, world, bench.name_order)
+        shares = [bench.name_order(names, (k, world)) for k in range(world)]
+        expected = [n for n in sorted(names) if n.startswith("__") and n not in shares[int(n[2]) % world]]
+        assert cold == expected and cold  # the old shares gave some rank another's file
