@@ -80,6 +80,21 @@ def test_a_stateful_optimizer_is_initialised_as_torch_does() -> None:
         assert torch.equal(state["state"]["weight"][key], value)
 
 
+def test_a_call_with_gradients_present_teaches_nothing() -> None:
+    """torch steps nothing while a gradient is there (a save inside an accumulation window): an
+    Adam that has not stepped yet is not taken for a stateless optimizer."""
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    steps = _counted(optimizer)
+    model(torch.ones(2, 4)).sum().backward()
+    with init_once():
+        assert get_optimizer_state_dict(model, optimizer)["state"] == {}  # as torch: no step
+        assert steps[0] == 0
+        optimizer.zero_grad(set_to_none=True)
+        state = get_optimizer_state_dict(model, optimizer)  # now torch initialises it
+    assert steps[0] == 1 and set(state["state"]) == {"weight", "bias"}
+
+
 def test_torchs_own_function_is_back_outside() -> None:
     original = torch_state_dict._init_optim_state
     with init_once():

@@ -15,6 +15,9 @@ optimizer that it left without state, together with the settings it had (every e
 parameter groups but the parameters and the learning rate: momentum, ...). While those are
 the same, that optimizer's next initialisations are skipped: they would create nothing and
 leave the parameters as they are. A changed setting, or any state, and torch's own runs again.
+A call while a parameter has a gradient is torch's alone (torch steps nothing then, so it shows
+nothing of the optimizer: an Adam saved inside an accumulation window before its first step is
+not taken for a stateless one).
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def settings(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
 def _once(original: Callable[[torch.optim.Optimizer], None]) -> Callable[[torch.optim.Optimizer], None]:
     def init(optimizer: torch.optim.Optimizer) -> None:
         if optimizer.state:  # torch returns at once too
+            return
+        if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+            original(optimizer)  # torch steps nothing then: nothing is learnt of the optimizer
             return
         now = settings(optimizer)
         with _lock:
