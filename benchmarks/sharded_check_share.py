@@ -14,10 +14,10 @@ load, rank 0 drops from the cache every data file that the rank which loads it (
 writer, at the world size it was written at) did not check (:func:`cold_for_loader`).
 Every resume starts cold (every file dropped first), as ``checkpoint_stall.py``'s does.
 The model: FSDP2 at 2 gloo ranks, ``--size-mb`` of float32 Linear layers, SGD; one save,
-then ``--rounds`` resumes each way, alternating; rank 0's ``resume("auto")`` is timed.
+then ``--repeats`` resumes each way, alternating; rank 0's ``resume("auto")`` is timed.
 
     python benchmarks/sharded_check_share.py                      # 1 GB, 6 rounds: ~2 minutes
-    python benchmarks/sharded_check_share.py --size-mb 100 --rounds 2 --json share.json
+    python benchmarks/sharded_check_share.py --size-mb 100 --repeats 2 --json share.json
     python benchmarks/sharded_check_share.py --quick              # a smoke run, seconds
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -39,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 WAYS = ("name order", "own files")
-_WRITER = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def name_order(names: Iterable[str], share: tuple[int, int]) -> list[str]:
@@ -63,9 +61,11 @@ def cold_for_loader(
         >>> cold_for_loader(names, 2, name_order)
         ['__0_0.distcp', '__1_0.distcp']
     """
+    from unison.checkpoint.sharded_check import writer_of
+
     names = sorted(names)
     checker = {n: k for k in range(world) for n in share_of(names, (k, world))}
-    return [n for n in names if (m := _WRITER.fullmatch(n)) and checker.get(n) != int(m.group(1)) % world]
+    return [n for n in names if (r := writer_of(n)) is not None and checker.get(n) != r % world]
 
 
 def worker(cfg: dict[str, Any]) -> dict[str, list[float]]:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--size-mb", type=float, default=1024, help="the model's size (default 1024)")
-    parser.add_argument("--rounds", type=int, default=6, help="resumes each way (default 6)")
+    parser.add_argument("--repeats", type=int, default=6, help="interleaved resumes each way (default 6)")
     parser.add_argument(
         "--dir", type=Path, default=None, help="the folder to write into (default: a temp dir)"
     )
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="20 MB, 2 rounds: checks that it runs")
     args = parser.parse_args(argv)
     if args.quick:
-        args.size_mb, args.rounds = 20, 2
+        args.size_mb, args.repeats = 20, 2
 
     from checkpoint_stall import sized
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {
         "width": width,
         "layers": layers,
-        "rounds": args.rounds,
+        "rounds": args.repeats,
         "root": str(root),
         "threads": C.rank_threads(2),
     }
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     C.print_table(
         f"Sharded resume at 2 ranks, two nodes simulated, {layers} x Linear({width}, {width}), "
-        f"median of {args.rounds}",
+        f"median of {args.repeats}",
         ["check shared by", "resume ms", "each round, ms"],
         rows,
     )
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "benchmark": "sharded_check_share",
             "environment": env,
-            "config": {"width": width, "layers": layers, "rounds": args.rounds},
+            "config": {"width": width, "layers": layers, "rounds": args.repeats},
             "resume_s": seconds,
             "own_over_name_order": ratio,
         },

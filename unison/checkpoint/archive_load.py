@@ -49,7 +49,9 @@ __all__ = ["Damaged", "ParallelReader", "read_archive", "read_window"]
 READERS = 3
 """Threads a resume's reads into the run's own tensors use at least: the disk is given three 8 MiB
 reads at once. Measured here on a cold 1 GB file, three threads reading 32 MiB each at once ran at
-1.5-1.7 GB/s through the page cache, one thread reading 8 MiB after 8 MiB at 0.9-1.0."""
+1.5-1.7 GB/s through the page cache, one thread reading 8 MiB after 8 MiB at 0.9-1.0; on another
+day, in the resume itself, three threads and one ran alike (1.7-1.9 against 1.6-1.9 GB/s), the
+disk's speed moving more than either."""
 
 
 Window = tuple[int, int] | None

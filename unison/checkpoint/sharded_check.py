@@ -129,7 +129,18 @@ def sharded_verdict(
 
 
 _WRITTEN_BY = re.compile(r"__(\d+)_\d+\.distcp")
-"""A DCP data file's name, ``__<rank>_<n>.distcp``: the rank that wrote it."""
+
+
+def writer_of(name: str) -> int | None:
+    """The rank that wrote a sharded folder's file, from its name (DCP names its data files
+    ``__<rank>_<n>.distcp``); None for any other file.
+
+    Example:
+        >>> writer_of("__12_0.distcp"), writer_of(".metadata")
+        (12, None)
+    """
+    written = _WRITTEN_BY.fullmatch(name)
+    return int(written.group(1)) if written else None
 
 
 def share_of(names: Iterable[str], share: tuple[int, int]) -> list[str]:
@@ -147,12 +158,7 @@ def share_of(names: Iterable[str], share: tuple[int, int]) -> list[str]:
         (['.metadata', '__0_0.distcp', '__2_0.distcp', 'rest.pt'], ['__1_0.distcp'])
     """
     k, n = share
-
-    def checker(name: str) -> int:
-        written = _WRITTEN_BY.fullmatch(name)
-        return int(written.group(1)) % n if written else 0
-
-    return [name for name in sorted(names) if checker(name) == k]
+    return [name for name in sorted(names) if (writer_of(name) or 0) % n == k]
 
 
 def _checksum_problem(folder: Path, required: bool, share: tuple[int, int] = (0, 1)) -> Problem | None:
