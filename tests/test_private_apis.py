@@ -152,6 +152,31 @@ def _stepping_each_time(get):  # a torch that initialises by a path of its own, 
     return stepped
 
 
+def test_the_record_crc_probe_notices_a_torch_that_reads_its_setting_elsewhere(monkeypatch):
+    import torch
+
+    own = torch.serialization.get_crc32_options
+
+    class Writers:  # a torch whose zip writers hold the function they were built with
+        read = staticmethod(own)
+
+    monkeypatch.setattr(torch.serialization, "_open_zipfile_writer_buffer", _writer_reading(Writers))
+    assert "no longer reads" in private_apis._record_crcs()
+
+
+def _writer_reading(writers):
+    import torch
+
+    class Buffer(torch.serialization._opener):
+        def __init__(self, buffer):
+            super().__init__(torch._C.PyTorchFileWriter(buffer, writers.read(), 64))
+
+        def __exit__(self, *args):
+            self.file_like.write_end_of_file()
+
+    return Buffer
+
+
 def test_probe_all_reports_each_api_with_its_answer():
     answers = probe_all()
     assert [api for api, _ in answers] == list(PRIVATE_APIS)

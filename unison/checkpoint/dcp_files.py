@@ -10,7 +10,9 @@ cache, a flush after each tensor writes nothing (it would send every partial buf
 page cache, only for the next direct write to take it back out), ``fileno()`` first writes what
 is left, so the fsync that follows covers every byte, and each file's size and CRC-32 are kept
 (:attr:`DirectFileSystem.checksums`) so that the checkpoint's ``checksums.json`` needs no second
-read of files that are no longer in the page cache.
+read of files that are no longer in the page cache. Those checksums are what a resume checks; the
+CRC-32 ``torch.save`` would compute of each record, which nothing reads, is not computed
+(:mod:`unison.checkpoint.record_crcs`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from unison.checkpoint.direct import DirectFile, direct_available
+from unison.checkpoint.record_crcs import records_without_crcs
 
 __all__ = ["DirectFileSystem", "DirectWriter"]
 
@@ -85,12 +91,17 @@ class DirectFileSystem(FileSystem):
 
 class DirectWriter(FileSystemWriter):
     """DCP's :class:`~torch.distributed.checkpoint.FileSystemWriter` for ``folder`` (its defaults:
-    one file per rank, every file fsynced), writing through a :class:`DirectFileSystem`."""
+    one file per rank, every file fsynced, written by the calling thread), writing through a
+    :class:`DirectFileSystem`, its tensors saved without per-record CRC-32s."""
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
-        super().__init__(str(folder))
+        super().__init__(str(folder))  # thread_count 1: the thread that calls write_data writes
         self.files = DirectFileSystem()
         self.fs = self.files
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with records_without_crcs():  # each file's own CRC-32 covers every record
+            return super().write_data(plan, planner)
 
     @property
     def checksums(self) -> dict[str, tuple[int, int]]:
