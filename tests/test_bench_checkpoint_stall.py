@@ -44,11 +44,16 @@ def test_every_way_of_the_disk_probe_writes_the_bytes_asked(tmp_path):
         assert data[2 * disk.DEEP : 2 * disk.DEEP + 4096] == source[:4096]
         assert disk._read_deep(path, direct) > 0
     ways = disk.probe_ways(tmp_path / "probe", 1 << 20)
+    written_direct = [disk.WRITTEN_DIRECT] if disk._O_DIRECT else []
     assert sorted(ways) == sorted(
-        name
-        for direct in disk._WAYS
-        for name in (disk._NAMES[direct], f"{disk._NAMES[direct]}, 3 x 32 MiB at once")
+        [
+            name
+            for direct in disk._WAYS
+            for name in (disk._NAMES[direct], f"{disk._NAMES[direct]}, 3 x 32 MiB at once")
+        ]
+        + written_direct
     )
+    assert all(read > 0 for _, read in ways.values())
     assert list((tmp_path / "probe").iterdir()) == []
 
 
@@ -64,6 +69,27 @@ def test_the_disks_speed_is_the_faster_ways_median_not_each_rounds_luckier_sampl
         [1.0, 1.0, 1.0],
     )  # round by round it would be 0.5, 1, 1
     assert disk.faster_way(rounds, 1) == ("O_DIRECT", [2.0, 2.0, 2.0])
+
+
+def test_a_resume_is_also_set_against_a_file_written_as_its_own_was():
+    disk = _module("_disk")
+    nan = float("nan")
+    rounds = [  # a file written through the page cache reads back fastest; O_DIRECT's slower either way
+        {"page cache": (1.0, 1.0), "O_DIRECT": (0.9, 3.0), disk.WRITTEN_DIRECT: (nan, 2.0)},
+        {"page cache": (1.0, 1.0), "O_DIRECT": (0.9, 3.0), disk.WRITTEN_DIRECT: (nan, 2.5)},
+    ]
+    assert disk.faster_way(rounds, 0) == (
+        "O_DIRECT",
+        [0.9, 0.9],
+    )  # the way without a write of its own is not a writer
+    assert disk.faster_way(rounds, 1) == ("page cache", [1.0, 1.0])
+    assert disk.faster_way(rounds, 1, among=disk.written_as(True)) == (disk.WRITTEN_DIRECT, [2.0, 2.5])
+    assert disk.faster_way(rounds, 1, among=disk.written_as(False)) == ("page cache", [1.0, 1.0])
+    stall = _module("checkpoint_stall")
+    row = {"mb": 100.0, "save_mb_s": 40.0}
+    stall.like_for_like(row, rounds, True)
+    assert row["like_way"] == disk.WRITTEN_DIRECT and row["like_mb_s"] == 45.0  # the median of 50 and 40 MB/s
+    assert abs(row["x_like"] - 40.0 / 45.0) < 1e-12
 
 
 def test_the_report_sets_each_save_against_the_disk(tmp_path):
@@ -94,6 +120,9 @@ def test_the_report_sets_each_save_against_the_disk(tmp_path):
     probes = report["disk_probes_s"]
     assert len(probes) == 1 and all(len(seconds) == 2 for seconds in probes[0].values())
     assert rows["file_sync"]["disk_way"] in probes[0]
+    resume = rows["file_resume"]  # a tiny file is written through the page cache: set against such a file
+    assert resume["like_way"] in probes[0] and not resume["like_way"].startswith("O_DIRECT")
+    assert abs(resume["x_like"] - resume["save_mb_s"] / resume["like_mb_s"]) < 1e-9
 
 
 def test_size_mb_picks_a_model_of_about_that_size():

@@ -5,8 +5,10 @@ tensor it has just allocated, then copies it into the shard the planner names
 (``planner.resolve_tensor``). :func:`read_in_place` reads instead each item that fills its
 shard whole (the request starts at the item's origin and spans the shard's size) with
 :func:`~unison.checkpoint.archive_load.read_window`, whose big records go straight into that
-shard's memory where the two are the same bytes (:mod:`unison.checkpoint.in_place`), every
-record's CRC-32 checked; the shard is then committed as DCP would commit it. Every other item (a
+shard's memory where the two are the same bytes (:mod:`unison.checkpoint.in_place`), each
+record's CRC-32 checked where it has one (unison's saves leave them out: the whole file's CRC-32,
+checked before any load, covers them; :mod:`unison.checkpoint.record_crcs`); the shard is then
+committed as DCP would commit it. Every other item (a
 value, an item under 1 MiB, a piece of a larger item, an item DCP transformed when it wrote it, a
 shard that is not one plain contiguous CPU tensor) is left to DCP's own loop.
 
