@@ -173,3 +173,26 @@ def files_checked_and_loaded(folder: str) -> dict[str, Any]:
     finally:
         files_module.file_checksum, safe_dcp.read_in_place = real_checksum, real_read
     return {"resumed": None if resumed is None else resumed.name, "checked": checked, "loaded": loaded}
+
+
+def save_collectives(folder: str, background: bool) -> dict[str, Any]:
+    """An FSDP model saved once (warm: DCP's and unison's groups made), then saved again at the next
+    position with its collectives counted (every ``torch.distributed`` call on this rank, DCP's
+    included); ``background``: an asynchronous save, waited for inside the count."""
+    from _collective_probe import count_collectives
+
+    model = prepare_model(make_mlp(), strategy="fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    loader, _ = prepare_loaders(dataset(), None, batch_size=BATCH, seed=5)
+    trainer = create_trainer(model, optimizer, nn.functional.cross_entropy)
+    checkpoint = Checkpoint(
+        folder, {"model": model, "optimizer": optimizer}, trainer, at_end=False, async_save=background
+    )
+    trainer.run(loader, max_epochs=1, epoch_length=2)
+    checkpoint.save(trainer)
+    checkpoint.wait()
+    trainer.state.iteration += 1  # another position, so the save is not skipped as already on disk
+    with count_collectives() as calls:
+        saved = checkpoint.save(trainer)
+        checkpoint.wait()
+    return {"calls": {k: v for k, v in calls.items() if v}, "saved": None if saved is None else saved.name}

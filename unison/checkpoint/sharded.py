@@ -196,12 +196,13 @@ def temp_folder(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp")
 
 
-def write_shards(states: Mapping[str, Any], tmp: Path) -> dict[str, tuple[int, int]]:
+def write_shards(states: Mapping[str, Any], tmp: Path) -> list[dict[str, tuple[int, int]]] | None:
     """Collective: every rank writes its shards of ``states`` into ``tmp`` (fsynced).
 
     Returns:
-        ``{file name: (size, crc32)}`` of the files this rank wrote (rank 0 also writes
-        ``.metadata``, after every rank's files are written).
+        On rank 0, ``{file name: (size, crc32)}`` of the files each rank wrote, by rank (rank 0
+        also writes ``.metadata``, after every rank's files are written); None elsewhere. They
+        come with DCP's own gather of the ranks' write results.
 
     Raises:
         CheckpointError: on every rank, for a full disk (naming the folder, the bytes needed
@@ -216,25 +217,11 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> dict[str, tuple[int, i
     try:
         writer = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
         dcp.save(dict(states), storage_writer=writer, no_dist=not dist.is_initialized())
-        return own_checksums(tmp, writer.checksums)
+        return writer.everyone
     except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps every rank's error
         if (error := unwritten(err, tmp, states)) is err:
             raise
         raise error from err
-
-
-def own_checksums(
-    tmp: Path, known: Mapping[str, tuple[int, int]] | None = None
-) -> dict[str, tuple[int, int]]:
-    """``{file name: (size, crc32)}`` of the files this rank wrote into ``tmp`` (its shards; on rank 0
-    also the metadata): those of ``known`` (computed as they were written, by
-    :class:`~unison.checkpoint.dcp_files.DirectFileSystem`) as they are, the others read back."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")]
-    known = known or {}
-    return {name: known.get(name) or file_checksum(tmp / name) for name in sorted(mine)}
 
 
 def finish_folder(

@@ -1,7 +1,7 @@
 """The collective save of a sharded checkpoint: every rank's shards, then rank 0's rest, checksums and record.
 
-It stands above the folder's parts (:mod:`unison.checkpoint.sharded`) and the answers ranks
-give each other (:mod:`unison.checkpoint.ranks`), which it gathers the checksums with.
+It stands above the folder's parts (:mod:`unison.checkpoint.sharded`); every rank's checksums
+reach rank 0 with DCP's own gather of the write results (:class:`~unison.checkpoint.dcp_files.RankFiles`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from typing import Any
 
 from unison.checkpoint.disk_full import unwritten
 from unison.checkpoint.entry import file_in
-from unison.checkpoint.ranks import gather_on_first
 from unison.checkpoint.sharded import (
     dcp_states,
     finish_folder,
-    own_checksums,
     sharded_names,
     temp_folder,
     write_shards,
@@ -57,8 +55,8 @@ def save_sharded(
     manifest (rotation follows, as for files).
 
     With ``async_group`` (a gloo group of every rank, made once for this), DCP copies the
-    shards to CPU memory and returns; the writing, the gathering of checksums (over that
-    group) and rank 0's rename and record run in each rank's writer thread, which the next
+    shards to CPU memory and returns; the writing (its collectives over that group) and rank
+    0's rename and record run in each rank's writer thread, which the next
     save and the end of the run wait for (``writer.wait()``).
 
     Args:
@@ -72,7 +70,6 @@ def save_sharded(
     Returns:
         The folder on rank 0 (recorded once written); None on other ranks.
     """
-    import torch.distributed as dist
 
     final = file_in(writer.folder, name)
     tmp = temp_folder(final)
@@ -90,7 +87,7 @@ def save_sharded(
         writer.record(entry, final)
 
     if async_group is None:
-        finish(gather_on_first(write_shards(states, tmp)), rest)
+        finish(write_shards(states, tmp), rest)
         return final if get_rank() == 0 else None
     import torch.distributed.checkpoint as dcp
 
@@ -108,10 +105,7 @@ def save_sharded(
             if (error := unwritten(err, tmp, states)) is err:
                 raise
             raise error from err
-        mine = own_checksums(tmp, storage.checksums)
-        everyone: list[Any] | None = [None] * dist.get_world_size() if get_rank() == 0 else None
-        dist.gather_object(mine, everyone, dst=0, group=async_group)
-        finish(everyone, rest)
+        finish(storage.everyone, rest)  # every rank's checksums, on rank 0
 
     writer.in_background(in_background)
     return final if get_rank() == 0 else None
