@@ -178,7 +178,8 @@ def files_checked_and_loaded(folder: str) -> dict[str, Any]:
 def save_collectives(folder: str, background: bool) -> dict[str, Any]:
     """An FSDP model saved once (warm: DCP's and unison's groups made), then saved again at the next
     position with its collectives counted (every ``torch.distributed`` call on this rank, DCP's
-    included); ``background``: an asynchronous save, waited for inside the count."""
+    included), over the temporary folder a save that died there would have left; ``background``:
+    an asynchronous save, waited for inside the count."""
     from _collective_probe import count_collectives
 
     model = prepare_model(make_mlp(), strategy="fsdp")
@@ -192,6 +193,11 @@ def save_collectives(folder: str, background: bool) -> dict[str, Any]:
     checkpoint.save(trainer)
     checkpoint.wait()
     trainer.state.iteration += 1  # another position, so the save is not skipped as already on disk
+    if get_rank() == 0:  # what a save that died at this position would have left: gone before any rank writes
+        stale = Path(folder) / f".ckpt-e{trainer.state.epoch:04d}-i{trainer.state.iteration:09d}.dcp.tmp"
+        stale.mkdir()
+        for name in ("__9_0.distcp", ".metadata", "__1_0.distcp"):
+            (stale / name).write_bytes(b"left by a save that died")
     with count_collectives() as calls:
         saved = checkpoint.save(trainer)
         checkpoint.wait()

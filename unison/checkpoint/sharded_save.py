@@ -21,7 +21,7 @@ from unison.checkpoint.sharded import (
 )
 from unison.checkpoint.sharded_files import remove
 from unison.checkpoint.state import to_cpu_copy
-from unison.distributed.primitives import barrier, get_rank
+from unison.distributed.primitives import get_rank
 
 __all__ = ["background_group", "dcp_states", "save_sharded", "sharded_names"]
 """What a handler needs to save sharded states: which they are, their states, and the save."""
@@ -73,10 +73,10 @@ def save_sharded(
 
     final = file_in(writer.folder, name)
     tmp = temp_folder(final)
-    if get_rank() == 0:
+    if get_rank() == 0:  # a folder left by a save that died here: gone before any rank writes
         remove(tmp)
-        tmp.mkdir(parents=True)
-    barrier()  # the folder exists before any rank writes into it
+    # No barrier: DCP's writer makes the folder on every rank as it plans, and no rank writes a
+    # byte before the plans are scattered, which rank 0 joins only after the removal above.
 
     def finish(checksums: list[dict[str, tuple[int, int]]] | None, rest: Mapping[str, Any] | None) -> None:
         if checksums is None:  # not rank 0
