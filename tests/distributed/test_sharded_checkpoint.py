@@ -30,22 +30,23 @@ def _same(a: dict, b: dict, atol: float = 0.0) -> float:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
-def test_a_sharded_save_sends_its_checksums_with_dcps_own_gather(tmp_path, background):
-    """Each rank's files' sizes and CRC-32s reach rank 0 among DCP's write results: a save issues
-    no gather of its own for them, and ``checksums.json`` still covers every file, matching it,
-    none of them left by an earlier save that died at the same position."""
+def test_a_sharded_save_gathers_its_checks_and_checksums_with_what_it_gathers_anyway(tmp_path, background):
+    """Each rank's finite check of its shards goes to rank 0 with its per-rank state, and its files'
+    sizes and CRC-32s among DCP's write results: a save issues no gather of its own for either,
+    and ``checksums.json`` still covers every file, matching it, none of them left by an earlier
+    save that died at the same position."""
     from _sharded_workers import save_collectives
 
     from unison.checkpoint.sharded_files import file_checksum
 
     ranks = run_distributed(save_collectives, str(tmp_path), background, nproc=2, timeout=90)
     assert ranks[0]["calls"] == ranks[1]["calls"], ranks
-    # unison's: the per-rank state and every rank's finite check of its shards (2 gathers), the
+    # unison's: the per-rank state with every rank's finite check of its shards (a gather), the
     # verdict (a broadcast of objects), the replicated buffers made rank 0's (a broadcast); DCP's:
     # the plans (a gather, a scatter) and the write results, the checksums among them (a gather, a
     # broadcast of objects). No barrier: DCP makes the folder on every rank as it plans.
     assert ranks[0]["calls"] == {
-        "gather_object": 4,  # 5 when the checksums had a gather of their own
+        "gather_object": 3,  # 5 when the finite check and the checksums had a gather each
         "scatter_object_list": 1,
         "broadcast_object_list": 2,
         "broadcast": 1,

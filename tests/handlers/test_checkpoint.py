@@ -623,14 +623,14 @@ def _save_mid_epoch(folder: Path, *, fault=None, async_save: bool = False) -> di
     )
     checkpoint = _round_trip_checkpoint(folder, run, scheduler, every_iters=SAVE_AT, async_save=async_save)
     if fault is not None:
-        collect = checkpoint.collect
+        collect = checkpoint._collect  # what save() gathers the payload with
 
-        def faulty_collect(engine):
-            payload = collect(engine)
+        def faulty_collect(engine, *args):
+            payload, shards_checked = collect(engine, *args)
             fault(payload, before)
-            return payload
+            return payload, shards_checked
 
-        checkpoint.collect = faulty_collect
+        checkpoint._collect = faulty_collect
     run.trainer.run(run.loader, max_epochs=ROUND_TRIP_EPOCHS)
     assert [p.name for p in checkpoint.saved] == [checkpoint_name("ckpt", 2, SAVE_AT)]
     saved = torch.load(checkpoint.saved[0], map_location="cpu", weights_only=True)

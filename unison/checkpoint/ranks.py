@@ -148,21 +148,27 @@ def summed_over_ranks(per_rank: list[list[list[float]] | None]) -> list[list[flo
 def agreed_verdict(
     state: dict[str, Any] | None,
     problem: Exception | None,
-    shards: Mapping[str, Any] | None,
+    bad_shards: list[str | None] | None,
     *,
     finite: bool = True,
 ) -> tuple[dict[str, Any] | None, Verdict | None]:
-    """Collective: rank 0 checks what it collected (``verify.vet``), every rank the weights of its
-    own shards (when the checkpoint is sharded); every rank gets rank 0's verdict. With
-    ``finite=False`` rank 0 leaves its state's weights unchecked (its writer checks its copy).
+    """Collective: rank 0 checks what it collected (``verify.vet``), with what each rank found in
+    its own shards (``bad_shards``, gathered with the state: :func:`shard_check`); every rank gets
+    rank 0's verdict. With ``finite=False`` rank 0 leaves its state's weights unchecked (its writer
+    checks its copy).
 
     Returns:
         The state with plain values (rank 0; None elsewhere), and None or the reason not
         to write it, the same on every rank.
     """
-    bad_shards = gather_on_first(first_non_finite(local_view(shards))) if shards is not None else None
     state, verdict = vet(state, problem, finite=finite)
     bad = next((b for b in bad_shards or [] if b), None)
     if verdict is None and bad is not None:
         verdict = Verdict("not finite", bad)
     return state, broadcast_object(verdict)
+
+
+def shard_check(shards: Mapping[str, Any] | None) -> str | None:
+    """This rank's part of a sharded save's finite check, sent to rank 0 with the rest of what the
+    save gathers: the first of its own shards that holds a NaN or an infinity, named, or None."""
+    return first_non_finite(local_view(shards)) if shards is not None else None
