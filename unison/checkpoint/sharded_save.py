@@ -70,7 +70,6 @@ def save_sharded(
     Returns:
         The folder on rank 0 (recorded once written); None on other ranks.
     """
-
     final = file_in(writer.folder, name)
     tmp = temp_folder(final)
     if get_rank() == 0:  # a folder left by a save that died here: gone before any rank writes
