@@ -54,3 +54,32 @@ def test_dcp_files_are_written_around_the_page_cache_and_checksummed_as_they_are
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def _plain_results(self, plan, planner):  # a DCP that would hand finish() write results only
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter.write_data(self, plan, planner)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_where_no_checksums_came_the_folder_is_read_back_and_every_file_recorded(tmp_path, monkeypatch):
+    """The files of a rank whose checksums did not reach rank 0 are read back: ``checksums.json``
+    still lists every file with its size and CRC-32. ``unison doctor`` names such a torch."""
+    import json
+
+    from unison.checkpoint.dcp_files import DirectWriter as Writer
+    from unison.checkpoint.sharded import finish_folder, temp_folder, write_shards
+    from unison.cli import private_apis
+
+    monkeypatch.setattr(Writer, "write_data", _plain_results)
+    final = tmp_path / "ckpt-e0001-i000000001.dcp"
+    tmp = temp_folder(final)
+    written = write_shards({"w": torch.randn(50), "step": torch.tensor(3)}, tmp)
+    assert written == [{".metadata": file_checksum(tmp / ".metadata")}]  # nothing came of the data file
+    finish_folder(tmp, final, {"meta": {}}, {n: v for mine in written for n, v in mine.items()})
+    sums = json.loads((final / "checksums.json").read_text())["files"]
+    files = sorted(p.name for p in final.iterdir() if p.name != "checksums.json")
+    assert sorted(sums) == files and "__0_0.distcp" in files
+    assert all(file_checksum(final / n) == (e["size"], e["crc32"]) for n, e in sums.items())
+    assert "as write_data returned them" in private_apis._rank_files()

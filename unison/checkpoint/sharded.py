@@ -202,7 +202,8 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> list[dict[str, tuple[i
     Returns:
         On rank 0, ``{file name: (size, crc32)}`` of the files each rank wrote, by rank (rank 0
         also writes ``.metadata``, after every rank's files are written); None elsewhere. They
-        come with DCP's own gather of the ranks' write results.
+        come with DCP's own gather of the ranks' write results (on a torch that would not hand
+        them over, none: :func:`finish_folder` then reads every file back).
 
     Raises:
         CheckpointError: on every rank, for a full disk (naming the folder, the bytes needed
@@ -217,7 +218,9 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> list[dict[str, tuple[i
     try:
         writer = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
         dcp.save(dict(states), storage_writer=writer, no_dist=not dist.is_initialized())
-        return writer.everyone
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        return writer.everyone or [{}]  # what did not come is read back by finish_folder
     except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps every rank's error
         if (error := unwritten(err, tmp, states)) is err:
             raise
@@ -228,11 +231,14 @@ def finish_folder(
     tmp: Path, final: Path, rest: Mapping[str, Any], checksums: Mapping[str, tuple[int, int]]
 ) -> int:
     """Rank 0, after every rank's shards are durable: writes ``rest.pt`` and the checksums,
-    fsyncs the folder, renames it to ``final`` and fsyncs the parent. Returns the folder's size."""
+    fsyncs the folder, renames it to ``final`` and fsyncs the parent. Returns the folder's size.
+    A file of the folder missing from ``checksums`` is read back for its own."""
     try:
         atomic_save(dict(rest), tmp / REST)
         sums = dict(checksums)
         sums[REST] = file_checksum(tmp / REST)
+        for name in sorted(set(os.listdir(tmp)) - set(sums) - {CHECKSUMS}):
+            sums[name] = file_checksum(tmp / name)
         atomic_write_json(
             {"files": {n: {"size": s, "crc32": c} for n, (s, c) in sorted(sums.items())}}, tmp / CHECKSUMS
         )

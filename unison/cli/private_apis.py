@@ -207,6 +207,27 @@ def _record_crcs() -> str | None:
 
 
 @_quietly
+def _rank_files() -> str | None:
+    import torch.distributed.checkpoint as dcp
+
+    from unison.checkpoint.dcp_files import DirectWriter
+    from unison.checkpoint.sharded_files import file_checksum
+
+    state = {"w": torch.arange(6.0)}
+    with tempfile.TemporaryDirectory() as folder:
+        writer = DirectWriter(folder)
+        writer.per_thread_copy_ahead = 0  # DCP's serial loader, whatever torch.cuda.is_available() says
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        names = sorted(p.name for p in Path(folder).iterdir())
+        expected = [{n: file_checksum(Path(folder) / n) for n in names}]
+        if writer.everyone != expected:
+            return f"DCP did not hand the write results to finish() as write_data returned them ({writer.everyone})"
+        loaded = {"w": torch.zeros(6)}
+        dcp.load(loaded, checkpoint_id=folder, no_dist=True)
+    return None if torch.equal(loaded["w"], state["w"]) else "a folder saved so did not load back equal"
+
+
+@_quietly
 def _ignite_filters() -> str | None:
     from ignite.engine import Events
 
@@ -309,6 +330,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the CRC-32s are computed (correct, slower)",
         "warning",
         _record_crcs,
+    ),
+    PrivateApi(
+        "torch.distributed.checkpoint: a storage writer's write_data results reach its finish() on the coordinator as returned",
+        "sharded saves (each rank's file checksums sent among its write results)",
+        "rank 0 would not know every rank's checksums as they were written",
+        "rank 0 reads every rank's files back for their checksums (correct, slower: the folder read once more)",
+        "warning",
+        _rank_files,
     ),
     PrivateApi(
         "ignite's event filter closures (every, once, before, after)",
