@@ -162,3 +162,20 @@ def test_what_this_reader_does_not_take_is_left_to_dcp_in_order(tmp_path, monkey
     assert dcp_reads.read_in_place(tmp_path, None, plan, planner) == plan.items  # no description: all to DCP
     assert not any(t.any() for t in targets.values())
     assert sorted(os.listdir(tmp_path)) == ["__0_0.distcp"]
+
+
+def test_a_folder_unison_wrote_loads_in_place_without_a_note_per_item(tmp_path, monkeypatch, caplog):
+    """Its records carry no CRC-32s (each file's own covers them, checked before a load): reading
+    its items in place says nothing about them, where a checkpoint file without any is noted."""
+    import logging
+
+    saved = {f"w{i}": torch.randn(20_000) for i in range(3)}
+    dcp.save(saved, storage_writer=DirectWriter(tmp_path), no_dist=True)
+    mine = {k: torch.zeros(20_000) for k in saved}
+    seen = _spy(monkeypatch)
+    monkeypatch.setattr(archive_load, "IN_PLACE_FROM", 1)
+    with caplog.at_level(logging.INFO, logger="unison"):
+        safe_load(mine, tmp_path, no_dist=True)
+    assert all(torch.equal(mine[k], v) for k, v in saved.items())
+    assert [placed for placed, _, _ in seen] == [True] * 3
+    assert not [r for r in caplog.records if "no CRC-32s" in r.getMessage()]

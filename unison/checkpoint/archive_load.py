@@ -241,7 +241,10 @@ def read_window(
 
     ``pool``: the threads that read and checksum its blocks, kept by the caller from one archive
     to the next (a DCP file holds dozens; starting the threads anew for each cost a sharded
-    resume of 1 GB 58 ms here). None: threads of its own, as :func:`read_archive`'s."""
+    resume of 1 GB 58 ms here). None: threads of its own, as :func:`read_archive`'s.
+
+    A record without a CRC-32 (unison's sharded saves write none: each DCP file's own CRC-32
+    covers its records and is checked before a load) is read without a note about it."""
     name = f"bytes {offset}-{offset + length} of a file"
     with nullcontext(pool) if pool is not None else reading_pool() as threads:
         return _read_any(fd, (offset, length), verify, into, name, threads)
@@ -291,7 +294,7 @@ def _read_archive(fd: int, window: Window, verify: bool, into: Into | None, name
     crcs.update(reader.crcs)
     if any(r.crc is not None and crcs.get(r.start) != r.crc for r in found):
         raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
-    if any(r.crc is None for r in found):
+    if window is None and any(r.crc is None for r in found):  # a window's file has a checksum of its own
         unrecorded_note(name)
     return state
 
