@@ -72,6 +72,9 @@ def test_find_free_port_gives_a_port_a_server_can_listen_on():
     port = find_free_port()
     assert isinstance(port, int) and 1024 <= port <= 65535
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        # as torch's rendezvous store binds: a port only an earlier test's closed connection still
+        # names (TIME_WAIT) is free to it, and find_free_port may give one
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", port))
         server.listen()
         assert server.getsockname()[1] == port
