@@ -37,11 +37,20 @@ _torch_own: Callable[[], bool] | None = None
 
 
 def _per_thread() -> bool:
-    """What ``torch.save`` reads as ``get_crc32_options()`` while a thread is inside."""
+    """What ``torch.save`` reads as ``get_crc32_options()`` while a thread is inside: False to
+    the threads inside, torch's own answer to every other."""
     if getattr(_inside, "depth", 0):
         return False
-    from torch.utils.serialization import config  # torch's setting, as torch's own function reads it
+    own = _torch_own  # None once the last thread left: a save that looked the function up before
+    return bool(own()) if own is not None and own is not _per_thread else _setting()
 
+
+def _setting() -> bool:
+    """torch's setting, read as its own function reads it (True, torch's default, where unknown)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover - a torch without it has no such setting either
+        return True
     return bool(config.save.compute_crc32)
 
 
