@@ -135,3 +135,31 @@ def test_a_dcp_file_written_by_unison_has_no_record_crcs_and_its_own_crc_covers_
     dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
     assert torch.equal(loaded["model"]["w"], states["model"]["w"])
     assert torch.equal(loaded["model"]["b"], states["model"]["b"])
+
+
+def test_while_a_thread_is_inside_the_others_get_the_function_that_was_there(monkeypatch):
+    """A wrapper of the user's, installed before, still answers every thread outside."""
+    asked: list[str] = []
+
+    def theirs() -> bool:
+        asked.append(threading.current_thread().name)
+        return False
+
+    monkeypatch.setattr(torch.serialization, "get_crc32_options", theirs)
+    inside, done = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with records_without_crcs():
+            inside.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=writer, name="saving")
+    thread.start()
+    try:
+        assert inside.wait(30)
+        assert set(crcs_of(saved(torch.ones(4))).values()) == {0}  # theirs said False
+        assert asked == [threading.current_thread().name]
+    finally:
+        done.set()
+        thread.join(30)
+    assert torch.serialization.get_crc32_options is theirs
