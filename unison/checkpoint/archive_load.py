@@ -243,8 +243,9 @@ def read_window(
     to the next (a DCP file holds dozens; starting the threads anew for each cost a sharded
     resume of 1 GB 58 ms here). None: threads of its own, as :func:`read_archive`'s.
 
-    A record without a CRC-32 (unison's sharded saves write none: each DCP file's own CRC-32
-    covers its records and is checked before a load) is read without a note about it."""
+    A record without a CRC-32 is read without a note about it: unison's sharded saves write none
+    (the folder's ``checksums.json`` covers every file and is checked before a load), and a note
+    per item would come at every resume."""
     name = f"bytes {offset}-{offset + length} of a file"
     with nullcontext(pool) if pool is not None else reading_pool() as threads:
         return _read_any(fd, (offset, length), verify, into, name, threads)
@@ -294,7 +295,7 @@ def _read_archive(fd: int, window: Window, verify: bool, into: Into | None, name
     crcs.update(reader.crcs)
     if any(r.crc is not None and crcs.get(r.start) != r.crc for r in found):
         raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
-    if window is None and any(r.crc is None for r in found):  # a window's file has a checksum of its own
+    if window is None and any(r.crc is None for r in found):  # a window: a DCP item (see read_window)
         unrecorded_note(name)
     return state
 
