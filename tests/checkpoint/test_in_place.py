@@ -311,21 +311,44 @@ def test_when_no_checkpoint_is_whole_after_reading_into_the_run_the_resume_raise
     assert all(os.path.exists(p) for p in paths), "a damaged checkpoint was deleted"
 
 
-def test_a_big_record_is_read_into_the_run_by_several_threads_and_still_checked(tmp_path, monkeypatch):
-    blocks = []
-    real = archive_load.ParallelReader._fill_at_once
+def test_a_big_record_is_read_into_the_run_in_file_order_and_checksummed_by_other_threads(
+    tmp_path, monkeypatch
+):
+    import threading
 
-    def spy(self, view, start, spans, check):
-        blocks.append(len(spans))
-        return real(self, view, start, spans, check)
+    import unison.checkpoint.crc as crc_module
+    import unison.checkpoint.prefault as prefault
 
-    monkeypatch.setattr(archive_load.ParallelReader, "_fill_at_once", spy)
     weight = torch.randn(2 * BLOCK // 4 + 1000)  # two whole 8 MiB blocks and a bit: three blocks
     path = atomic_save({"objects": {"m": {"w": weight}}}, tmp_path / "c.pt")
+    reads, summed, faulted = [], [], []
+    real_read, real_crc, real_populate = os.preadv, crc_module.crc32, prefault.populate
+
+    def reading(fd, buffers, offset):
+        n = real_read(fd, buffers, offset)
+        if n >= (1 << 20):
+            reads.append((offset, n, threading.current_thread() is threading.main_thread()))
+        return n
+
+    def summing(data, *rest):
+        if len(data) in (weight.nbytes % BLOCK, BLOCK):  # a block of the record
+            summed.append(threading.current_thread() is threading.main_thread())
+        return real_crc(data, *rest)
+
+    monkeypatch.setattr(os, "preadv", reading)
+    monkeypatch.setattr(crc_module, "crc32", summing)
+    monkeypatch.setattr(prefault, "populate", lambda *a: faulted.append(a) or real_populate(*a))
     mine = torch.zeros_like(weight)
     into = Into({"objects": {"m": {"w": mine}}})
     state = read_archive(path, into=into)
-    assert state["objects"]["m"]["w"] is mine and torch.equal(mine, weight) and blocks == [3]
+    assert state["objects"]["m"]["w"] is mine and torch.equal(mine, weight)
+    assert [n for _, n, _ in reads] == [BLOCK, BLOCK], "the record's whole blocks, each read once"
+    assert reads[0][0] < reads[1][0] and all(main for *_, main in reads), (
+        "in file order, by the calling thread"
+    )
+    assert summed == [False, False, False], "every block checksummed by a pool thread"
+    assert faulted == [], "the run's memory has its pages: none faulted in ahead"
+    monkeypatch.undo()
 
     raw = bytearray(path.read_bytes())
     raw[raw.index(struct.pack("<f", weight[-10].item()))] ^= 0xFF  # a byte of the last block

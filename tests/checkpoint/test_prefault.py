@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import unison.checkpoint.archive_load as archive_load
+import unison.checkpoint.archive_reader as archive_reader
 import unison.checkpoint.prefault as prefault
 from unison.checkpoint import atomic_save
 from unison.checkpoint.archive_load import read_archive
@@ -132,7 +132,7 @@ def test_a_big_record_is_faulted_in_block_by_block_by_the_faulter_small_ones_are
         sizes.append(length)
         return True
 
-    monkeypatch.setattr(archive_load, "FROM", 1 << 20)
+    monkeypatch.setattr(archive_reader, "FROM", 1 << 20)
     monkeypatch.setattr(prefault, "_works", True)
     monkeypatch.setattr(prefault, "populate", counted)
     loaded = read_archive(path)

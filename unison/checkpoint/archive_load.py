@@ -1,206 +1,54 @@
 """Loading a ``torch.save`` archive in one read: each record read straight into its tensor, its
 CRC-32 checked by other threads as it is read.
 
-``torch.load`` reads a record with one call into the storage it builds. Given a file object
-(:class:`ParallelReader`) instead of a path, that call reads the record into the new tensor in
-8 MiB blocks, in order, the kernel reading ahead of them (the file is opened for sequential
-reading; a ``posix_fadvise(WILLNEED)`` of each whole record, tried, made a 101 MB resume 20%
-slower: the calling thread allocated the record's cache pages before reading any), in
-the calling thread (``os.preadv``: threads reading into one new tensor at once contend for its
-page faults), and hands each block read to a pool thread that checksums it: the file is read
-once, into the tensors, and no state is returned before every record's CRC-32 matched the
-archive's central directory. The new tensor's pages are given to it by another thread a few
-blocks ahead of the read (:class:`~unison.checkpoint.prefault.FaultAhead`): a read that takes
-a page fault every 4 KiB ran at half the disk's speed.
+An archive torch wrote is read in one pass, in file order (:mod:`unison.checkpoint.archive_pass`):
+its head and tail are read once each and given to ``torch.load``, which builds the state with
+every tensor's record left unread (its new memory untouched, so never given pages); then each
+record's local header and data are read, one after the other, straight into the run's own tensor
+at its key path where one fits it (a resume, ``into``: :mod:`unison.checkpoint.in_place`), into
+its new tensor where none does. A read of a few bytes from the middle of the file ahead of that
+pass slowed the whole pass: on the 2-CPU virtual machine these figures come from, a cold 101 MB
+resume read its file at 1.6 GB/s when ``torch.load`` first read every local header and small
+record, and at 2.2 GB/s in one pass (46 against 61 ms, the medians of 24 resumes each, alternating).
 
-A resume goes further (``into``, :mod:`unison.checkpoint.in_place`): ``torch.load`` builds the
-state with its big records left unread (their new memory untouched, so never given pages), and
-each is then read, in file order, straight into the run's own tensor at its key path where one
-fits it (its blocks read by several threads at once: that memory has its pages), into its new
-tensor where none does.
+Each record is read in 8 MiB blocks by the calling thread, each block checksummed by a pool
+thread meanwhile (:mod:`unison.checkpoint.archive_reader`): the file is read once, into the
+tensors, and no state is returned before every record's CRC-32 matched the archive's central
+directory.
+
+An archive laid out otherwise (another writer's, another byte order) is read as before: ``torch.load``
+reads it through :class:`ParallelReader`, the records of a resume's run tensors left unread and
+then read in file order.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import io
 import os
 import sys
 import zipfile
-from concurrent.futures import Executor, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import IO, Any, cast
 
 import torch
 
 import unison.checkpoint.crc as checksums  # its crc32 looked up at each call: one place to patch in tests
+from unison.checkpoint.archive_pass import Layout, Member, Refused, layout
+from unison.checkpoint.archive_reader import ParallelReader, Window, WindowReader, reading_pool
 from unison.checkpoint.archive_records import Record, records, unrecorded_note
-from unison.checkpoint.crc import blocks, range_crcs, shift
+from unison.checkpoint.crc import range_crcs
 from unison.checkpoint.in_place import FROM as IN_PLACE_FROM
 from unison.checkpoint.in_place import Into, plan, put
-from unison.checkpoint.prefault import FROM, FaultAhead, address
-from unison.checkpoint.snapshot import default_threads
+from unison.checkpoint.prefault import address
 from unison.utils.run_files import open_fd
 
-__all__ = ["Damaged", "ParallelReader", "read_archive", "read_window"]
-
-
-READERS = 3
-"""Threads a resume's reads into the run's own tensors use at least: the disk is given three 8 MiB
-reads at once. Measured here on a cold 1 GB file, three threads reading 32 MiB each at once ran at
-1.5-1.7 GB/s through the page cache, one thread reading 8 MiB after 8 MiB at 0.9-1.0; on another
-day, in the resume itself, three threads and one ran alike (1.7-1.9 against 1.6-1.9 GB/s), the
-disk's speed moving more than either."""
-
-
-Window = tuple[int, int] | None
-"""Where an archive lies in its file: ``(offset, length)``, or None for the whole file."""
+__all__ = ["Damaged", "read_archive", "read_window"]
 
 
 class Damaged(Exception):
     """The archive's structure is broken or a record's CRC-32 does not match."""
-
-
-class _Window(io.RawIOBase):
-    """A read-only, seekable file object over bytes ``[offset, offset + length)`` of ``fd`` (all of it
-    with no ``window``): an archive, alone in its file or inside another one."""
-
-    def __init__(self, fd: int, window: Window) -> None:
-        super().__init__()
-        self.fd = fd
-        self.base, self.size = window if window is not None else (0, os.fstat(fd).st_size)
-        """Where the archive starts in the file, and its bytes."""
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")[: max(0, self.size - self._pos)]
-        got = os.preadv(self.fd, [view], self.base + self._pos) if len(view) else 0
-        self._pos += got
-        return got
-
-
-class ParallelReader(_Window):
-    """A read-only file object over ``fd`` that reads in 8 MiB blocks; a read of a whole record of
-    ``checked`` (by its start) is checksummed block by block by ``pool``'s threads (with
-    ``verify``), its CRC-32 put in :attr:`crcs`. A read of a whole record whose start is in
-    ``defer`` reads nothing: the buffer is left untouched and the record kept in :attr:`deferred`,
-    to be read later with :meth:`fill`."""
-
-    def __init__(
-        self,
-        fd: int,
-        pool: Executor,
-        checked: dict[int, Record],
-        faulter: Executor | None = None,
-        *,
-        verify: bool = True,
-        defer: frozenset[int] = frozenset(),
-        window: Window = None,
-    ) -> None:
-        super().__init__(fd, window)
-        self.pool = pool
-        self.faulter = faulter
-        """The thread that faults in a big new buffer's pages ahead of the reads (None: the reads fault them)."""
-        self.checked = checked
-        self.verify = verify
-        self.defer = defer
-        self.crcs: dict[int, int] = {}
-        """The CRC-32 of each record read whole, by its start."""
-        self.deferred: dict[int, Record] = {}
-        """The records left unread, by the address of the buffer they were asked into."""
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        record = self.checked.get(self._pos)
-        if record is not None and record.start in self.defer and record.size == len(view):
-            self.deferred[address(view)] = record
-            self._pos += len(view)
-            return len(view)
-        read = self.fill(view, self._pos)
-        self._pos += read
-        return read
-
-    def fill(self, view: memoryview, start: int, *, given: bool = False) -> int:
-        """Reads the file from ``start`` into all of ``view``; the bytes read (fewer at the file's
-        end). A whole record of :attr:`checked` is checksummed as it is read (with ``verify``).
-
-        ``given``: the memory has its pages already (a tensor of the run's): its blocks are read by
-        the pool's threads at once, each checksumming its own, with no page fault to contend for.
-        """
-        record = self.checked.get(start)
-        check = self.verify and record is not None and record.crc is not None and record.size == len(view)
-        spans = list(blocks(0, len(view)))
-        if given and len(spans) > 1:
-            return self._fill_at_once(view, start, spans, check)
-        read, crcs = 0, []
-        ahead = FaultAhead(view, spans, self.faulter) if self.faulter and len(view) >= FROM else None
-        try:
-            for n, (at, length) in enumerate(spans):
-                if ahead is not None:  # the faulter's thread gives the next blocks their pages meanwhile
-                    ahead.before(n)
-                got = _read_block(self.fd, view, self.base + start + at, at, length)
-                if check:  # checksummed by the pool's threads while the next block is read
-                    crcs.append(self.pool.submit(checksums.crc32, view[at : at + got]))
-                read += got
-                if got < length:  # the file ends inside this block
-                    break
-        finally:
-            if ahead is not None:
-                ahead.close()
-            wait(crcs)  # no thread touches the buffer once it is handed back
-        if check and read == len(view):
-            self._combine(start, [part.result() for part in crcs], spans)
-        return read
-
-    def _fill_at_once(self, view: memoryview, start: int, spans: list[tuple[int, int]], check: bool) -> int:
-        def block(at: int, length: int) -> tuple[int, int | None]:
-            got = _read_block(self.fd, view, self.base + start + at, at, length)
-            return got, checksums.crc32(view[at : at + got]) if check else None
-
-        parts = [self.pool.submit(block, at, length) for at, length in spans]
-        wait(parts)  # no thread touches the buffer once it is handed back
-        done = [part.result() for part in parts]
-        read = 0
-        for (got, _), (_, length) in zip(done, spans, strict=True):
-            read += got
-            if got < length:  # the file ends inside this block: what follows it was not read
-                break
-        if check and read == len(view):
-            self._combine(start, [crc for _, crc in done], spans)
-        return read
-
-    def _combine(self, start: int, parts: list[Any], spans: list[tuple[int, int]]) -> None:
-        """The record's CRC-32 from its blocks' (every block after the first is BLOCK bytes long)."""
-        crc = 0
-        for n, (part, (_, length)) in enumerate(zip(parts, spans, strict=True)):
-            crc = shift(crc, length) ^ part if n else part
-        self.crcs[start] = crc
-
-
-def _read_block(fd: int, view: memoryview, offset: int, at: int, length: int) -> int:
-    """Reads ``length`` bytes of ``fd`` from ``offset`` into ``view[at:]``; the bytes read (fewer at the end)."""
-    block = view[at : at + length]
-    read = 0
-    while read < length:
-        n = os.preadv(fd, [block[read:]], offset + read)
-        if not n:
-            break
-        read += n
-    return read
 
 
 def read_archive(
@@ -262,15 +110,15 @@ def _read_any(fd: int, window: Window, verify: bool, into: Into | None, name: st
         return _read_archive(fd, window, verify, None, name, pool)
 
 
-def reading_pool(threads: int | None = None) -> ThreadPoolExecutor:
-    """The threads that read and checksum an archive's blocks: ``threads``, by default
-    :func:`~unison.checkpoint.snapshot.default_threads` and at least :data:`READERS`."""
-    return ThreadPoolExecutor(threads or max(READERS, default_threads()), thread_name_prefix="unison-read")
-
-
 def _read_archive(fd: int, window: Window, verify: bool, into: Into | None, name: str, pool: Executor) -> Any:
+    if verify or into is not None:
+        state = _read_in_one_pass(fd, window, verify, into, name, pool)
+        if state is not _AS_BEFORE:
+            return state
     base = window[0] if window is not None else 0
-    found, tensors, native = _members(_Window(fd, window)) if verify or into is not None else ([], [], False)
+    found, tensors, native = (
+        _members(WindowReader(fd, window)) if verify or into is not None else ([], [], False)
+    )
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, base, window[1] if window is not None else 0, os.POSIX_FADV_SEQUENTIAL)
     with ThreadPoolExecutor(1, thread_name_prefix="unison-fault") as faulter:  # started at its first task
@@ -307,25 +155,149 @@ def _read_deferred(reader: ParallelReader, state: Any, into: Into, name: str) ->
     targets, swaps = plan(state, into.tensors, set(reader.deferred))
     if len(targets) != len(reader.deferred):
         raise _Unplaced
-    own = {id(tensor) for _, tensor in swaps}
-    if own:
-        into.files.append(name)
-    refused: set[int] = set()
+    into_run = _Targets(targets, swaps, into, name)
     for pointer, record in sorted(reader.deferred.items(), key=lambda item: item[1].start):
-        target = targets[pointer]
+        into_run.fill(reader, pointer, record)
+    return into_run.swapped(state)
+
+
+class _Targets:
+    """Where each record left unread goes (``targets``, by the pointer ``torch.load`` gave it), and
+    which of the state's tensors become the run's once they are read (``swaps``)."""
+
+    def __init__(
+        self,
+        targets: dict[int, torch.Tensor],
+        swaps: list[tuple[tuple[Any, ...], torch.Tensor]],
+        into: Into | None,
+        name: str,
+    ) -> None:
+        self.targets = targets
+        self.swaps = swaps
+        self.own = {id(tensor) for _, tensor in swaps}
+        self.refused: set[int] = set()
+        if self.own and into is not None:
+            into.files.append(name)
+
+    def fill(self, reader: ParallelReader, pointer: int, record: Record) -> int:
+        """Reads ``record`` into its target; the bytes read."""
+        target = self.targets[pointer]
         try:
-            reader.fill(_memory(target), record.start, given=id(target) in own)
+            return reader.fill(_memory(target), record.start, given=id(target) in self.own)
         except OSError as err:  # a read-only tensor of the run's: into the state's own instead
-            if err.errno != errno.EFAULT or id(target) not in own:
+            if err.errno != errno.EFAULT or id(target) not in self.own:
                 raise
-            refused.add(id(target))
-            reader.fill(_memory_at(pointer, record.size), record.start)
-    for keys, tensor in swaps:
-        if id(tensor) not in refused:
-            if keys:
-                put(state, keys, tensor)
-            else:
-                state = tensor
+            self.refused.add(id(target))
+            return reader.fill(_memory_at(pointer, record.size), record.start)
+
+    def swapped(self, state: Any) -> Any:
+        """``state`` holding the run's tensors read into."""
+        for keys, tensor in self.swaps:
+            if id(tensor) not in self.refused:
+                if keys:
+                    put(state, keys, tensor)
+                else:
+                    state = tensor
+        return state
+
+
+_AS_BEFORE = object()
+"""Returned by :func:`_read_in_one_pass` where the archive is read as before."""
+
+
+class _PassReader(ParallelReader):
+    """A :class:`ParallelReader` that gives ``torch.load`` the bytes of ``layout``'s head and tail
+    and leaves every tensor's record unread (:meth:`~unison.checkpoint.archive_pass.Layout.serve`),
+    keeping each in :attr:`left` by the address of the buffer it was asked into."""
+
+    def __init__(
+        self, fd: int, pool: Executor, found: Layout, faulter: Executor, verify: bool, window: Window
+    ):
+        super().__init__(fd, pool, {}, faulter, verify=verify, window=window)
+        self.layout = found
+        self.left: dict[int, Member] = {}
+        self.refused = False
+        """Whether ``torch.load`` asked for bytes the layout does not serve."""
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        try:
+            got = self.layout.serve(view, self._pos)
+        except Refused:
+            self.refused = True
+            raise
+        if isinstance(got, Member):
+            self.left[address(view)] = got
+            got = len(view)
+        self._pos += got
+        return got
+
+
+def _read_in_one_pass(
+    fd: int, window: Window, verify: bool, into: Into | None, name: str, pool: Executor
+) -> Any:
+    """The archive read in one pass, in file order (:mod:`unison.checkpoint.archive_pass`): its
+    head and tail, ``torch.load`` given them, then each record's local header and data, the data
+    straight into its tensor (the run's, for a record of :data:`IN_PLACE_FROM` bytes or more that
+    fits it). :data:`_AS_BEFORE` where the archive is not laid out as torch writes it, not in this
+    machine's byte order, or ``torch.load`` asked for other bytes: nothing was read into the run's
+    tensors then."""
+    raw = WindowReader(fd, window)
+    base = raw.base
+    try:
+        with zipfile.ZipFile(raw) as archive:
+            found = layout(fd, base, raw.size, archive)
+    except (zipfile.BadZipFile, EOFError, ValueError) as err:
+        raise Damaged(f"its structure is broken ({err})") from err
+    if found is None or not found.native:
+        return _AS_BEFORE
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, base, window[1] if window is not None else 0, os.POSIX_FADV_SEQUENTIAL)
+    with ThreadPoolExecutor(1, thread_name_prefix="unison-fault") as faulter:  # started at its first task
+        reader = _PassReader(fd, pool, found, faulter, verify, window)
+        try:
+            state = torch.load(cast(IO[bytes], reader), map_location="cpu", weights_only=True)
+        except Exception:
+            if reader.refused:
+                return _AS_BEFORE
+            raise
+        if reader.refused or len(reader.left) != sum(1 for m in found.members if m.size):
+            return _AS_BEFORE
+        big = {pointer for pointer, member in reader.left.items() if member.size >= IN_PLACE_FROM}
+        targets, swaps = plan(state, into.tensors, big) if into is not None else ({}, [])
+        small, _ = plan(state, None, set(reader.left) - set(targets))
+        targets.update(small)
+        if len(targets) != len(reader.left):
+            return _AS_BEFORE  # a record the state does not reach: torch reads it all
+        into_run = _Targets(targets, swaps, into, name)
+        pointers = {member.offset: pointer for pointer, member in reader.left.items()}
+        for member in found.members:  # in file order
+            start = found.start(fd, base, member)
+            if start is None:
+                raise Damaged("a record is not where the central directory says, or does not fit the file")
+            if not member.size:
+                continue
+            record = Record(start, member.size, member.crc)
+            reader.checked[start] = record
+            if into_run.fill(reader, pointers[member.offset], record) != member.size:
+                raise Damaged("a record does not fit the file")
+        state = into_run.swapped(state)
+    if not verify:
+        return state
+    for record, data in found.others:
+        if record.crc is not None and checksums.crc32(data) != record.crc:
+            raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
+    if any(
+        m.crc is not None and m.size and reader.crcs.get(found.starts[m.offset]) != m.crc
+        for m in found.members
+    ):
+        raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
+    if any(m.crc not in (None, 0) and not m.size for m in found.members):
+        raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
+    if window is None and (
+        any(r.crc is None for r, _ in found.others) or any(m.crc is None for m in found.members)
+    ):
+        unrecorded_note(name)
     return state
 
 

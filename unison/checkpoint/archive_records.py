@@ -45,18 +45,35 @@ def unrecorded_note(path: str | os.PathLike[str]) -> None:
     )
 
 
-_LOCAL_HEADER = struct.Struct("<4s22xHH")
+LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip local file header: signature, 22 bytes, file name length, extra field length."""
+
+
+def local_start(header: bytes, offset: int, name: bytes | None, size: int, total: int) -> int | None:
+    """Where the data of a record start, given ``header``, the bytes from its local header's
+    ``offset`` on: None unless they hold a local header (of ``name``, and the name itself, when
+    ``name`` is given) and ``size`` bytes of data from there fit the archive's ``total``."""
+    if len(header) < LOCAL_HEADER.size:
+        return None
+    signature, name_length, extra_length = LOCAL_HEADER.unpack_from(header)
+    if signature != b"PK\x03\x04":
+        return None
+    if name is not None:
+        end = LOCAL_HEADER.size + name_length
+        if (
+            name_length != len(name)
+            or header[LOCAL_HEADER.size : end] != name
+            or len(header) < end + extra_length
+        ):
+            return None
+    start = offset + LOCAL_HEADER.size + name_length + extra_length
+    return start if start + size <= total else None
 
 
 def _record_start(raw: BinaryIO, info: zipfile.ZipInfo, size: int) -> int | None:
     """Where the data of ``info``'s record starts, when its local header is where the directory
     says, it is stored uncompressed and it fits the file; else None."""
     raw.seek(info.header_offset)
-    header = raw.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size:
-        return None
-    signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-    start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+    header = raw.read(LOCAL_HEADER.size)
     stored = info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
-    return start if signature == b"PK\x03\x04" and stored and start + info.compress_size <= size else None
+    return local_start(header, info.header_offset, None, info.compress_size, size) if stored else None

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 import unison.checkpoint.archive_load as archive_load  # its IN_PLACE_FROM looked up at each call
-from unison.checkpoint.archive_load import read_window, reading_pool
+from unison.checkpoint.archive_load import read_window
+from unison.checkpoint.archive_reader import reading_pool
 from unison.checkpoint.in_place import Into
 from unison.utils.run_files import open_fd
 
