@@ -164,6 +164,23 @@ def test_the_record_crc_probe_notices_a_torch_that_reads_its_setting_elsewhere(m
     assert "no longer reads" in private_apis._record_crcs()
 
 
+def test_the_one_pass_probe_notices_a_torch_that_reads_an_archive_otherwise(monkeypatch):
+    import unison.checkpoint.archive_pass as archive_pass
+
+    assert private_apis._one_pass() is None
+    real = archive_pass.Layout.serve
+
+    def serve(self, view, pos):  # a torch that reads each local header with its name and extra field
+        return (
+            real(self, memoryview(bytearray(len(view) + 60)), pos)
+            if pos in self._headers
+            else real(self, view, pos)
+        )
+
+    monkeypatch.setattr(archive_pass.Layout, "serve", serve)
+    assert "bytes other than" in private_apis._one_pass()
+
+
 def _writer_reading(writers):
     import torch
 

@@ -216,11 +216,18 @@ def test_a_damaged_local_header_in_the_middle_is_damage(tmp_path, at):
         read_archive(path)
 
 
-def test_views_and_a_storage_two_keys_share_load_as_torch_loads_them(tmp_path):
+def test_views_and_a_storage_two_keys_share_load_as_torch_loads_them(tmp_path, monkeypatch):
+    """A small archive: its head and tail are all of it, and torch's reader reads all of it at once
+    looking for the end of its central directory."""
+    attempts = []
+    real = archive_load._read_in_one_pass
+    monkeypatch.setattr(archive_load, "_read_in_one_pass", lambda *a: attempts.append(r := real(*a)) or r)
     buffer = io.BytesIO()
     state = {"x": torch.arange(12).reshape(3, 4)[:, 1:], "shared": [torch.ones(3)] * 2}
     torch.save(state, buffer)
     path = tmp_path / "a.pt"
     path.write_bytes(buffer.getvalue())
+    assert os.path.getsize(path) < archive_pass.TAIL
     loaded = read_archive(path, into=Into({"x": torch.zeros(3, 3)}))
     assert torch.equal(loaded["x"], state["x"]) and loaded["shared"][0] is loaded["shared"][1]
+    assert attempts and attempts[0] is not archive_load._AS_BEFORE, "read as before"

@@ -31,7 +31,7 @@ def test_a_range_is_cut_into_a_short_first_block_then_whole_blocks(monkeypatch):
 
 
 def test_each_range_gets_its_crc_from_blocks_checksummed_by_several_threads(tmp_path, monkeypatch):
-    monkeypatch.setattr(crc_module, "BLOCK", 4096)
+    monkeypatch.setattr(crc_module, "READ", 4096)
     data = random.Random(0).randbytes(200_000)
     path = tmp_path / "f"
     path.write_bytes(data)

@@ -11,7 +11,7 @@ from unison.checkpoint.sharded_files import file_checksum
 
 
 def test_a_files_checksum_is_its_crc32_from_blocks_checksummed_side_by_side(tmp_path, monkeypatch):
-    monkeypatch.setattr(crc_module, "BLOCK", 1 << 12)
+    monkeypatch.setattr(crc_module, "READ", 1 << 12)
     data = random.Random(1).randbytes(50_001)
     (tmp_path / "__0_0.distcp").write_bytes(data)
     real = crc_module.crc32

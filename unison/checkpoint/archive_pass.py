@@ -85,6 +85,8 @@ class Layout:
         """Whether ``torch.load`` leaves the records' bytes as they are (this machine's byte order)."""
         self.starts = dict(starts)
         """Where each member's data start, by its offset, once its local header was read."""
+        self._whole = head + tail if tail_at == len(head) else None
+        """A small archive's bytes: its head and tail are all of it."""
         self._headers: dict[int, bytes] = {}
         self._asked: dict[int, Member] = {}
         for member in members:
@@ -115,6 +117,9 @@ class Layout:
             return end - pos
         if pos >= self.tail_at:
             view[: end - pos] = self.tail[pos - self.tail_at : end - self.tail_at]
+            return end - pos
+        if self._whole is not None:
+            view[: end - pos] = self._whole[pos:end]
             return end - pos
         raise Refused(f"bytes {pos}-{end}")
 
