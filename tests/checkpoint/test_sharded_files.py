@@ -7,7 +7,7 @@ import random
 import threading
 
 import unison.checkpoint.crc as crc_module
-from unison.checkpoint.sharded_files import file_checksum
+from unison.checkpoint.sharded_files import file_checksum, remove
 
 
 def test_a_files_checksum_is_its_crc32_from_blocks_checksummed_side_by_side(tmp_path, monkeypatch):
@@ -52,3 +52,32 @@ def test_several_files_are_read_at_once_and_their_checksums_come_back_in_order(t
     monkeypatch.setattr(files_module, "file_checksum", spy)
     assert files_module.files_checksums(paths) == [real(p) for p in paths]
     assert sorted(started) == sorted(p.name for p in paths)
+
+
+def test_a_folder_made_while_a_stale_one_is_removed_goes_too(tmp_path, monkeypatch):
+    """Rank 0 removes a temporary folder a dead save left while another rank's DCP makes it as it
+    plans: the folder may appear between remove()'s look and its unlink."""
+    from pathlib import Path
+
+    target = tmp_path / ".ckpt-e0001-i000000003.dcp.tmp"
+    real = Path.is_dir
+
+    def is_dir_then_made(self):
+        found = real(self)
+        if self == target and not found:
+            target.mkdir()  # another rank's mkdir, just after the look
+        return found
+
+    monkeypatch.setattr(Path, "is_dir", is_dir_then_made)
+    remove(target)
+    monkeypatch.undo()
+    assert not target.exists()
+    (tmp_path / "f.pt").write_bytes(b"x")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").write_bytes(b"x")
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+    remove(tmp_path / "link")
+    assert (tmp_path / "d" / "a").exists() and not (tmp_path / "link").exists(), "a link: the link alone"
+    remove(tmp_path / "f.pt")
+    remove(tmp_path / "d")
+    assert not (tmp_path / "f.pt").exists() and not (tmp_path / "d").exists()

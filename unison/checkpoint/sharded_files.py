@@ -52,8 +52,16 @@ def folder_size(folder: Path) -> int:
 
 
 def remove(path: Path) -> None:
-    """Deletes a checkpoint: a file, or a sharded checkpoint's folder (a link: the link alone)."""
+    """Deletes a checkpoint: a file, or a sharded checkpoint's folder (a link: the link alone).
+
+    A folder made at ``path`` meanwhile is deleted too: a sharded save's other ranks make their
+    temporary folder as they plan, while rank 0 removes one a dead save left there."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    else:
+        return
+    try:
         path.unlink(missing_ok=True)
+    except OSError:  # IsADirectoryError (EPERM on macOS): a folder made since the look above
+        if not path.is_dir() or path.is_symlink():
+            raise
+        shutil.rmtree(path, ignore_errors=True)
