@@ -102,3 +102,39 @@ def test_every_block_is_checksummed_before_a_failed_write_returns(monkeypatch):
             crc_module.crc_while(memoryview(bytes(40_000)), fail, pool)
         finally:
             assert len(done) == 10, "a block was still being checksummed when the write returned"
+
+
+def test_a_range_is_read_in_file_order_by_the_calling_thread_while_others_checksum(tmp_path, monkeypatch):
+    """One thread reading a file in order ran faster here than threads reading blocks at once."""
+    monkeypatch.setattr(crc_module, "READ", 4096)
+    data = random.Random(2).randbytes(50_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    reads: list[tuple[int, int, bool]] = []
+    summed: list[bool] = []
+    real_read, real_crc = os.preadv, crc_module.crc32
+
+    def reading(fd, buffers, offset):
+        n = real_read(fd, buffers, offset)
+        reads.append((offset, n, threading.current_thread() is threading.main_thread()))
+        return n
+
+    def summing(*args):
+        summed.append(threading.current_thread() is threading.main_thread())
+        return real_crc(*args)
+
+    monkeypatch.setattr(os, "preadv", reading)
+    monkeypatch.setattr(crc_module, "crc32", summing)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crcs = range_crcs(fd, [(100, 20_000), (30_000, 20_000)], threads=3)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    assert crcs == [zlib.crc32(data[100:20_100]), zlib.crc32(data[30_000:50_000])]
+    offsets = [at for at, _, _ in reads]
+    assert offsets == sorted(offsets) and all(main for *_, main in reads), "not in order by the caller"
+    assert all(n <= 4096 for _, n, _ in reads) and sum(n for _, n, _ in reads) == 40_000, (
+        "each byte read once"
+    )
+    assert summed and not any(summed), "a block was checksummed by the reading thread"
