@@ -231,3 +231,26 @@ def test_views_and_a_storage_two_keys_share_load_as_torch_loads_them(tmp_path, m
     loaded = read_archive(path, into=Into({"x": torch.zeros(3, 3)}))
     assert torch.equal(loaded["x"], state["x"]) and loaded["shared"][0] is loaded["shared"][1]
     assert attempts and attempts[0] is not archive_load._AS_BEFORE, "read as before"
+
+
+def test_a_record_of_one_block_is_checksummed_by_the_thread_that_read_it(tmp_path, monkeypatch):
+    """Handing each small record's checksum to a pool thread cost more than the checksum: 2000
+    records of 4 KB resumed in 374 ms so, 157 ms without (torch.load alone: 120 ms)."""
+    import threading
+
+    import unison.checkpoint.crc as crc_module
+
+    state = {f"p{i}": torch.randn(100) for i in range(40)}
+    path = atomic_save(state, tmp_path / "c.pt")
+    threads: list[bool] = []
+    real = crc_module.crc32
+    monkeypatch.setattr(
+        crc_module,
+        "crc32",
+        lambda *a: threads.append(threading.current_thread() is threading.main_thread()) or real(*a),
+    )
+    monkeypatch.setattr(archive_load, "IN_PLACE_FROM", 1)
+    mine = {k: torch.zeros(100) for k in state}
+    loaded = read_archive(path, into=Into(mine))
+    assert all(torch.equal(loaded[k], state[k]) for k in state) and loaded["p3"] is mine["p3"]
+    assert len(threads) >= 40 and all(threads), "a small record's checksum went to another thread"
