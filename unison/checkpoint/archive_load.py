@@ -51,6 +51,9 @@ class Damaged(Exception):
     """The archive's structure is broken or a record's CRC-32 does not match."""
 
 
+_MISMATCH = "its checksums do not match: a record's CRC-32 differs from the one it recorded"
+
+
 def read_archive(
     path: str | os.PathLike[str], *, verify: bool = True, threads: int | None = None, into: Into | None = None
 ) -> Any:
@@ -142,7 +145,7 @@ def _read_archive(fd: int, window: Window, verify: bool, into: Into | None, name
     )
     crcs.update(reader.crcs)
     if any(r.crc is not None and crcs.get(r.start) != r.crc for r in found):
-        raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
+        raise Damaged(_MISMATCH)
     if window is None and any(r.crc is None for r in found):  # a window: a DCP item (see read_window)
         unrecorded_note(name)
     return state
@@ -212,7 +215,7 @@ class _PassReader(ParallelReader):
 
     def __init__(
         self, fd: int, pool: Executor, found: Layout, faulter: Executor, verify: bool, window: Window
-    ):
+    ) -> None:
         super().__init__(fd, pool, {}, faulter, verify=verify, window=window)
         self.layout = found
         self.left: dict[int, Member] = {}
@@ -284,16 +287,12 @@ def _read_in_one_pass(
         state = into_run.swapped(state)
     if not verify:
         return state
-    for record, data in found.others:
-        if record.crc is not None and checksums.crc32(data) != record.crc:
-            raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
-    if any(
-        m.crc is not None and m.size and reader.crcs.get(found.starts[m.offset]) != m.crc
+    wrong = any(r.crc is not None and checksums.crc32(data) != r.crc for r, data in found.others) or any(
+        m.crc is not None and (reader.crcs.get(found.starts[m.offset]) if m.size else 0) != m.crc
         for m in found.members
-    ):
-        raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
-    if any(m.crc not in (None, 0) and not m.size for m in found.members):
-        raise Damaged("its checksums do not match: a record's CRC-32 differs from the one it recorded")
+    )
+    if wrong:
+        raise Damaged(_MISMATCH)
     if window is None and (
         any(r.crc is None for r, _ in found.others) or any(m.crc is None for m in found.members)
     ):

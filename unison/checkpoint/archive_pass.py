@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from unison.checkpoint.archive_records import LOCAL_HEADER, Record, local_start
+from unison.checkpoint.archive_records import LOCAL_HEADER, Record, local_start, recorded_crc
 
 __all__ = ["TAIL", "Layout", "Member", "Refused", "layout"]
 
@@ -175,7 +175,7 @@ def layout(fd: int, base: int, size: int, archive: zipfile.ZipFile) -> Layout | 
     members, starts, others, order = [], {}, [], None
     for n, info in enumerate(infos):
         name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
-        crc = None if info.CRC == 0 and info.file_size > 0 else info.CRC
+        crc = recorded_crc(info)
         header = held(info.header_offset, LOCAL_HEADER.size + len(name) + SLACK)
         start = (
             None if header is None else local_start(header, info.header_offset, name, info.file_size, size)

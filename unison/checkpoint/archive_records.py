@@ -31,9 +31,14 @@ def records(raw: BinaryIO, archive: zipfile.ZipFile) -> list[Record] | None:
         start = _record_start(raw, info, size)
         if start is None:
             return None
-        unrecorded = info.CRC == 0 and info.file_size > 0
-        found.append(Record(start, info.compress_size, None if unrecorded else info.CRC))
+        found.append(Record(start, info.compress_size, recorded_crc(info)))
     return found
+
+
+def recorded_crc(info: zipfile.ZipInfo) -> int | None:
+    """The member's CRC-32 as recorded; None for one written with ``set_crc32_options(False)`` (a
+    CRC of zero although it holds data)."""
+    return None if info.CRC == 0 and info.file_size > 0 else info.CRC
 
 
 def unrecorded_note(path: str | os.PathLike[str]) -> None:

@@ -37,6 +37,7 @@ from torch.futures import Future
 from unison.checkpoint.direct import DirectFile, direct_available
 from unison.checkpoint.record_crcs import records_without_crcs
 from unison.checkpoint.sharded_files import file_checksum
+from unison.distributed.primitives import get_rank
 
 __all__ = ["DirectFileSystem", "DirectWriter", "RankFiles"]
 
@@ -136,6 +137,12 @@ class DirectWriter(FileSystemWriter):
         metadata_sum = self.checksums.get(".metadata.tmp")  # written, then renamed by DCP
         if self.everyone:
             self.everyone[0][".metadata"] = metadata_sum or file_checksum(Path(self.path) / ".metadata")
+
+    def gathered(self) -> list[dict[str, tuple[int, int]]] | None:
+        """Once the save is done: on rank 0, every rank's ``{file name: (size, crc32)}``, by rank
+        (``[{}]`` where DCP handed none to :meth:`finish`: the folder's finish then reads each file
+        back, ``sharded.finish_folder``); None on the other ranks."""
+        return (self.everyone or [{}]) if get_rank() == 0 else None
 
     @property
     def checksums(self) -> dict[str, tuple[int, int]]:

@@ -218,9 +218,7 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> list[dict[str, tuple[i
     try:
         writer = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
         dcp.save(dict(states), storage_writer=writer, no_dist=not dist.is_initialized())
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return None
-        return writer.everyone or [{}]  # what did not come is read back by finish_folder
+        return writer.gathered()
     except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps every rank's error
         if (error := unwritten(err, tmp, states)) is err:
             raise

@@ -22,7 +22,7 @@ CHECKSUMS = "checksums.json"
 
 
 def file_checksum(path: Path) -> tuple[int, int]:
-    """``(size, crc32)`` of a file, its 8 MiB blocks read and checksummed by several threads at once
+    """``(size, crc32)`` of a file, read in order while other threads checksum the blocks read
     (:func:`unison.checkpoint.crc.range_crcs`)."""
     fd = open_fd(path)  # a link or a FIFO in the checkpoint's folder is refused, not followed
     try:

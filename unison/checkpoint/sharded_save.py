@@ -104,7 +104,7 @@ def save_sharded(
             if (error := unwritten(err, tmp, states)) is err:
                 raise
             raise error from err
-        finish((storage.everyone or [{}]) if get_rank() == 0 else None, rest)  # every rank's checksums
+        finish(storage.gathered(), rest)  # every rank's checksums, on rank 0
 
     writer.in_background(in_background)
     return final if get_rank() == 0 else None
