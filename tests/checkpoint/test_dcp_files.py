@@ -47,7 +47,7 @@ def test_dcp_files_are_written_around_the_page_cache_and_checksummed_as_they_are
     # two full buffers with O_DIRECT, then the tail once: the flushes after each of 11 tensors wrote nothing
     assert mine == [True] * full + [False]
 
-    (kept,) = writer.everyone  # one rank: its files and the metadata, none of them read back
+    (kept,) = writer.gathered().files  # one rank: its files and the metadata, none of them read back
     assert kept == {name: file_checksum(tmp_path / name) for name in [*shards, ".metadata"]}
     assert writer.checksums[shards[0]][0] == size
 
@@ -75,7 +75,7 @@ def test_where_no_checksums_came_the_folder_is_read_back_and_every_file_recorded
     monkeypatch.setattr(Writer, "write_data", _plain_results)
     final = tmp_path / "ckpt-e0001-i000000001.dcp"
     tmp = temp_folder(final)
-    written = write_shards({"w": torch.randn(50), "step": torch.tensor(3)}, tmp)
+    written = write_shards({"w": torch.randn(50), "step": torch.tensor(3)}, tmp).files
     assert written == [{".metadata": file_checksum(tmp / ".metadata")}]  # nothing came of the data file
     finish_folder(tmp, final, {"meta": {}}, {n: v for mine in written for n, v in mine.items()})
     sums = json.loads((final / "checksums.json").read_text())["files"]

@@ -86,6 +86,6 @@ def test_a_whole_save_is_untouched(tmp_path):
     tmp = _tmp(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        (written,) = write_shards(_states(), tmp)  # one rank's files, and the metadata
+        (written,) = write_shards(_states(), tmp).files  # one rank's files, and the metadata
     assert ".metadata" in written and tmp.is_dir()
     assert all((tmp / name).stat().st_size == size for name, (size, _) in written.items())

@@ -17,7 +17,7 @@ from ignite.engine import Events
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from unison.distributed import get_rank, prepare_loaders, prepare_model
+from unison.distributed import barrier, get_rank, prepare_loaders, prepare_model
 from unison.distributed.fsdp import full_model_state, global_value
 from unison.engine import create_trainer
 from unison.handlers import EMA, Checkpoint
@@ -94,28 +94,36 @@ def job(
     }
 
 
-def nan_in_one_shard(folder: str) -> dict[str, Any]:
+def nan_in_one_shard(folder: str, async_save: bool = False) -> dict[str, Any]:
     """Trains an FSDP model a few steps and saves; then puts a NaN into rank 1's shard only and saves
-    again. Returns what each save returned on this rank and the folder's checkpoints."""
+    again. Returns what each save returned on this rank, the folder's checkpoints and every entry
+    of the folder once the saves are done."""
     from unison.distributed.fsdp import local_tensor
 
     model = prepare_model(make_mlp(), strategy="fsdp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     loader, _ = prepare_loaders(dataset(), None, batch_size=BATCH, seed=5)
     trainer = create_trainer(model, optimizer, nn.functional.cross_entropy)
-    checkpoint = Checkpoint(folder, {"model": model, "optimizer": optimizer}, trainer, at_end=False)
+    checkpoint = Checkpoint(
+        folder, {"model": model, "optimizer": optimizer}, trainer, at_end=False, async_save=async_save
+    )
     checkpoint.attach()
     trainer.run(loader, max_epochs=1, epoch_length=3)
     first = checkpoint.save(trainer)
+    checkpoint.wait()
     trainer.state.iteration += 1  # another position, so the save is not skipped as already on disk
     if get_rank() == 1:
         with torch.no_grad():
             local_tensor(next(iter(model.parameters()))).view(-1)[0] = float("nan")
     second = checkpoint.save(trainer)
+    checkpoint.wait()
+    barrier()
     return {
         "first": first,
         "second": second,
         "saved": sorted(p.name for p in Path(folder).glob("ckpt-*")),
+        "entries": sorted(p.name for p in Path(folder).iterdir()),
+        "manifest": [e.file for e in checkpoint.manifest.entries] if get_rank() == 0 else None,
     }
 
 

@@ -200,10 +200,17 @@ def test_each_rank_checks_the_files_its_load_then_reads(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_a_nan_in_one_ranks_shard_skips_the_save_on_every_rank(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_nan_in_one_ranks_shard_skips_the_save_on_every_rank(tmp_path, async_save):
+    """Rank 1 finds the NaN beside its write; rank 0 hears of it with the write results, removes the
+    folder and records nothing: the good checkpoint stays the newest, and nothing else is left."""
     from _sharded_workers import nan_in_one_shard
 
-    results = run_distributed(nan_in_one_shard, str(tmp_path), nproc=2, timeout=90)
-    assert results[0]["first"] is not None and results[0]["first"].suffix == ".dcp"
-    assert [r["second"] for r in results] == [None, None]  # agreed: no rank writes its shards
-    assert results[0]["saved"] == [results[0]["first"].name]  # the good one stays the newest
+    results = run_distributed(nan_in_one_shard, str(tmp_path), async_save, nproc=2, timeout=90)
+    first = results[0]["first"]
+    assert first is not None and first.suffix == ".dcp"
+    if not async_save:  # an asynchronous save returns its folder before its check is done
+        assert [r["second"] for r in results] == [None, None]
+    assert results[0]["saved"] == [first.name]  # the good one stays the newest
+    assert results[0]["manifest"] == [first.name]
+    assert [e for e in results[0]["entries"] if e.startswith(".ckpt-")] == []  # its temporary folder removed

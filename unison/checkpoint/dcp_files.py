@@ -15,6 +15,10 @@ DCP's own write results (:class:`RankFiles`, taken out again before DCP writes i
 a save gathers nothing more for them. Those checksums are what a resume checks; the
 CRC-32 ``torch.save`` would compute of each record, which nothing reads, is not computed
 (:mod:`unison.checkpoint.record_crcs`).
+
+Each rank's finite check of what it writes runs beside its write, in a thread of its own, and its
+answer (the first tensor holding a NaN or an infinity, or none) travels to rank 0 with the
+checksums: rank 0 renames the folder only when no rank found one (:class:`Written`).
 """
 
 from __future__ import annotations
@@ -23,23 +27,25 @@ import io
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from unison.checkpoint.direct import DirectFile, direct_available
 from unison.checkpoint.record_crcs import records_without_crcs
 from unison.checkpoint.sharded_files import file_checksum
+from unison.checkpoint.verify import first_non_finite
 from unison.distributed.primitives import get_rank
 
-__all__ = ["DirectFileSystem", "DirectWriter", "RankFiles"]
+__all__ = ["DirectFileSystem", "DirectWriter", "RankFiles", "Written"]
 
 
 class DirectStream(io.RawIOBase):
@@ -100,10 +106,25 @@ class DirectFileSystem(FileSystem):
 
 @dataclass(frozen=True)
 class RankFiles:
-    """Not a write result: one rank's ``{file name: (size, crc32)}``, sent to rank 0 among its
-    write results by DCP's own gather, and taken out by :meth:`DirectWriter.finish`."""
+    """Not a write result: one rank's ``{file name: (size, crc32)}`` and the first tensor it wrote
+    that holds a NaN or an infinity (None: none), sent to rank 0 among its write results by DCP's
+    own gather, and taken out by :meth:`DirectWriter.finish`."""
 
     files: dict[str, tuple[int, int]] = field(default_factory=dict)
+    not_finite: str | None = None
+
+
+class Written(NamedTuple):
+    """What rank 0 knows of a sharded save once every rank has written (:meth:`DirectWriter.gathered`)."""
+
+    files: list[dict[str, tuple[int, int]]]
+    """Every rank's ``{file name: (size, crc32)}``, by rank (``[{}]``: none came, and the folder's
+    finish reads each file back, ``sharded.finish_folder``)."""
+    not_finite: str | None
+    """The first tensor, by rank, that a rank wrote holding a NaN or an infinity; None when none did."""
+    checked: bool = True
+    """Whether every rank's answer came; False where this torch withheld some (``unison doctor``
+    says so), and :attr:`not_finite` then speaks only for those that came."""
 
 
 class DirectWriter(FileSystemWriter):
@@ -115,36 +136,54 @@ class DirectWriter(FileSystemWriter):
         super().__init__(str(folder))  # thread_count 1: the thread that calls write_data writes
         self.files = DirectFileSystem()
         self.fs = self.files
-        self.everyone: list[dict[str, tuple[int, int]]] | None = None
-        """On the rank that finishes the save (rank 0), once it has: every rank's files'
-        ``{file name: (size, crc32)}``, by rank; the metadata is rank 0's. None elsewhere."""
+        self.everyone: list[RankFiles | None] | None = None
+        """On the rank that finishes the save (rank 0), once it has: every rank's
+        :class:`RankFiles`, by rank (None for a rank whose results came without it); the
+        metadata's checksum is in rank 0's. None elsewhere."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's write, its tensors without per-record CRC-32s (each file's own CRC-32 covers
-        every record); its results carry this rank's checksums (:class:`RankFiles`) to rank 0."""
-        with records_without_crcs():
-            written = super().write_data(plan, planner).value()
+        every record), while a thread checks that every tensor written is finite; its results
+        carry this rank's checksums and that check's answer (:class:`RankFiles`) to rank 0."""
+        with ThreadPoolExecutor(1, thread_name_prefix="unison-ckpt-check") as pool:
+            check = pool.submit(_not_finite, plan, planner)  # waited for, even when the write raises
+            with records_without_crcs():
+                written = super().write_data(plan, planner).value()
         done: Future[list[Any]] = Future()
-        done.set_result([*written, RankFiles(dict(self.checksums))])
+        done.set_result([*written, RankFiles(dict(self.checksums), check.result())])
         return done
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """Rank 0: DCP's metadata from every rank's write results, with :attr:`everyone` taken
         out of them first."""
-        files = [[r for r in mine if isinstance(r, RankFiles)] for mine in results]
-        self.everyone = [dict(ranks[0].files) if ranks else {} for ranks in files]
-        super().finish(metadata, [[r for r in mine if not isinstance(r, RankFiles)] for mine in results])
-        metadata_sum = self.checksums.get(".metadata.tmp")  # written, then renamed by DCP
-        if self.everyone:
-            self.everyone[0][".metadata"] = metadata_sum or file_checksum(Path(self.path) / ".metadata")
+        self.everyone = [next((r for r in got if isinstance(r, RankFiles)), None) for got in results]
+        super().finish(metadata, [[r for r in got if not isinstance(r, RankFiles)] for got in results])
 
-    def gathered(self) -> list[dict[str, tuple[int, int]]] | None:
-        """Once the save is done: on rank 0, every rank's ``{file name: (size, crc32)}``, by rank
-        (``[{}]`` where DCP handed none to :meth:`finish`: the folder's finish then reads each file
-        back, ``sharded.finish_folder``); None on the other ranks."""
-        return (self.everyone or [{}]) if get_rank() == 0 else None
+    def gathered(self) -> Written | None:
+        """Once the save is done: on rank 0, every rank's files and the first tensor written that is
+        not finite (:class:`Written`; a rank whose results came without them counts as having
+        written no file, and makes it unchecked); None on the other ranks."""
+        if get_rank() != 0:
+            return None
+        everyone = self.everyone or [None]
+        files = [dict(r.files) if r is not None else {} for r in everyone]
+        metadata_sum = self.checksums.get(".metadata.tmp")  # written, then renamed by DCP
+        files[0][".metadata"] = metadata_sum or file_checksum(Path(self.path) / ".metadata")
+        bad = next((r.not_finite for r in everyone if r is not None and r.not_finite), None)
+        return Written(files, bad, checked=None not in everyone)
 
     @property
     def checksums(self) -> dict[str, tuple[int, int]]:
         """``{file name: (size, crc32)}`` of every file this writer wrote."""
         return self.files.checksums
+
+
+def _not_finite(plan: SavePlan, planner: SavePlanner) -> str | None:
+    """The first tensor ``plan`` writes that holds a NaN or an infinity, by its key in the saved
+    state (``model.layer.weight``); None when every one is finite. Each is read where the writer
+    reads it (``planner.resolve_data``: this rank's shard, or an asynchronous save's copy)."""
+    tensors: dict[str, list[Any]] = {}
+    for item in plan.items:
+        if item.type != WriteItemType.BYTE_IO:
+            tensors.setdefault(item.index.fqn, []).append(planner.resolve_data(item))
+    return first_non_finite({fqn: ts[0] if len(ts) == 1 else ts for fqn, ts in tensors.items()})

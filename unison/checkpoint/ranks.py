@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +11,8 @@ import torch.distributed as dist
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.lock import Claim, hold_folder
 from unison.checkpoint.manifest import Manifest
-from unison.checkpoint.sharded import local_view
 from unison.checkpoint.sharded_check import Problem, checkpoint_verdict, sharded_verdict
-from unison.checkpoint.verify import Verdict, first_non_finite, vet
+from unison.checkpoint.verify import Verdict, vet
 from unison.distributed.primitives import broadcast_object, get_rank, get_world_size, is_distributed
 
 
@@ -146,29 +144,15 @@ def summed_over_ranks(per_rank: list[list[list[float]] | None]) -> list[list[flo
 
 
 def agreed_verdict(
-    state: dict[str, Any] | None,
-    problem: Exception | None,
-    bad_shards: list[str | None] | None,
-    *,
-    finite: bool = True,
+    state: dict[str, Any] | None, problem: Exception | None, *, finite: bool = True
 ) -> tuple[dict[str, Any] | None, Verdict | None]:
-    """Collective: rank 0 checks what it collected (``verify.vet``), with what each rank found in
-    its own shards (``bad_shards``, gathered with the state: :func:`shard_check`); every rank gets
-    rank 0's verdict. With ``finite=False`` rank 0 leaves its state's weights unchecked (its writer
-    checks its copy).
+    """Collective: rank 0 checks what it collected (``verify.vet``); every rank gets rank 0's
+    verdict. With ``finite=False`` rank 0 leaves its state's weights unchecked (its writer checks
+    them as it writes).
 
     Returns:
         The state with plain values (rank 0; None elsewhere), and None or the reason not
         to write it, the same on every rank.
     """
     state, verdict = vet(state, problem, finite=finite)
-    bad = next((b for b in bad_shards or [] if b), None)
-    if verdict is None and bad is not None:
-        verdict = Verdict("not finite", bad)
     return state, broadcast_object(verdict)
-
-
-def shard_check(shards: Mapping[str, Any] | None) -> str | None:
-    """This rank's part of a sharded save's finite check, sent to rank 0 with the rest of what the
-    save gathers: the first of its own shards that holds a NaN or an infinity, named, or None."""
-    return first_non_finite(local_view(shards)) if shards is not None else None

@@ -27,7 +27,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from unison.checkpoint.safe_dcp import safe_load
 from unison.checkpoint.sharded_files import CHECKSUMS, REST, SUFFIX, file_checksum, folder_size
 from unison.distributed.fsdp import is_dtensor, is_sharded
 from unison.distributed.model import unwrap_model
+
+if TYPE_CHECKING:
+    from unison.checkpoint.dcp_files import Written  # imports DCP: only when saving
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -196,14 +199,16 @@ def temp_folder(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp")
 
 
-def write_shards(states: Mapping[str, Any], tmp: Path) -> list[dict[str, tuple[int, int]]] | None:
-    """Collective: every rank writes its shards of ``states`` into ``tmp`` (fsynced).
+def write_shards(states: Mapping[str, Any], tmp: Path) -> Written | None:
+    """Collective: every rank writes its shards of ``states`` into ``tmp`` (fsynced), each rank
+    checking beside its write that every tensor it writes is finite.
 
     Returns:
         On rank 0, ``{file name: (size, crc32)}`` of the files each rank wrote, by rank (rank 0
-        also writes ``.metadata``, after every rank's files are written); None elsewhere. They
-        come with DCP's own gather of the ranks' write results (on a torch that would not hand
-        them over, none: :func:`finish_folder` then reads every file back).
+        also writes ``.metadata``, after every rank's files are written), and the first tensor a
+        rank wrote that is not finite (:class:`~unison.checkpoint.dcp_files.Written`); None
+        elsewhere. They come with DCP's own gather of the ranks' write results (on a torch that
+        would not hand them over, none: :func:`finish_folder` then reads every file back).
 
     Raises:
         CheckpointError: on every rank, for a full disk (naming the folder, the bytes needed

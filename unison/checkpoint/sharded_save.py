@@ -1,7 +1,9 @@
 """The collective save of a sharded checkpoint: every rank's shards, then rank 0's rest, checksums and record.
 
-It stands above the folder's parts (:mod:`unison.checkpoint.sharded`); every rank's checksums
-reach rank 0 with DCP's own gather of the write results (:class:`~unison.checkpoint.dcp_files.RankFiles`).
+It stands above the folder's parts (:mod:`unison.checkpoint.sharded`); every rank's checksums,
+and its finite check of the shards it wrote, reach rank 0 with DCP's own gather of the write
+results (:class:`~unison.checkpoint.dcp_files.RankFiles`). A folder a rank found a NaN or an
+infinity in is removed and never takes its name: the newest checkpoint stays the last good one.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from unison.checkpoint.sharded import (
 )
 from unison.checkpoint.sharded_files import remove
 from unison.checkpoint.state import to_cpu_copy
+from unison.checkpoint.verify import Verdict, skip_message
 from unison.distributed.primitives import get_rank
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
 
 __all__ = ["background_group", "dcp_states", "save_sharded", "sharded_names"]
 """What a handler needs to save sharded states: which they are, their states, and the save."""
@@ -68,7 +74,9 @@ def save_sharded(
         async_group: write in the background, gathering over this group.
 
     Returns:
-        The folder on rank 0 (recorded once written); None on other ranks.
+        The folder on rank 0 (recorded once written); None on other ranks, and on rank 0 when
+        a rank found a NaN or an infinity in the shards it wrote (rank 0 warns, naming it, and
+        removes the folder). An asynchronous save returns the folder before that is known.
     """
     final = file_in(writer.folder, name)
     tmp = temp_folder(final)
@@ -77,17 +85,23 @@ def save_sharded(
     # No barrier: DCP's writer makes the folder on every rank as it plans, and no rank writes a
     # byte before the plans are scattered, which rank 0 joins only after the removal above.
 
-    def finish(checksums: list[dict[str, tuple[int, int]]] | None, rest: Mapping[str, Any] | None) -> None:
-        if checksums is None:  # not rank 0
-            return
+    def finish(written: Any, rest: Mapping[str, Any] | None) -> bool:
+        """Rank 0: the folder finished, renamed and recorded; False where a rank's shards were not finite."""
+        if written is None:  # not rank 0
+            return False
+        bad = written.not_finite if written.checked else _read_back_not_finite(tmp, states)
+        if bad is not None:
+            remove(tmp)
+            _log.warning(skip_message(Verdict("not finite", bad), writer.manifest, entry.iteration))
+            return False
         entry.size = finish_folder(
-            tmp, final, rest or {}, {n: v for mine in checksums for n, v in mine.items()}
+            tmp, final, rest or {}, {n: v for mine in written.files for n, v in mine.items()}
         )
         writer.record(entry, final)
+        return True
 
     if async_group is None:
-        finish(write_shards(states, tmp), rest)
-        return final if get_rank() == 0 else None
+        return final if finish(write_shards(states, tmp), rest) else None
     import torch.distributed.checkpoint as dcp
 
     from unison.checkpoint.dcp_files import DirectWriter
@@ -104,7 +118,19 @@ def save_sharded(
             if (error := unwritten(err, tmp, states)) is err:
                 raise
             raise error from err
-        finish(storage.gathered(), rest)  # every rank's checksums, on rank 0
+        finish(storage.gathered(), rest)  # every rank's checksums and finite check, on rank 0
 
     writer.in_background(in_background)
     return final if get_rank() == 0 else None
+
+
+def _read_back_not_finite(tmp: Path, states: Mapping[str, Any]) -> str | None:
+    """Rank 0, where this torch withheld some rank's finite check from the write results: the
+    first tensor of the folder written in ``tmp`` that holds a NaN or an infinity, each state
+    loaded back whole."""
+    from unison.checkpoint.safe_dcp import safe_load
+    from unison.checkpoint.verify import first_non_finite
+
+    whole: dict[str, Any] = {}
+    safe_load(whole, tmp, keys=set(states), no_dist=True)
+    return first_non_finite(whole)

@@ -16,21 +16,19 @@ _log = get_logger(__name__)
 def vetted(
     state: dict[str, Any] | None,
     problem: Exception | None,
-    bad_shards: list[str | None] | None,
     manifest: Manifest,
     iteration: int,
     *,
     finite: bool = True,
 ) -> tuple[dict[str, Any] | None, bool]:
-    """Collective: every rank acts on rank 0's verdict (``ranks.agreed_verdict``), given on rank 0
-    what each rank found not finite in its shards (``bad_shards``; None for a checkpoint file).
+    """Collective: every rank acts on rank 0's verdict (``ranks.agreed_verdict``).
 
     Returns the state to write (rank 0; None elsewhere) and whether to write: False for
     weights that are not finite (rank 0 logs a warning naming the first bad tensor and the
     newest file kept). Raises rank 0's refusal on every rank. With ``finite=False`` rank 0's
-    weights are left to its writer's check (``verify.finite_check``, an asynchronous save).
+    weights are left to its writer's check (``verify.finite_check``).
     """
-    state, verdict = agreed_verdict(state, problem, bad_shards, finite=finite)
+    state, verdict = agreed_verdict(state, problem, finite=finite)
     if verdict is None:
         return state, True
     raise_refusal(verdict)

@@ -235,9 +235,10 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "torch.distributed.checkpoint: a storage writer's write_data results reach its finish() on the coordinator as returned",
-        "sharded saves (each rank's file checksums sent among its write results)",
-        "rank 0 would not know every rank's checksums as they were written",
-        "rank 0 reads every rank's files back for their checksums (correct, slower: the folder read once more)",
+        "sharded saves (each rank's file checksums and finite check sent among its write results)",
+        "rank 0 would not know every rank's checksums as they were written, nor whether its shards were finite",
+        "rank 0 reads every rank's files back for their checksums and loads their tensors back to check them "
+        "(correct, slower: the folder read once more)",
         "warning",
         _rank_files,
     ),

@@ -30,7 +30,7 @@ from unison.checkpoint.positions import (
     trainer_layout,
     trainer_position,
 )
-from unison.checkpoint.ranks import choose, gather_on_first, open_folder, shard_check, summed_over_ranks
+from unison.checkpoint.ranks import choose, gather_on_first, open_folder, summed_over_ranks
 from unison.checkpoint.retention import best_entry
 from unison.checkpoint.sharded_save import background_group, dcp_states, save_sharded, sharded_names
 from unison.checkpoint.state import (
@@ -272,13 +272,10 @@ class Checkpoint:
         in ``sharded`` are left out (each rank writes their shards) and listed in
         ``meta["sharded"]``.
         """
-        return self._collect(engine, sharded)[0]
+        return self._collect(engine, sharded)
 
-    def _collect(
-        self, engine: Engine, sharded: list[str] | None, shards: dict[str, Any] | None = None
-    ) -> tuple[dict[str, Any] | None, list[str | None] | None]:
-        """:meth:`collect`, and on rank 0 what each rank found not finite in its own ``shards``
-        (``ranks.shard_check``), gathered with the rest: one gather for both."""
+    def _collect(self, engine: Engine, sharded: list[str] | None) -> dict[str, Any] | None:
+        """:meth:`collect`: every rank's part gathered to rank 0 in one gather."""
         pass_, iteration = self.data.current, engine.state.iteration
         partial = getattr(engine, "partial_sums", lambda: None)()  # the epoch's loss sums so far
         trainer = engine.state_dict()
@@ -287,12 +284,9 @@ class Checkpoint:
         stop = trainer.get("unison", {}).get("stop")  # this rank's requests no sync point has settled
         objects = {n: o for n, o in self._objects(engine).items() if n not in (sharded or ())}
         mine = local_states(objects, self.data_entry.local())  # per-rank states (checkpoint.per_rank)
-        gathered = gather_on_first(
-            ((capture_rng(), pass_.consumed(iteration, None), (partial, stop), mine), shard_check(shards))
-        )
-        if gathered is None:
-            return None, None
-        everyone, bad_shards = [g for g, _ in gathered], [b for _, b in gathered]
+        everyone = gather_on_first((capture_rng(), pass_.consumed(iteration, None), (partial, stop), mine))
+        if everyone is None:
+            return None
         if "unison" in trainer:
             partials = summed_over_ranks([p for _, _, (p, _), _ in everyone])
             if partials is not None:
@@ -321,7 +315,7 @@ class Checkpoint:
             objects=object_states({n: o for n, o in objects.items() if not is_per_rank(o)}),
             per_rank=rank_entries([m for *_, m in everyone], get_world_size()),  # each rank's own, by name
             config=self.config,
-        ), bad_shards
+        )
 
     def save(self, engine: Engine | None = None) -> Path | None:
         """Collective: call on every rank. Writes a checkpoint now; returns its path on rank 0.
@@ -346,16 +340,16 @@ class Checkpoint:
         shards = dcp_states(self._objects(engine), names) if names else None
         if shards is not None:  # DCP stores one copy of each buffer: every rank's is rank 0's first
             agree_replicated(shards)
-        bad_shards: list[str | None] | None = None
         try:
-            (state, bad_shards), problem = self._collect(engine, names or None, shards), None
+            state, problem = self._collect(engine, names or None), None
         except PositionUnknown as err:  # rank 0 only, after the collective: shared below
             state, problem = None, err
         # A file save leaves the finite check to its writer, which runs it while the file is written
-        # (on its copy, for an asynchronous save): a refused file never takes its name.
-        deferred = shards is None
+        # (on its copy, for an asynchronous save): a refused file never takes its name. Each rank of a
+        # sharded save checks its shards as it writes them (unison.checkpoint.dcp_files); rank 0
+        # checks here the rest, which the folder's finish writes after them.
         iteration = self.trainer.state.iteration
-        state, write = vetted(state, problem, bad_shards, self.manifest, iteration, finite=not deferred)
+        state, write = vetted(state, problem, self.manifest, iteration, finite=shards is not None)
         self._last_saved_iteration = engine.state.iteration
         if not write:
             return None
