@@ -626,9 +626,9 @@ def _save_mid_epoch(folder: Path, *, fault=None, async_save: bool = False) -> di
         collect = checkpoint._collect  # what save() gathers the payload with
 
         def faulty_collect(engine, *args):
-            payload, shards_checked = collect(engine, *args)
+            payload = collect(engine, *args)
             fault(payload, before)
-            return payload, shards_checked
+            return payload
 
         checkpoint._collect = faulty_collect
     run.trainer.run(run.loader, max_epochs=ROUND_TRIP_EPOCHS)

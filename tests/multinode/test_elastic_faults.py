@@ -83,7 +83,9 @@ def test_a_joining_node_regroups_at_two_ranks_through_an_agreed_checkpoint_losin
 def test_sigterm_to_one_agent_saves_at_an_agreed_iteration_and_the_other_node_goes_on(tmp_path):
     at = 6
     out = agent_sigterm(tmp_path, TUNED, at=at)
-    assert out.codes == {"B": 1, "A": 0}, out.show()
+    # B's agent raises SignalException and exits 1; its interpreter's teardown can still abort (-6)
+    # after that, when one of torch's C++ threads outlives Python (seen once in 22 runs here).
+    assert out.codes["A"] == 0 and out.codes["B"] in (1, -6), out.show()
     assert "SignalException" in out.outputs["B"], out.show()
     assert f"all 2 ranks stopping after iteration {at} (epoch 1): preempted" in "".join(out.outputs.values())
     assert "failed (exitcode: 75)" in out.outputs["A"], "A's worker should exit 75 after the save"
