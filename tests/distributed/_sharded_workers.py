@@ -210,3 +210,54 @@ def save_collectives(folder: str, background: bool) -> dict[str, Any]:
         saved = checkpoint.save(trainer)
         checkpoint.wait()
     return {"calls": {k: v for k, v in calls.items() if v}, "saved": None if saved is None else saved.name}
+
+
+def async_saves_kept(folder: str) -> dict[str, Any]:
+    """Three asynchronous sharded saves by one Checkpoint, at three epoch ends. Returns how many
+    times this rank made a CPU copy's buffers, and on rank 0 whether each folder's model is the
+    model at its save (gathered whole as the save was made)."""
+    import torch.distributed._state_dict_utils as utils
+
+    from unison.checkpoint.consolidate import model_weights
+    from unison.checkpoint.dcp_staging import staging_problem
+
+    assert staging_problem() is None  # its check of the helpers, once a process: not counted below
+    made: list[int] = []
+    real = utils._create_cpu_state_dict
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return real(*args, **kwargs)
+
+    utils._create_cpu_state_dict = counted
+    try:
+        model = prepare_model(make_mlp(), strategy="fsdp")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        loader, _ = prepare_loaders(dataset(), None, batch_size=BATCH, seed=5)
+        trainer = create_trainer(model, optimizer, nn.functional.cross_entropy)
+        at_save: dict[int, dict[str, torch.Tensor]] = {}
+        trainer.add_event_handler(  # before the save, which runs after every handler of the epoch
+            Events.EPOCH_COMPLETED,
+            lambda e: at_save.update(
+                {e.state.epoch: {k: v.clone() for k, v in full_model_state(model).items()}}
+            ),
+        )
+        checkpoint = Checkpoint(
+            folder, {"model": model, "optimizer": optimizer}, trainer, async_save=True, keep_last=None
+        )
+        checkpoint.attach()
+        trainer.run(loader, max_epochs=3, epoch_length=2)
+        checkpoint.wait()
+    finally:
+        utils._create_cpu_state_dict = real
+    barrier()
+    same = None
+    if get_rank() == 0:
+        same = []
+        for epoch, weights in sorted(at_save.items()):
+            (path,) = Path(folder).glob(f"ckpt-e{epoch:04d}-*.dcp")
+            saved = model_weights(path)
+            same.append(
+                sorted(saved) == sorted(weights) and all(torch.equal(saved[k], weights[k]) for k in weights)
+            )
+    return {"made": len(made), "same": same}

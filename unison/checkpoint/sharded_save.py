@@ -45,6 +45,20 @@ def background_group(writer: Any) -> Any:
     return writer._gloo
 
 
+def staging(writer: Any) -> Any:
+    """The staging of ``writer``'s asynchronous sharded saves: CPU buffers kept from save to save
+    (:class:`~unison.checkpoint.dcp_staging.KeptStaging`), made at its first; None, and DCP's own
+    staging (a new copy at each save), where this torch's copying helpers changed (``unison doctor``)."""
+    if getattr(writer, "_staging", None) is None:
+        from unison.checkpoint.dcp_staging import (
+            KeptStaging,
+            staging_problem,
+        )  # imports DCP: only when saving
+
+        writer._staging = False if staging_problem() else KeptStaging()
+    return writer._staging or None
+
+
 def save_sharded(
     writer: Any,
     name: str,
@@ -107,7 +121,9 @@ def save_sharded(
     from unison.checkpoint.dcp_files import DirectWriter
 
     storage = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
-    pending = dcp.async_save(dict(states), storage_writer=storage, process_group=async_group)
+    pending = dcp.async_save(
+        dict(states), storage_writer=storage, process_group=async_group, async_stager=staging(writer)
+    )
     rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
 
     def in_background() -> None:

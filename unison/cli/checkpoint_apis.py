@@ -152,3 +152,9 @@ def rank_files() -> str | None:
         loaded = {"w": torch.zeros(6)}
         dcp.load(loaded, checkpoint_id=folder, no_dist=True)
     return None if torch.equal(loaded["w"], state["w"]) else "a folder saved so did not load back equal"
+
+
+def kept_staging() -> str | None:
+    from unison.checkpoint.dcp_staging import check_staging
+
+    return check_staging()

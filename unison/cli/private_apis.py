@@ -90,6 +90,7 @@ _optim_init = _quietly(checkpoint_apis.optim_init)
 _record_crcs = _quietly(checkpoint_apis.record_crcs)
 _one_pass = _quietly(checkpoint_apis.one_pass)
 _rank_files = _quietly(checkpoint_apis.rank_files)
+_kept_staging = _quietly(checkpoint_apis.kept_staging)
 
 
 @_quietly
@@ -241,6 +242,15 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "(correct, slower: the folder read once more)",
         "warning",
         _rank_files,
+    ),
+    PrivateApi(
+        "torch.distributed._state_dict_utils: _create_cpu_state_dict and _copy_state_dict copy a state into kept CPU buffers",
+        "asynchronous sharded saves (their CPU copy kept from save to save)",
+        "an asynchronous sharded save could not stage its copy, or would stage a wrong one",
+        "each asynchronous sharded save stages a new copy through DCP's own staging (correct, slower: "
+        "at 1 GB a stall of about 0.8 s a save instead of 0.07 s)",
+        "warning",
+        _kept_staging,
     ),
     PrivateApi(
         "ignite's event filter closures (every, once, before, after)",

@@ -1,0 +1,77 @@
+"""An asynchronous sharded save stages its CPU copy into buffers kept from save to save
+(``unison.checkpoint.dcp_staging``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import unison.checkpoint.dcp_staging as dcp_staging
+from unison.checkpoint.dcp_staging import KeptStaging, check_staging
+from unison.checkpoint.keypaths import tensors_with_paths
+
+
+def _state(width: int = 4) -> dict:
+    return {
+        "model": {"w": torch.randn(width, 3), "b": torch.zeros(3)},
+        "optimizer": {"state": {"w": {"step": torch.tensor(2.0), "m": torch.ones(width, 3)}}, "lr": 0.1},
+    }
+
+
+def _pointers(state: dict) -> dict[str, int]:
+    return {name: t.data_ptr() for name, t in tensors_with_paths(state)}
+
+
+def _assert_equal(staged: dict, source: dict) -> None:
+    pairs = list(zip(tensors_with_paths(staged), tensors_with_paths(source), strict=True))
+    assert all(a == b and torch.equal(x, y) for (a, x), (b, y) in pairs)
+
+
+def test_a_later_save_copies_into_the_first_ones_buffers():
+    stager, source = KeptStaging(), _state()
+    first = stager.stage(source)
+    held = copy.deepcopy(first)
+    kept = _pointers(first)
+    assert all(kept[n] != t.data_ptr() for n, t in tensors_with_paths(source))  # a copy, not the source
+    with torch.no_grad():
+        for _, tensor in tensors_with_paths(source):
+            tensor.add_(1)
+    _assert_equal(first, held)  # training changing the source leaves the copy as it was
+    second = stager.stage(source)
+    assert _pointers(second) == kept
+    _assert_equal(second, source)
+    assert second["optimizer"]["lr"] == 0.1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s["model"].update(w=torch.randn(5, 3)),  # a shape
+        lambda s: s["model"].update(b=torch.zeros(3, dtype=torch.float64)),  # a dtype
+        lambda s: s["optimizer"]["state"].update(b={"m": torch.ones(3)}),  # a new key
+    ],
+    ids=["shape", "dtype", "key"],
+)
+def test_a_state_laid_out_otherwise_is_staged_into_new_buffers(change):
+    stager, source = KeptStaging(), _state()
+    first = _pointers(stager.stage(source))
+    change(source)
+    second = stager.stage(source)
+    _assert_equal(second, source)
+    assert set(_pointers(second).values()).isdisjoint(first.values())
+
+
+def test_where_the_copying_helper_changed_saves_stage_through_dcp_itself(monkeypatch):
+    import torch.distributed._state_dict_utils as utils
+
+    from unison.checkpoint.sharded_save import staging
+
+    monkeypatch.setattr(utils, "_copy_state_dict", lambda source, into, **_: copy.deepcopy(source))
+    assert "did not copy into the first one's buffers" in check_staging()
+    dcp_staging.staging_problem.cache_clear()
+    try:
+        assert staging(type("Writer", (), {})()) is None  # dcp.async_save's own staging, a copy a save
+    finally:
+        dcp_staging.staging_problem.cache_clear()
