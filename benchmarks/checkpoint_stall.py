@@ -22,7 +22,9 @@ buffers of a ``Snapshot`` (what an async save does: the Checkpoint, attached as 
 attaches it, reserves them after the first iteration and copies into them, large tensors
 by several threads).
 
-Targets: async stall <= 10% of sync; every save and every resume at >= 0.8x the disk.
+Targets: async stall <= 10% of sync (a file's, and a 2-rank sharded save's: rank 0's stalls of
+saves one an iteration by one Checkpoint, the first, which makes the copy's buffers, left out);
+every save and every resume at >= 0.8x the disk.
 
 **Throughput against the disk.** What a save writes per second bounds how often a run can
 afford to checkpoint (``checkpoint.every_seconds``), and the disk bounds the save: each
@@ -189,6 +191,37 @@ def resume_seconds(model: Any, optimizer: Any, folder: Path) -> float:
     return time.perf_counter() - start
 
 
+def async_sharded_stalls(model: Any, optimizer: Any, data: Any, folder: Path, saves: int) -> list[float]:
+    """Rank 0's stalls of ``saves`` asynchronous sharded saves by one Checkpoint, one an iteration,
+    as a run makes them (the first save, which makes the copy's buffers, not counted); [] elsewhere."""
+    import shutil
+
+    import torch.nn.functional as F
+
+    from unison.distributed import barrier, get_rank
+    from unison.engine import Events, create_trainer
+    from unison.handlers import Checkpoint
+
+    if get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    barrier()
+    trainer = create_trainer(model, optimizer, F.mse_loss, sync_every=None, track_loss=False)
+    checkpoint = Checkpoint(
+        folder,
+        {"model": model, "optimizer": optimizer},
+        trainer,
+        every_epochs=None,
+        at_end=False,
+        keep_last=2,
+        async_save=True,
+    )
+    checkpoint.attach()
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: checkpoint.save(engine))
+    trainer.run(data, max_epochs=1, epoch_length=saves + 1)
+    checkpoint.wait()
+    return list(checkpoint.stall_seconds[1:])
+
+
 def sharded_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     """Runs on every rank: an FSDP2 model saved to a sharded folder once per round, after a
     warm-up; after each round rank 0 writes a file of the folder's size (the disk, interleaved)."""
@@ -212,7 +245,14 @@ def sharded_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         if get_rank() == 0:
             probes.append(probe_ways(root / "disk", size))
         barrier()
-    return {"stall_s": stalls, "resume_s": resumes, "probes": probes, "bytes": size}
+    async_stalls = async_sharded_stalls(model, optimizer, data, root / "sharded_async", cfg["repeats"])
+    return {
+        "stall_s": stalls,
+        "resume_s": resumes,
+        "probes": probes,
+        "bytes": size,
+        "async_stall_s": async_stalls,
+    }
 
 
 def throughput_rows(
@@ -466,6 +506,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     met = ratio <= TARGET
     print(f"\ntarget: async stall <= {TARGET:.0%} of sync: {ratio:.1%} -> {C.verdict(met)}")
+    sharded_ratio = None
+    if sharded is not None and sharded["async_stall_s"]:
+        sharded_ratio = C.median(sharded["async_stall_s"]) / C.median(sharded["stall_s"])
+        sharded_met = sharded_ratio <= TARGET
+        print(
+            f"target: sharded async stall <= {TARGET:.0%} of sync: {sharded_ratio:.1%} "
+            f"({C.median(sharded['async_stall_s']) * 1e3:.0f} against {C.median(sharded['stall_s']) * 1e3:.0f} ms, "
+            f"medians; the first async save, which makes its copy's buffers, left out) -> {C.verdict(sharded_met)}"
+        )
+        met = met and sharded_met
     for name, row in throughput.items():
         fast = row["x_disk"] >= DISK_TARGET
         like = f" (x like: {row['x_like']:.2f}, against {row['like_way']})" if "x_like" in row else ""
@@ -486,6 +536,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": summary,
         "async_over_sync_stall": ratio,
+        "sharded_async_over_sync_stall": sharded_ratio,
+        "sharded_async_stall_ms": [x * 1e3 for x in sharded["async_stall_s"]]
+        if sharded is not None
+        else None,
         "throughput": throughput,
         "disk_probes_s": probes,
         "sharded_disk_probes_s": sharded["probes"] if sharded is not None else None,
