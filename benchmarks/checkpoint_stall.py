@@ -121,6 +121,34 @@ def build(width: int, layers: int, seed: int = 0) -> Any:
     return nn.Sequential(*blocks[:-1])
 
 
+def fresh_checkpoint(model: Any, optimizer: Any, folder: Path, *, keep_last: int, async_save: bool) -> Any:
+    """A trainer and its attached Checkpoint saving into ``folder``, which starts empty (rank 0
+    empties it, untimed); saves only when told to (collective)."""
+    import shutil
+
+    import torch.nn.functional as F
+
+    from unison.distributed import barrier, get_rank
+    from unison.engine import create_trainer
+    from unison.handlers import Checkpoint
+
+    if get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    barrier()
+    trainer = create_trainer(model, optimizer, F.mse_loss, sync_every=None, track_loss=False)
+    checkpoint = Checkpoint(
+        folder,
+        {"model": model, "optimizer": optimizer},
+        trainer,
+        every_epochs=None,
+        at_end=False,
+        keep_last=keep_last,
+        async_save=async_save,
+    )
+    checkpoint.attach()  # as a run attaches it: an async one reserves its copy after the first iteration
+    return trainer, checkpoint
+
+
 def one_run(
     model: Any, optimizer: Any, data: Any, folder: Path, mode: str, steps: int, device: Any = "cpu"
 ) -> dict[str, float]:
@@ -129,29 +157,9 @@ def one_run(
     The folder starts empty (rank 0 empties it, untimed): a run's save writes a new name, while
     every round here saves the same position, whose older file the save would otherwise
     delete on the trainer's time (a file's rename over it, a sharded folder's removal)."""
-    import shutil
+    from unison.engine import Events
 
-    import torch.nn.functional as F
-
-    from unison.distributed import barrier, get_rank
-    from unison.engine import Events, create_trainer
-    from unison.handlers import Checkpoint
-
-    if get_rank() == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-    barrier()
-
-    trainer = create_trainer(model, optimizer, F.mse_loss, sync_every=None, track_loss=False)
-    checkpoint = Checkpoint(
-        folder,
-        {"model": model, "optimizer": optimizer},
-        trainer,
-        every_epochs=None,
-        at_end=False,
-        keep_last=1,
-        async_save=mode == "async",
-    )
-    checkpoint.attach()  # as a run attaches it: an async one reserves its copy after the first iteration
+    trainer, checkpoint = fresh_checkpoint(model, optimizer, folder, keep_last=1, async_save=mode == "async")
     started: list[float] = []
 
     @trainer.on(Events.ITERATION_COMPLETED(once=steps // 2))
@@ -194,28 +202,9 @@ def resume_seconds(model: Any, optimizer: Any, folder: Path) -> float:
 def async_sharded_stalls(model: Any, optimizer: Any, data: Any, folder: Path, saves: int) -> list[float]:
     """Rank 0's stalls of ``saves`` asynchronous sharded saves by one Checkpoint, one an iteration,
     as a run makes them (the first save, which makes the copy's buffers, not counted); [] elsewhere."""
-    import shutil
+    from unison.engine import Events
 
-    import torch.nn.functional as F
-
-    from unison.distributed import barrier, get_rank
-    from unison.engine import Events, create_trainer
-    from unison.handlers import Checkpoint
-
-    if get_rank() == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-    barrier()
-    trainer = create_trainer(model, optimizer, F.mse_loss, sync_every=None, track_loss=False)
-    checkpoint = Checkpoint(
-        folder,
-        {"model": model, "optimizer": optimizer},
-        trainer,
-        every_epochs=None,
-        at_end=False,
-        keep_last=2,
-        async_save=True,
-    )
-    checkpoint.attach()
+    trainer, checkpoint = fresh_checkpoint(model, optimizer, folder, keep_last=2, async_save=True)
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: checkpoint.save(engine))
     trainer.run(data, max_epochs=1, epoch_length=saves + 1)
     checkpoint.wait()
