@@ -48,11 +48,6 @@ class KeptStaging(BlockingAsyncStager):
             self._layout = layout
         return _copy_state_dict(state_dict, self.state_dict_cache, type_check=False)
 
-    def release(self) -> None:
-        """Drops the kept buffers."""
-        self.state_dict_cache = None
-        self._layout = None
-
 
 def layout_of(obj: Any) -> Any:
     """What must match for a state to be copied into another's buffers: its keys and, for each

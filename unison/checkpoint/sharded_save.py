@@ -50,10 +50,8 @@ def staging(writer: Any) -> Any:
     (:class:`~unison.checkpoint.dcp_staging.KeptStaging`), made at its first; None, and DCP's own
     staging (a new copy at each save), where this torch's copying helpers changed (``unison doctor``)."""
     if getattr(writer, "_staging", None) is None:
-        from unison.checkpoint.dcp_staging import (
-            KeptStaging,
-            staging_problem,
-        )  # imports DCP: only when saving
+        # imports DCP: only when saving
+        from unison.checkpoint.dcp_staging import KeptStaging, staging_problem
 
         writer._staging = False if staging_problem() else KeptStaging()
     return writer._staging or None
