@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _direct_io import direct_folder  # noqa: F401 - the fixture
+from _sharded_folders import results_only
 
 import unison.checkpoint.direct as direct_module
 from unison.checkpoint.dcp_files import DirectWriter
@@ -56,12 +57,6 @@ def test_dcp_files_are_written_around_the_page_cache_and_checksummed_as_they_are
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
-def _plain_results(self, plan, planner):  # a DCP that would hand finish() write results only
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    return FileSystemWriter.write_data(self, plan, planner)
-
-
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_where_no_checksums_came_the_folder_is_read_back_and_every_file_recorded(tmp_path, monkeypatch):
     """The files of a rank whose checksums did not reach rank 0 are read back: ``checksums.json``
@@ -72,7 +67,7 @@ def test_where_no_checksums_came_the_folder_is_read_back_and_every_file_recorded
     from unison.checkpoint.sharded import finish_folder, temp_folder, write_shards
     from unison.cli import private_apis
 
-    monkeypatch.setattr(Writer, "write_data", _plain_results)
+    monkeypatch.setattr(Writer, "write_data", results_only)
     final = tmp_path / "ckpt-e0001-i000000001.dcp"
     tmp = temp_folder(final)
     written = write_shards({"w": torch.randn(50), "step": torch.tensor(3)}, tmp).files

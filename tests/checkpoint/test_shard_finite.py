@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _sharded_folders import results_only
 
 import unison.checkpoint.dcp_files as dcp_files
 from unison.checkpoint.dcp_files import DirectFileSystem, DirectWriter
@@ -52,15 +53,9 @@ def test_the_finite_check_runs_beside_the_write_and_names_the_tensor(tmp_path, m
     assert good.gathered().not_finite is None and len(seen) == 2
 
 
-def _plain_results(self, plan, planner):  # a DCP that would hand finish() write results only
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    return FileSystemWriter.write_data(self, plan, planner)
-
-
 @pytest.mark.parametrize("bad", [True, False])
 def test_where_no_check_came_rank_0_loads_the_folder_back_to_check_it(tmp_path, monkeypatch, bad):
-    monkeypatch.setattr(DirectWriter, "write_data", _plain_results)
+    monkeypatch.setattr(DirectWriter, "write_data", results_only)
     tmp = temp_folder(tmp_path / "ckpt-e0001-i000000001.dcp")
     state = _state(bad)
     written = write_shards(state, tmp)

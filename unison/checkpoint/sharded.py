@@ -208,7 +208,8 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> Written | None:
         also writes ``.metadata``, after every rank's files are written), and the first tensor a
         rank wrote that is not finite (:class:`~unison.checkpoint.dcp_files.Written`); None
         elsewhere. They come with DCP's own gather of the ranks' write results (on a torch that
-        would not hand them over, none: :func:`finish_folder` then reads every file back).
+        would not hand them over, none: :func:`finish_folder` then reads every file back, and the
+        save's finish loads the folder back to check it).
 
     Raises:
         CheckpointError: on every rank, for a full disk (naming the folder, the bytes needed

@@ -49,12 +49,13 @@ def staging(writer: Any) -> Any:
     """The staging of ``writer``'s asynchronous sharded saves: CPU buffers kept from save to save
     (:class:`~unison.checkpoint.dcp_staging.KeptStaging`), made at its first; None, and DCP's own
     staging (a new copy at each save), where this torch's copying helpers changed (``unison doctor``)."""
-    if getattr(writer, "_staging", None) is None:
-        # imports DCP: only when saving
-        from unison.checkpoint.dcp_staging import KeptStaging, staging_problem
+    from unison.checkpoint.dcp_staging import KeptStaging, staging_problem  # imports DCP: only when saving
 
-        writer._staging = False if staging_problem() else KeptStaging()
-    return writer._staging or None
+    if staging_problem():
+        return None
+    if getattr(writer, "_staging", None) is None:
+        writer._staging = KeptStaging()
+    return writer._staging
 
 
 def save_sharded(
