@@ -214,15 +214,3 @@ def test_a_nan_in_one_ranks_shard_skips_the_save_on_every_rank(tmp_path, async_s
     assert results[0]["saved"] == [first.name]  # the good one stays the newest
     assert results[0]["manifest"] == [first.name]
     assert [e for e in results[0]["entries"] if e.startswith(".ckpt-")] == []  # its temporary folder removed
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_asynchronous_sharded_saves_copy_into_buffers_kept_from_the_first(tmp_path):
-    """Each rank makes its copy's buffers once, at the first save, and every folder still holds the
-    model as it was at its own save (a later save's copy never reaches an earlier one's files)."""
-    from _sharded_workers import async_saves_kept
-
-    results = run_distributed(async_saves_kept, str(tmp_path), nproc=2, timeout=90)
-    assert [r["made"] for r in results] == [1, 1]
-    assert results[0]["same"] == [True, True, True]

@@ -23,9 +23,12 @@ checksums: rank 0 renames the folder only when no rank found one (:class:`Writte
 
 from __future__ import annotations
 
+import functools
 import io
 import os
+import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -45,7 +48,7 @@ from unison.checkpoint.sharded_files import file_checksum
 from unison.checkpoint.verify import first_non_finite
 from unison.distributed.primitives import get_rank
 
-__all__ = ["DirectFileSystem", "DirectWriter", "RankFiles", "Written"]
+__all__ = ["DirectFileSystem", "DirectWriter", "RankFiles", "Written", "results_problem"]
 
 
 class DirectStream(io.RawIOBase):
@@ -112,6 +115,9 @@ class RankFiles:
 
     files: dict[str, tuple[int, int]] = field(default_factory=dict)
     not_finite: str | None = None
+    changed: str | None = None
+    """The tensors this rank found changed in place while an asynchronous save copied them
+    (:attr:`DirectWriter.changed`), named; None: none."""
 
 
 class Written(NamedTuple):
@@ -125,6 +131,9 @@ class Written(NamedTuple):
     checked: bool = True
     """Whether every rank's answer came; False where this torch withheld some (``unison doctor``
     says so), and :attr:`not_finite` then speaks only for those that came."""
+    changed: str | None = None
+    """The tensors the first rank that found any found changed in place while an asynchronous
+    save copied them, named with that rank; None when no rank did."""
 
 
 class DirectWriter(FileSystemWriter):
@@ -140,6 +149,9 @@ class DirectWriter(FileSystemWriter):
         """On the rank that finishes the save (rank 0), once it has: every rank's
         :class:`RankFiles`, by rank (None for a rank whose results came without it); the
         metadata's checksum is in rank 0's. None elsewhere."""
+        self.changed: str | None = None
+        """Set before :meth:`write_data`: the tensors this rank found changed in place while an
+        asynchronous save copied them (the folder must not take its name), named; None: none."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's write, its tensors without per-record CRC-32s (each file's own CRC-32 covers
@@ -150,7 +162,7 @@ class DirectWriter(FileSystemWriter):
             with records_without_crcs():
                 written = super().write_data(plan, planner).value()
         done: Future[list[Any]] = Future()
-        done.set_result([*written, RankFiles(dict(self.checksums), check.result())])
+        done.set_result([*written, RankFiles(dict(self.checksums), check.result(), self.changed)])
         return done
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
@@ -163,14 +175,25 @@ class DirectWriter(FileSystemWriter):
         """Once the save is done: on rank 0, every rank's files and the first tensor written that is
         not finite (:class:`Written`; a rank whose results came without them counts as having
         written no file, and makes it unchecked); None on the other ranks."""
-        if get_rank() != 0:
-            return None
+        return self.collected() if get_rank() == 0 else None
+
+    def collected(self) -> Written:
+        """:meth:`gathered`, on the rank that finished the save (rank 0; the process that saved
+        without a process group)."""
         everyone = self.everyone or [None]
         files = [dict(r.files) if r is not None else {} for r in everyone]
         metadata_sum = self.checksums.get(".metadata.tmp")  # written, then renamed by DCP
         files[0][".metadata"] = metadata_sum or file_checksum(Path(self.path) / ".metadata")
         bad = next((r.not_finite for r in everyone if r is not None and r.not_finite), None)
-        return Written(files, bad, checked=None not in everyone)
+        changed = next(
+            (
+                f"{r.changed} (on rank {rank})"
+                for rank, r in enumerate(everyone)
+                if r is not None and r.changed
+            ),
+            None,
+        )
+        return Written(files, bad, checked=None not in everyone, changed=changed)
 
     @property
     def checksums(self) -> dict[str, tuple[int, int]]:
@@ -187,3 +210,37 @@ def _not_finite(plan: SavePlan, planner: SavePlanner) -> str | None:
         if item.type != WriteItemType.BYTE_IO:
             tensors.setdefault(item.index.fqn, []).append(planner.resolve_data(item))
     return first_non_finite({fqn: ts[0] if len(ts) == 1 else ts for fqn, ts in tensors.items()})
+
+
+def check_results() -> str | None:
+    """None when this torch hands :class:`DirectWriter`'s write results over as it relies on (a
+    small folder saved without a process group: its :meth:`~DirectWriter.gathered` names the
+    checksums and the tensor that is not finite), else what changed."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(6.0), "bad": torch.tensor([float("nan")])}
+    with tempfile.TemporaryDirectory() as folder:
+        writer = DirectWriter(folder)
+        writer.per_thread_copy_ahead = 0  # DCP's serial loader, whatever torch.cuda.is_available() says
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        names = sorted(p.name for p in Path(folder).iterdir())
+        expected = Written([{n: file_checksum(Path(folder) / n) for n in names}], "bad", checked=True)
+        if writer.collected() != expected:
+            return f"DCP did not hand the write results to finish() as write_data returned them ({writer.everyone})"
+        loaded = {"w": torch.zeros(6)}
+        dcp.load(loaded, checkpoint_id=folder, no_dist=True)
+    return None if torch.equal(loaded["w"], state["w"]) else "a folder saved so did not load back equal"
+
+
+@functools.cache
+def results_problem() -> str | None:
+    """:func:`check_results`, once a process (``unison doctor`` runs the same check); an error it
+    raises is a problem too. Where there is one, an asynchronous sharded save copies every tensor
+    before it returns: only the write results carry a rank's word that its copy held still."""
+    try:
+        with warnings.catch_warnings():  # DCP's note that it saves without a process group
+            warnings.simplefilter("ignore")
+            return check_results()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"

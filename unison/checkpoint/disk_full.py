@@ -1,10 +1,11 @@
-"""A sharded save that fails leaves no temporary folder, and a full disk is named as such.
+"""A save that fails leaves no partial file or temporary folder, and a full disk is named as such.
 
 torch reports a full disk in many ways: ``OSError(ENOSPC)`` from a write or an fsync, or
 only a short write (``unexpected pos 704 vs 598`` from its archive writer), and DCP wraps
 each rank's error in a ``CheckpointException``. :func:`unwritten` removes the temporary
 folder and gives the error to raise: for a full disk, one naming the folder, what this
-rank's shards needed and what is free there.
+rank's shards needed and what is free there. :func:`disk_full_error` is a checkpoint file's
+(:class:`CheckpointDiskFull`, which the file's writer raises once it removed the partial file).
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import errno
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from unison.checkpoint.checkpoint_error import CheckpointError
+from unison.checkpoint.io import state_bytes
+
+if TYPE_CHECKING:
+    from unison.checkpoint.manifest import Manifest
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _SHORT_WRITE = "unexpected pos"
@@ -33,13 +38,16 @@ def rank_errors(err: BaseException) -> list[BaseException]:
 
 def is_disk_full(err: BaseException) -> bool:
     """Whether ``err`` (or a rank's error inside it, or its cause) says the disk is full."""
+    seen: set[int] = set()
     for inner in rank_errors(err):
-        while inner is not None:
-            if isinstance(inner, OSError) and inner.errno in _FULL:
+        current: BaseException | None = inner
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            if isinstance(current, OSError) and current.errno in _FULL:
                 return True
-            if _SHORT_WRITE in str(inner):
+            if _SHORT_WRITE in str(current):
                 return True
-            inner = inner.__cause__ or inner.__context__  # type: ignore[assignment]
+            current = current.__cause__ or current.__context__
     return False
 
 
@@ -76,3 +84,37 @@ def unwritten(err: BaseException, tmp: Path, states: Mapping[str, Any] | None = 
         "checkpoints are untouched. Free space there, keep fewer checkpoints (checkpoint.keep_last), or put the runs "
         "on another disk (logging.root)."
     )
+
+
+class CheckpointDiskFull(OSError):
+    """A checkpoint did not fit on its disk; the message says how much was needed and free."""
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def disk_full_error(path: Path, state: Mapping[str, Any], manifest: Manifest) -> CheckpointDiskFull:
+    """The error of a checkpoint file that did not fit: the file, the folder, space needed and free,
+    what to do."""
+    try:
+        free = _size(shutil.disk_usage(path.parent).free)
+    except OSError:
+        free = "an unknown amount"
+    previous = manifest.newest()
+    intact = (
+        f"The previous checkpoint {previous[0].file} is intact (nothing was deleted, the manifest is unchanged)."
+        if previous
+        else "No earlier checkpoint was recorded in this folder; nothing was deleted."
+    )
+    message = (
+        f"No space left on device while writing checkpoint {path.name} in {path.parent}: it needs about "
+        f"{_size(state_bytes(state))} and the disk has {free} free. The partial file was removed. {intact} "
+        "Free some space (or point the checkpoint folder at a larger disk, or keep fewer checkpoints with "
+        "keep_last), then resume with resume('auto')."
+    )
+    return CheckpointDiskFull(errno.ENOSPC, message, str(path))

@@ -8,9 +8,12 @@ infinity in is removed and never takes its name: the newest checkpoint stays the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import queue
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from unison.checkpoint.disk_full import unwritten
 from unison.checkpoint.entry import file_in
@@ -24,6 +27,7 @@ from unison.checkpoint.sharded import (
 from unison.checkpoint.sharded_files import remove
 from unison.checkpoint.state import to_cpu_copy
 from unison.checkpoint.verify import Verdict, skip_message
+from unison.checkpoint.writer import listed, not_saved_message
 from unison.distributed.primitives import get_rank
 from unison.utils.logging import get_logger
 
@@ -66,6 +70,7 @@ def save_sharded(
     entry: Any,
     *,
     async_group: Any = None,
+    later: Callable[[torch.Tensor], bool] | None = None,
 ) -> Path | None:
     """Collective: writes a sharded checkpoint folder ``name`` and records it (rank 0).
 
@@ -74,9 +79,10 @@ def save_sharded(
     manifest (rotation follows, as for files).
 
     With ``async_group`` (a gloo group of every rank, made once for this), DCP copies the
-    shards to CPU memory and returns; the writing (its collectives over that group) and rank
-    0's rename and record run in each rank's writer thread, which the next
-    save and the end of the run wait for (``writer.wait()``).
+    shards to CPU memory (:class:`~unison.checkpoint.dcp_staging.KeptStaging`; those ``later``
+    names are copied by the writer's thread) and returns; the writing (its collectives over that
+    group) and rank 0's rename and record run in each rank's writer thread, which the next save
+    and the end of the run wait for (``writer.wait()``).
 
     Args:
         writer: the :class:`~unison.checkpoint.writer.CheckpointWriter` (rank 0's records it).
@@ -85,6 +91,11 @@ def save_sharded(
         states: this rank's sharded states (:func:`~unison.checkpoint.sharded.dcp_states`).
         entry: the manifest entry (rank 0); None elsewhere.
         async_group: write in the background, gathering over this group.
+        later: with ``async_group``: the tensors only an optimizer's step changes (asked of each
+            DTensor's local shard), which the writer's thread copies while training goes on; the
+            step waits for that copy (:meth:`~unison.checkpoint.writer.CheckpointWriter.fence`). A
+            rank that finds one of them changed in place before its copy was taken tells rank 0,
+            which removes the folder and warns; later saves of that rank copy every tensor at once.
 
     Returns:
         The folder on rank 0 (recorded once written); None on other ranks, and on rank 0 when
@@ -102,6 +113,10 @@ def save_sharded(
         """Rank 0: the folder finished, renamed and recorded; False where a rank's shards were not finite."""
         if written is None:  # not rank 0
             return False
+        if written.changed is not None:
+            remove(tmp)
+            _log.warning(not_saved_message(final, written.changed))
+            return False
         bad = written.not_finite if written.checked else _read_back_not_finite(tmp, states)
         if bad is not None:
             remove(tmp)
@@ -117,25 +132,52 @@ def save_sharded(
         return final if finish(write_shards(states, tmp), rest) else None
     import torch.distributed.checkpoint as dcp
 
-    from unison.checkpoint.dcp_files import DirectWriter
+    from unison.checkpoint.dcp_files import DirectWriter, results_problem
 
     storage = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
-    pending = dcp.async_save(
-        dict(states), storage_writer=storage, process_group=async_group, async_stager=staging(writer)
-    )
-    rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
+    stager = staging(writer)
+    if stager is not None and later is not None and writer.overlap and not results_problem():
+        stager.later = later  # the optimizers' tensors: copied by the writer's thread, before their step
+    handed: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def in_background() -> None:
+        got = handed.get()
+        if got is None:  # dcp.async_save raised in the caller
+            return
+        pending, rest, later_copy = got
+        error: BaseException | None = None
+        if later_copy is not None:
+            (left, staged_future, staged), copied = later_copy
+            try:
+                moved = writer.take(left, copied)
+                storage.changed = listed(moved) if moved else None
+            except BaseException as err:  # every rank's DCP still writes and gathers: rank 0 drops the folder
+                storage.changed, error = f"a copy that failed ({err})", err
+            staged_future.set_result(staged)  # DCP's thread waited for it before planning
         done: Any = getattr(pending, "upload_completion", pending)  # a Future, or a response holding one
         try:
             done.result()
         except BaseException as err:
-            if (error := unwritten(err, tmp, states)) is err:
+            if (unfit := unwritten(err, tmp, states)) is err:
                 raise
-            raise error from err
-        finish(storage.gathered(), rest)  # every rank's checksums and finite check, on rank 0
+            raise unfit from err
+        finish(storage.gathered(), rest)  # every rank's checksums, finite checks and copies, on rank 0
+        if error is not None:
+            raise error
 
-    writer.in_background(in_background)
+    writer.in_background(in_background)  # started before DCP's thread, which would contend for its start
+    try:
+        pending = dcp.async_save(
+            dict(states), storage_writer=storage, process_group=async_group, async_stager=stager
+        )
+    except BaseException:
+        if stager is not None:
+            stager.later = None
+        handed.put(None)
+        raise
+    deferred = stager.deferred() if stager is not None else None
+    later_copy = (deferred, writer.copy_later(deferred[0], final)) if deferred is not None else None
+    handed.put((pending, to_cpu_copy(rest) if rest is not None else None, later_copy))
     return final if get_rank() == 0 else None
 
 

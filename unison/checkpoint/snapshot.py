@@ -63,7 +63,7 @@ class Snapshot:
         """
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         copy = _mirror(state, self._copy, pairs)
-        _fill(pairs, self.threads)
+        copy_pairs(pairs, self.threads)
         self._copy = copy
         return copy
 
@@ -82,7 +82,7 @@ class Snapshot:
                 names.append(name)
             else:
                 now.append(pair)
-        _fill(now, self.threads)
+        copy_pairs(now, self.threads)
         self._copy = copy
         return copy, Pending(deferred, names, self.threads)
 
@@ -110,12 +110,19 @@ class Pending:
     """
 
     def __init__(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], names: list[str], threads: int
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        names: list[str],
+        threads: int,
+        watched: list[torch.Tensor] | None = None,
     ) -> None:
         self.pairs = pairs
         self.names = names
         self.threads = threads
-        self.versions = [tensor._version for _, tensor in pairs]
+        self.watched = watched if watched is not None else [tensor for _, tensor in pairs]
+        """Whose version counter tells of a change: each source, or what holds it (a DTensor, whose
+        in-place changes move its own counter and not its local shard's)."""
+        self.versions = [tensor._version for tensor in self.watched]
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -123,14 +130,14 @@ class Pending:
     def fill(self) -> list[str]:
         """Copies every source into its buffer; returns the key paths of the sources changed in place
         since the snapshot was taken (their copies may hold some of the change)."""
-        _fill(self.pairs, self.threads)
+        copy_pairs(self.pairs, self.threads)
         return self.changed()
 
     def changed(self) -> list[str]:
         """The key paths of the sources changed in place since the snapshot was taken."""
         return [
             name
-            for name, (_, tensor), version in zip(self.names, self.pairs, self.versions, strict=True)
+            for name, tensor, version in zip(self.names, self.watched, self.versions, strict=True)
             if tensor._version != version
         ]
 
@@ -168,7 +175,7 @@ def _mirror(obj: Any, previous: Any, pairs: list[tuple[torch.Tensor, torch.Tenso
     return obj
 
 
-def _fill(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
     """Copies each tensor into its buffer: GPU ones queued, then waited for; large CPU ones in
     slices over ``threads`` threads (one, where torch's own intra-op threads are as many)."""
     devices = set()

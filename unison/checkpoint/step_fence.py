@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from unison.checkpoint.writer import CheckpointWriter
+from unison.distributed.fsdp import is_dtensor
 
 __all__ = ["StepFence"]
 
@@ -35,7 +36,7 @@ class StepFence:
 
     def later(self, objects: Mapping[str, Any]) -> Callable[[torch.Tensor], bool] | None:
         """Which tensors only an optimizer's step changes: the CPU parameters and state of the
-        optimizers among ``objects`` (None when there are none). Each of these optimizers gets,
+        optimizers among ``objects``, a sharded one's by their local shards (None when there are none). Each of these optimizers gets,
         once, a step pre-hook that waits for the copy."""
         storages: set[int] = set()
         for optimizer in (o for o in objects.values() if isinstance(o, torch.optim.Optimizer)):
@@ -57,8 +58,11 @@ class StepFence:
 
 
 def _cpu_storage(tensor: torch.Tensor) -> int | None:
-    """Where a plain CPU tensor's (or parameter's) memory starts; None for any other tensor (on
-    another device, empty, or a subclass such as a DTensor, whose storage is not its own)."""
+    """Where a CPU tensor's (or parameter's) memory starts, a DTensor's being its local shard's;
+    None for any other tensor (on another device, empty, or another subclass, whose storage is
+    not its own)."""
+    if is_dtensor(tensor):
+        tensor = tensor._local_tensor  # type: ignore[attr-defined]
     if tensor.device.type != "cpu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return None
     return tensor.untyped_storage().data_ptr() or None

@@ -11,8 +11,6 @@ step) waits for their copy.
 
 from __future__ import annotations
 
-import errno
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -22,8 +20,10 @@ from typing import Any, Literal
 
 import torch
 
+from unison.checkpoint.disk_full import CheckpointDiskFull as CheckpointDiskFull  # its home before
+from unison.checkpoint.disk_full import disk_full_error, is_disk_full
 from unison.checkpoint.entry import Entry, file_in
-from unison.checkpoint.io import atomic_save, state_bytes
+from unison.checkpoint.io import atomic_save
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.retention import retain
 from unison.checkpoint.sharded_files import remove
@@ -31,12 +31,6 @@ from unison.checkpoint.snapshot import Pending, Snapshot
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
-
-_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-
-
-class CheckpointDiskFull(OSError):
-    """A checkpoint did not fit on its disk; the message says how much was needed and free."""
 
 
 class CheckpointWriter:
@@ -129,8 +123,7 @@ class CheckpointWriter:
         else:
             copy, pending = self.snapshot.take(state), None
         if pending:
-            copied = threading.Event()
-            self._later = (pending, copied, path)
+            copied = self.copy_later(pending, path)
             self._thread = threading.Thread(
                 target=self._copy_then_write,
                 args=(copy, pending, copied, path, entry, check),
@@ -167,7 +160,7 @@ class CheckpointWriter:
                 "the file. Change these tensors only in the optimizer's step; later saves copy every tensor "
                 "before training goes on.",
                 path,
-                _listed(moved),
+                listed(moved),
             )
         return waited
 
@@ -269,32 +262,40 @@ class CheckpointWriter:
     ) -> None:
         """The writer's thread of a save that left copies for later: takes them, then writes."""
         try:
-            moved = pending.fill()
-            if moved:  # set before the step may go on: its own check then knows this change was seen
-                self.overlap = False
+            moved = self.take(pending, copied)
         except BaseException as err:
             self._error = err
             return
-        finally:
-            copied.set()  # the optimizer's step may go on
         if moved:
-            _log.warning(
-                "Not saving checkpoint %s: %s changed in place while the asynchronous save copied it, between the "
-                "save and the optimizer's next step, so the copy may hold a mix of before and after. The newest "
-                "checkpoint stays the previous one. Change these tensors only in the optimizer's step; later saves "
-                "copy every tensor before training goes on.",
-                path,
-                _listed(moved),
-            )
+            _log.warning(not_saved_message(path, listed(moved)))
             return
         self._write(copy, path, entry, check)
+
+    def copy_later(self, pending: Pending, path: Path) -> threading.Event:
+        """Registers a copy an asynchronous save of ``path`` left for later, which its own thread
+        takes (:meth:`take`): :meth:`fence` waits for the event returned."""
+        copied = threading.Event()
+        self._later = (pending, copied, path)
+        return copied
+
+    def take(self, pending: Pending, copied: threading.Event) -> list[str]:
+        """In the writer's thread: takes the copy left for later, then sets ``copied`` (the
+        optimizer's step may go on); the key paths of the tensors found changed in place since
+        the save (that checkpoint must not be kept, and later saves copy every tensor at once)."""
+        try:
+            moved = pending.fill()
+            if moved:  # set before the step may go on: its own check then knows this change was seen
+                self.overlap = False
+            return moved
+        finally:
+            copied.set()
 
     def _save(self, state: Mapping[str, Any], path: Path, keep: Callable[[], bool] | None = None) -> None:
         try:
             # a background write goes around the page cache whatever its size (training competes for the CPU)
             atomic_save(state, path, direct=True if self.async_save else None, keep=keep)
         except (OSError, RuntimeError) as err:
-            if _disk_full_cause(err) is None:
+            if not is_disk_full(err):
                 raise
             raise disk_full_error(path, state, self.manifest) from err
 
@@ -321,10 +322,21 @@ class CheckpointWriter:
             thread.join()
 
 
-def _listed(names: list[str]) -> str:
+def listed(names: list[str]) -> str:
     """Up to three key paths, and how many more."""
     shown = ", ".join(names[:3])
     return shown + (f" and {len(names) - 3} more tensor(s)" if len(names) > 3 else "")
+
+
+def not_saved_message(path: Path, changed: str) -> str:
+    """The warning of a checkpoint not written because the tensors ``changed`` names changed in
+    place while an asynchronous save copied them."""
+    return (
+        f"Not saving checkpoint {path}: {changed} changed in place while the asynchronous save copied it, between "
+        "the save and the optimizer's next step, so the copy may hold a mix of before and after. The newest "
+        "checkpoint stays the previous one. Change these tensors only in the optimizer's step; later saves copy "
+        "every tensor before training goes on."
+    )
 
 
 def _remove_all(paths: list[Path]) -> None:
@@ -351,44 +363,3 @@ def _shapes(state: Any) -> Any:
         items = [_shapes(v) for v in state]
         return items if isinstance(state, list) else tuple(items)
     return state
-
-
-def _disk_full_cause(err: BaseException) -> OSError | None:
-    """The "no space left" error behind ``err`` (torch wraps it in a RuntimeError), or None."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _FULL:
-            return current
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def disk_full_error(path: Path, state: Mapping[str, Any], manifest: Manifest) -> CheckpointDiskFull:
-    """The error of a checkpoint that did not fit: the file, the folder, space needed and free, what to do."""
-    try:
-        free = _size(shutil.disk_usage(path.parent).free)
-    except OSError:
-        free = "an unknown amount"
-    previous = manifest.newest()
-    intact = (
-        f"The previous checkpoint {previous[0].file} is intact (nothing was deleted, the manifest is unchanged)."
-        if previous
-        else "No earlier checkpoint was recorded in this folder; nothing was deleted."
-    )
-    message = (
-        f"No space left on device while writing checkpoint {path.name} in {path.parent}: it needs about "
-        f"{_size(state_bytes(state))} and the disk has {free} free. The partial file was removed. {intact} "
-        "Free some space (or point the checkpoint folder at a larger disk, or keep fewer checkpoints with "
-        "keep_last), then resume with resume('auto')."
-    )
-    return CheckpointDiskFull(errno.ENOSPC, message, str(path))

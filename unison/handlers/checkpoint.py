@@ -361,7 +361,13 @@ class Checkpoint:
         if shards is not None:  # every rank writes its shards; rank 0 the rest, then records
             name = entry_for(trainer_position(engine)._asdict(), self.manifest.prefix, sharded=True).file
             path = save_sharded(
-                self.writer, name, state, shards, entry, async_group=background_group(self.writer)
+                self.writer,
+                name,
+                state,
+                shards,
+                entry,
+                async_group=background_group(self.writer),
+                later=self._step_fence.later(self._objects(engine)) if self.writer.async_save else None,
             )
         elif state is None or entry is None:
             return None
