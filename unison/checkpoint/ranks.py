@@ -13,6 +13,7 @@ from unison.checkpoint.lock import Claim, hold_folder
 from unison.checkpoint.manifest import Manifest
 from unison.checkpoint.sharded_check import Problem, checkpoint_verdict, sharded_verdict
 from unison.checkpoint.verify import Verdict, vet
+from unison.distributed.packed import packed, unpacked
 from unison.distributed.primitives import broadcast_object, get_rank, get_world_size, is_distributed
 
 
@@ -21,8 +22,8 @@ def gather_on_first(mine: Any) -> list[Any] | None:
     if not is_distributed():
         return [mine]
     everyone: list[Any] | None = [None] * get_world_size() if get_rank() == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
-    return everyone
+    dist.gather_object(packed(mine), everyone, dst=0)  # small CPU tensors (RNG states) as bytes
+    return [unpacked(theirs) for theirs in everyone] if everyone is not None else None
 
 
 def open_folder(manifest: Manifest, *, require_empty: bool) -> Claim:
