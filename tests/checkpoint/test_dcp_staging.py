@@ -75,3 +75,24 @@ def test_where_the_buffer_making_helper_changed_saves_stage_through_dcp_itself(m
         assert staging(type("Writer", (), {})()) is None  # dcp.async_save's own staging, a copy a save
     finally:
         dcp_staging.staging_problem.cache_clear()
+
+
+def test_a_reserved_staging_copies_into_the_buffers_reserved_before_it():
+    stager, source = KeptStaging(), _state()
+    stager.reserve(source)
+    stager._reserving.join()
+    reserved = _pointers(stager.state_dict_cache)
+    assert all(torch.count_nonzero(t) == 0 for _, t in tensors_with_paths(stager.state_dict_cache))  # pages written
+    staged = stager.stage(source)
+    assert _pointers(staged) == reserved
+    _assert_equal(staged, source)
+
+
+def test_a_staging_reserved_for_another_layout_makes_new_buffers():
+    stager = KeptStaging()
+    stager.reserve(_state(width=4))
+    reserved = set(_pointers(stager.stage(_state(width=4))).values())
+    other = _state(width=5)
+    staged = stager.stage(other)
+    _assert_equal(staged, other)
+    assert set(_pointers(staged).values()).isdisjoint(reserved)

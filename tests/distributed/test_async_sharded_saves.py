@@ -14,8 +14,9 @@ from unison.testing import run_distributed
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_asynchronous_sharded_saves_copy_into_buffers_kept_from_the_first(tmp_path):
-    """Each rank makes its copy's buffers once, at the first save, and every folder still holds the
-    model as it was at its own save (a later save's copy never reaches an earlier one's files)."""
+    """Each rank makes its copy's buffers once, after the first iteration, and every folder still
+    holds the model as it was at its own save (a later save's copy never reaches an earlier one's
+    files)."""
     from _async_sharded_workers import async_saves_kept
 
     results = run_distributed(async_saves_kept, str(tmp_path), nproc=2, timeout=90)
@@ -26,7 +27,7 @@ def test_asynchronous_sharded_saves_copy_into_buffers_kept_from_the_first(tmp_pa
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_the_step_waits_for_the_copy_of_its_shards_and_each_folder_holds_them_as_saved(tmp_path):
-    """After the first save (which makes the buffers and copies at once), each save leaves the
+    """Each save, the first too (its buffers reserved after the first iteration), leaves the
     model's and AdamW's shards to the writer's thread; that copy is held here until the next
     step waits for it, and each folder still holds the model as it was at its save."""
     from _async_sharded_workers import async_saves_kept
@@ -35,7 +36,7 @@ def test_the_step_waits_for_the_copy_of_its_shards_and_each_folder_holds_them_as
     for result in results:
         optimizer_shards = {n for n in result["names"] if n.startswith(("model.", "optimizer.state."))}
         assert any(".exp_avg" in n for n in optimizer_shards)
-        assert [set(names) for names in result["taken"]] == [optimizer_shards] * 2, result["taken"]
+        assert [set(names) for names in result["taken"]] == [optimizer_shards] * 3, result["taken"]
     assert results[0]["same"] == [True, True, True]
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -31,8 +32,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+from unison.checkpoint.keypaths import tensors_with_paths
 from unison.checkpoint.snapshot import Pending, copy_pairs, default_threads
 from unison.distributed.fsdp import is_dtensor
+from unison.utils.logging import get_logger
+
+_log = get_logger(__name__)
 
 __all__ = ["KeptStaging", "layout_of", "staging_problem"]
 
@@ -53,19 +58,39 @@ class KeptStaging(BlockingAsyncStager):
         self.later: Callable[[torch.Tensor], bool] | None = None
         self._layout: Any = None
         self._deferred: tuple[Pending, Future[Any], dict[str, Any]] | None = None
+        self._reserving: threading.Thread | None = None
+
+    def reserve(self, state_dict: dict[str, Any]) -> None:
+        """Makes the buffers of a state laid out as ``state_dict`` in a thread, every page of them
+        written once, so that the next :meth:`stage` (which waits for it) only copies. Its values
+        are overwritten by that copy: the thread may read them while training changes them."""
+        if self._reserving is not None:
+            return
+
+        def run() -> None:
+            try:
+                layout, buffers = layout_of(state_dict), _buffers(state_dict)
+                for _, buffer in tensors_with_paths(buffers):
+                    _local(buffer).zero_()  # the pages fault in here, not in the save's copy
+                self.state_dict_cache, self._layout = buffers, layout
+            except (RuntimeError, MemoryError) as err:  # the first save makes its buffers itself
+                _log.warning("Could not reserve the CPU copy of an asynchronous sharded checkpoint: %s", err)
+
+        self._reserving = threading.Thread(target=run, name="unison-ckpt", daemon=True)
+        self._reserving.start()
 
     def stage(self, state_dict: dict[str, Any]) -> Any:
         """A CPU copy of ``state_dict`` in the kept buffers (new ones when its layout changed);
         a future of it where :attr:`later` left tensors to :meth:`deferred`."""
-        from torch.distributed._state_dict_utils import _create_cpu_state_dict
-
+        if self._reserving is not None:
+            self._reserving.join()
         later, self.later = self.later, None
         self._deferred = None
         layout = layout_of(state_dict)
         made = self.state_dict_cache is None or layout != self._layout
         if made:
             self.state_dict_cache = None  # the old buffers go before the new ones are made
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self.state_dict_cache = _buffers(state_dict)
             self._layout = layout
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         sources: list[tuple[str, torch.Tensor]] = []
@@ -93,6 +118,14 @@ class KeptStaging(BlockingAsyncStager):
         (to be given the staged state once the copy is taken) and that state; None when nothing was."""
         deferred, self._deferred = self._deferred, None
         return deferred
+
+
+def _buffers(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """New CPU buffers laid out as ``state_dict`` (DCP's helper: a DTensor's mesh and placements
+    kept), pinned where CUDA is available; their values are not yet the state's."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+    return _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
 
-__all__ = ["background_group", "dcp_states", "save_sharded", "sharded_names"]
+__all__ = ["background_group", "dcp_states", "reserve_staging", "save_sharded", "sharded_names"]
 """What a handler needs to save sharded states: which they are, their states, and the save."""
 
 
@@ -60,6 +60,17 @@ def staging(writer: Any) -> Any:
     if getattr(writer, "_staging", None) is None:
         writer._staging = KeptStaging()
     return writer._staging
+
+
+def reserve_staging(writer: Any, states: Mapping[str, Any]) -> None:
+    """Every rank, after the first iteration of a run whose saves are asynchronous: the buffers of
+    its copy of ``states`` (:func:`~unison.checkpoint.sharded.dcp_states`) made in a thread
+    (:meth:`KeptStaging.reserve <unison.checkpoint.dcp_staging.KeptStaging.reserve>`), so that
+    the first save only copies, its optimizers' shards beside the next iteration as every later
+    one's. Nothing where saves stage through DCP's own copy."""
+    stager = staging(writer)
+    if stager is not None:
+        stager.reserve(dict(states))
 
 
 def save_sharded(

@@ -32,7 +32,13 @@ from unison.checkpoint.positions import (
 )
 from unison.checkpoint.ranks import choose, gather_on_first, open_folder, summed_over_ranks
 from unison.checkpoint.retention import best_entry
-from unison.checkpoint.sharded_save import background_group, dcp_states, save_sharded, sharded_names
+from unison.checkpoint.sharded_save import (
+    background_group,
+    dcp_states,
+    reserve_staging,
+    save_sharded,
+    sharded_names,
+)
 from unison.checkpoint.state import (
     build_checkpoint,
     capture_rng,
@@ -217,10 +223,14 @@ class Checkpoint:
 
     def _reserve_copy(self, engine: Engine) -> None:
         """Once, after the first iteration: rank 0's writer allocates the buffers of its asynchronous
-        copy in its thread (:meth:`CheckpointWriter.reserve`), so that the first save only copies."""
+        copy in its thread (:meth:`CheckpointWriter.reserve`), so that the first save only copies;
+        for sharded states, every rank its copy of its shards (``sharded_save.reserve_staging``)."""
         engine.remove_event_handler(self._reserve_copy, Events.ITERATION_COMPLETED)
         objects = self._objects(engine)
-        if get_rank() == 0 and not sharded_names(objects) and not self.writer.in_flight:
+        names = sharded_names(objects)  # the same on every rank
+        if names and not self.writer.in_flight:  # every rank alike: no save has been made yet
+            reserve_staging(self.writer, dcp_states(objects, names))
+        elif get_rank() == 0 and not names and not self.writer.in_flight:
             rng = [capture_rng()] * get_world_size()  # every rank's generators: the same shapes
             self.writer.reserve({"rng": rng, "objects": object_states(objects)})
 
