@@ -81,8 +81,8 @@ def test_a_reserved_staging_copies_into_the_buffers_reserved_before_it():
     stager, source = KeptStaging(), _state()
     stager.reserve(source)
     stager._reserving.join()
-    reserved = _pointers(stager.state_dict_cache)
-    assert all(torch.count_nonzero(t) == 0 for _, t in tensors_with_paths(stager.state_dict_cache))  # pages written
+    reserved = _pointers(stager.buffers)
+    assert all(torch.count_nonzero(t) == 0 for _, t in tensors_with_paths(stager.buffers))  # pages written
     staged = stager.stage(source)
     assert _pointers(staged) == reserved
     _assert_equal(staged, source)
@@ -96,3 +96,27 @@ def test_a_staging_reserved_for_another_layout_makes_new_buffers():
     staged = stager.stage(other)
     _assert_equal(staged, other)
     assert set(_pointers(staged).values()).isdisjoint(reserved)
+
+
+def test_where_the_buffers_cannot_be_kept_a_save_copies_through_dcps_own_staging():
+    from unison.checkpoint.sharded_save import dcp_copy
+
+    source = _state()
+    copied = dcp_copy(source)
+    _assert_equal(copied, source)
+    assert set(_pointers(copied).values()).isdisjoint(_pointers(source).values())
+
+
+def test_a_staging_leaves_what_later_names_to_its_deferred_copy():
+    stager, source = KeptStaging(), _state()
+    stager.stage(source)  # makes the buffers: every tensor copied at once
+    assert stager.deferred() is None
+    weight = source["model"]["w"]
+    with torch.no_grad():
+        weight.add_(1)
+    staged = stager.stage(source, later=lambda t: t.data_ptr() == weight.data_ptr())
+    pending = stager.deferred()
+    assert pending is not None and pending.names == ["model.w"]
+    assert not torch.equal(staged["model"]["w"], weight)  # not yet copied
+    _assert_equal(staged["optimizer"], source["optimizer"])
+    assert pending.fill() == [] and torch.equal(staged["model"]["w"], weight)

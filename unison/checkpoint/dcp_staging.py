@@ -1,23 +1,23 @@
 """The CPU copy an asynchronous sharded save writes: buffers kept from save to save, the tensors
 only an optimizer's step changes copied while training goes on.
 
-``dcp.async_save`` copies the states it is given to CPU memory (its staging), so that training
-may change them while a thread writes the copy. Its default staging allocates that copy anew at
+An asynchronous save copies the states to CPU memory, so that training may change them while a
+thread writes the copy. DCP's own staging (``dcp.async_save``'s) allocates that copy anew at
 every save: measured here at 1 GB and 2 ranks, 757 ms of a 775 ms stall went to it (the pages of
 fresh memory fault in as they are first written), longer than a whole synchronous save.
-:class:`KeptStaging` keeps the copy of the first save and copies each later save's states into
-it (as :class:`~unison.checkpoint.snapshot.Snapshot` does for a checkpoint file), making a new one
+:class:`KeptStaging` keeps its buffers from save to save and copies each save's states into them
+(as :class:`~unison.checkpoint.snapshot.Snapshot` does for a checkpoint file), making new ones
 only when the states' layout changed: a tensor's shape, dtype, device, local shard or placements,
-or a key. The first copy is made by DCP's own helper, which knows DTensors (a shard copied, its
-mesh and placements kept): ``torch.distributed._state_dict_utils._create_cpu_state_dict``, behind
-DCP's public ``BlockingAsyncStager`` (whose own cache pins its memory, which a CPU-only torch
-cannot do). ``unison doctor`` checks that it still makes buffers a later save copies into.
+or a key. It makes them with DCP's own helper, which knows DTensors (its mesh and placements
+kept): ``torch.distributed._state_dict_utils._create_cpu_state_dict`` (DCP's public
+``BlockingAsyncStager`` caches its copy too, in pinned memory, which a CPU-only torch cannot
+make); ``unison doctor`` checks that later saves still copy into them. It can
+:meth:`~KeptStaging.reserve` them ahead of the first save, in a thread, every page written once.
 
-Given the tensors only an optimizer's step changes (:attr:`KeptStaging.later`), a staging copies
-the others at once and leaves those to a :class:`~unison.checkpoint.snapshot.Pending` copy
+Given the tensors only an optimizer's step changes, :meth:`KeptStaging.stage` copies the others
+at once and leaves those to a :class:`~unison.checkpoint.snapshot.Pending` copy
 (:meth:`KeptStaging.deferred`), which the save's writer thread takes while the next iteration's
-forward and backward run; DCP's ``stage`` protocol lets the staging return a future, which DCP's
-writing thread waits for before it plans.
+forward and backward run, before it writes.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ import copy
 import functools
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from unison.checkpoint.keypaths import tensors_with_paths
 from unison.checkpoint.snapshot import Pending, copy_pairs, default_threads
@@ -42,22 +40,21 @@ _log = get_logger(__name__)
 __all__ = ["KeptStaging", "layout_of", "staging_problem"]
 
 
-class KeptStaging(BlockingAsyncStager):
-    """DCP's staging (``dcp.async_save(..., async_stager=...)``) into CPU buffers kept from one save
-    to the next; kept by the checkpoint's writer, which lets one save write at a time (the next
-    save's copy overwrites the buffers the previous one wrote from).
+class KeptStaging:
+    """Copies an asynchronous sharded save's states into CPU buffers kept from one save to the next;
+    kept by the checkpoint's writer, which lets one save write at a time (the next save's copy
+    overwrites the buffers the previous one wrote from).
 
-    Attributes:
-        later: for the next :meth:`stage` only (then reset): which tensors to leave to
-            :meth:`deferred` (each DTensor asked by its local shard); None copies every tensor at once.
+    Args:
+        threads: threads that copy large CPU tensors (default: this process's CPUs, at most 8).
     """
 
     def __init__(self, threads: int | None = None) -> None:
-        super().__init__(cache_staged_state_dict=False, type_check=False)
         self.threads = threads or default_threads()
-        self.later: Callable[[torch.Tensor], bool] | None = None
+        self.buffers: dict[str, Any] | None = None
+        """The kept copy, laid out as the states last staged (None before the first)."""
         self._layout: Any = None
-        self._deferred: tuple[Pending, Future[Any], dict[str, Any]] | None = None
+        self._deferred: Pending | None = None
         self._reserving: threading.Thread | None = None
 
     def reserve(self, state_dict: dict[str, Any]) -> None:
@@ -72,31 +69,31 @@ class KeptStaging(BlockingAsyncStager):
                 layout, buffers = layout_of(state_dict), _buffers(state_dict)
                 for _, buffer in tensors_with_paths(buffers):
                     _local(buffer).zero_()  # the pages fault in here, not in the save's copy
-                self.state_dict_cache, self._layout = buffers, layout
+                self.buffers, self._layout = buffers, layout
             except (RuntimeError, MemoryError) as err:  # the first save makes its buffers itself
                 _log.warning("Could not reserve the CPU copy of an asynchronous sharded checkpoint: %s", err)
 
         self._reserving = threading.Thread(target=run, name="unison-ckpt", daemon=True)
         self._reserving.start()
 
-    def stage(self, state_dict: dict[str, Any]) -> Any:
-        """A CPU copy of ``state_dict`` in the kept buffers (new ones when its layout changed);
-        a future of it where :attr:`later` left tensors to :meth:`deferred`."""
+    def stage(
+        self, state_dict: dict[str, Any], later: Callable[[torch.Tensor], bool] | None = None
+    ) -> dict[str, Any]:
+        """``state_dict`` with its tensors in the kept buffers (new ones when its layout changed),
+        every tensor copied but those ``later`` holds for (asked of each DTensor's local shard),
+        which are left to :meth:`deferred`; other values are copied."""
         if self._reserving is not None:
             self._reserving.join()
-        later, self.later = self.later, None
         self._deferred = None
         layout = layout_of(state_dict)
-        made = self.state_dict_cache is None or layout != self._layout
-        if made:
-            self.state_dict_cache = None  # the old buffers go before the new ones are made
-            self.state_dict_cache = _buffers(state_dict)
+        if self.buffers is None or layout != self._layout:
+            self.buffers = None  # the old buffers go before the new ones are made
+            self.buffers = _buffers(state_dict)
             self._layout = layout
+            later = None  # new buffers hold no values yet: every tensor is copied at once
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         sources: list[tuple[str, torch.Tensor]] = []
-        staged = _into(state_dict, self.state_dict_cache, pairs, sources, "")
-        if made:  # new buffers hold no values yet: every tensor is copied at once
-            later = None
+        staged = _into(state_dict, self.buffers, pairs, sources, "")
         now: list[tuple[torch.Tensor, torch.Tensor]] = []
         left: list[tuple[torch.Tensor, torch.Tensor]] = []
         left_sources: list[tuple[str, torch.Tensor]] = []
@@ -107,15 +104,14 @@ class KeptStaging(BlockingAsyncStager):
             else:
                 now.append(pair)
         copy_pairs(now, self.threads)
-        if not left:
-            return staged
-        names, watched = [n for n, _ in left_sources], [t for _, t in left_sources]
-        self._deferred = (Pending(left, names, self.threads, watched), Future(), staged)
-        return self._deferred[1]
+        if left:
+            names, watched = [n for n, _ in left_sources], [t for _, t in left_sources]
+            self._deferred = Pending(left, names, self.threads, watched)
+        return staged
 
-    def deferred(self) -> tuple[Pending, Future[Any], dict[str, Any]] | None:
-        """What the last :meth:`stage` left for later: the copy to take, the future DCP waits for
-        (to be given the staged state once the copy is taken) and that state; None when nothing was."""
+    def deferred(self) -> Pending | None:
+        """The copy the last :meth:`stage` left for later (to be taken before the staged state is
+        written); None when it left none."""
         deferred, self._deferred = self._deferred, None
         return deferred
 
@@ -189,8 +185,9 @@ def layout_of(obj: Any) -> Any:
 
 
 def check_staging() -> str | None:
-    """None when this torch's copying helpers behave as :class:`KeptStaging` relies on (checked on a
-    small state: a second staging copies into the first one's buffers), else what changed."""
+    """None when this torch's buffer-making helper behaves as :class:`KeptStaging` relies on
+    (checked on a small state: a second staging copies into the first one's buffers), else what
+    changed."""
     stager = KeptStaging()
     source: dict[str, Any] = {"w": torch.arange(6.0), "step": 3}
     first = stager.stage(source)

@@ -199,9 +199,15 @@ def temp_folder(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp")
 
 
-def write_shards(states: Mapping[str, Any], tmp: Path) -> Written | None:
+def write_shards(
+    states: Mapping[str, Any], tmp: Path, *, process_group: Any = None, changed: str | None = None
+) -> Written | None:
     """Collective: every rank writes its shards of ``states`` into ``tmp`` (fsynced), each rank
     checking beside its write that every tensor it writes is finite.
+
+    ``process_group``: the group DCP's collectives run over (default: the default group).
+    ``changed``: what this rank found changed in place while an asynchronous save copied it,
+    named (rank 0 then keeps nothing: :class:`~unison.checkpoint.dcp_files.Written`).
 
     Returns:
         On rank 0, ``{file name: (size, crc32)}`` of the files each rank wrote, by rank (rank 0
@@ -223,7 +229,13 @@ def write_shards(states: Mapping[str, Any], tmp: Path) -> Written | None:
 
     try:
         writer = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
-        dcp.save(dict(states), storage_writer=writer, no_dist=not dist.is_initialized())
+        writer.changed = changed
+        dcp.save(
+            dict(states),
+            storage_writer=writer,
+            process_group=process_group,
+            no_dist=not dist.is_initialized(),
+        )
         return writer.gathered()
     except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps every rank's error
         if (error := unwritten(err, tmp, states)) is err:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from unison.checkpoint.disk_full import unwritten
 from unison.checkpoint.entry import file_in
 from unison.checkpoint.sharded import (
     dcp_states,
@@ -89,11 +88,11 @@ def save_sharded(
     the checksums of every rank's files, renames the folder and records ``entry`` in the
     manifest (rotation follows, as for files).
 
-    With ``async_group`` (a gloo group of every rank, made once for this), DCP copies the
-    shards to CPU memory (:class:`~unison.checkpoint.dcp_staging.KeptStaging`; those ``later``
-    names are copied by the writer's thread) and returns; the writing (its collectives over that
-    group) and rank 0's rename and record run in each rank's writer thread, which the next save
-    and the end of the run wait for (``writer.wait()``).
+    With ``async_group`` (a gloo group of every rank, made once for this), the shards are copied
+    to CPU memory (:class:`~unison.checkpoint.dcp_staging.KeptStaging`; those ``later`` names
+    are copied by the writer's thread) and the save returns; DCP's save of the copy (its
+    collectives over that group) and rank 0's rename and record run in each rank's writer
+    thread, which the next save and the end of the run wait for (``writer.wait()``).
 
     Args:
         writer: the :class:`~unison.checkpoint.writer.CheckpointWriter` (rank 0's records it).
@@ -141,55 +140,53 @@ def save_sharded(
 
     if async_group is None:
         return final if finish(write_shards(states, tmp), rest) else None
-    import torch.distributed.checkpoint as dcp
+    from unison.checkpoint.dcp_files import results_problem
 
-    from unison.checkpoint.dcp_files import DirectWriter, results_problem
-
-    storage = DirectWriter(tmp)  # O_DIRECT, each file checksummed as it is written
     stager = staging(writer)
-    if stager is not None and later is not None and writer.overlap and not results_problem():
-        stager.later = later  # the optimizers' tensors: copied by the writer's thread, before their step
+    defer = stager is not None and later is not None and writer.overlap and not results_problem()
     handed: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def in_background() -> None:
         got = handed.get()
-        if got is None:  # dcp.async_save raised in the caller
+        if got is None:  # the copy failed in the caller
             return
-        pending, rest, later_copy = got
+        staged, rest, later_copy = got
+        changed: str | None = None
         error: BaseException | None = None
         if later_copy is not None:
-            (left, staged_future, staged), copied = later_copy
+            left, copied = later_copy
             try:
                 moved = writer.take(left, copied)
-                storage.changed = listed(moved) if moved else None
-            except BaseException as err:  # every rank's DCP still writes and gathers: rank 0 drops the folder
-                storage.changed, error = f"a copy that failed ({err})", err
-            staged_future.set_result(staged)  # DCP's thread waited for it before planning
-        done: Any = getattr(pending, "upload_completion", pending)  # a Future, or a response holding one
-        try:
-            done.result()
-        except BaseException as err:
-            if (unfit := unwritten(err, tmp, states)) is err:
-                raise
-            raise unfit from err
-        finish(storage.gathered(), rest)  # every rank's checksums, finite checks and copies, on rank 0
+                changed = listed(moved) if moved else None
+            except BaseException as err:  # every rank still writes and gathers: rank 0 drops the folder
+                changed, error = f"a copy that failed ({err})", err
+        written = write_shards(staged, tmp, process_group=async_group, changed=changed)
+        finish(written, rest)  # every rank's checksums, finite checks and copies, on rank 0
         if error is not None:
             raise error
 
-    writer.in_background(in_background)  # started before DCP's thread, which would contend for its start
+    writer.in_background(
+        in_background
+    )  # started before the copy's threads, which would contend for its start
     try:
-        pending = dcp.async_save(
-            dict(states), storage_writer=storage, process_group=async_group, async_stager=stager
+        staged = (
+            stager.stage(dict(states), later if defer else None) if stager is not None else dcp_copy(states)
         )
     except BaseException:
-        if stager is not None:
-            stager.later = None
         handed.put(None)
         raise
-    deferred = stager.deferred() if stager is not None else None
-    later_copy = (deferred, writer.copy_later(deferred[0], final)) if deferred is not None else None
-    handed.put((pending, to_cpu_copy(rest) if rest is not None else None, later_copy))
+    left = stager.deferred() if stager is not None else None
+    later_copy = (left, writer.copy_later(left, final)) if left is not None else None
+    handed.put((staged, to_cpu_copy(rest) if rest is not None else None, later_copy))
     return final if get_rank() == 0 else None
+
+
+def dcp_copy(states: Mapping[str, Any]) -> dict[str, Any]:
+    """A CPU copy of ``states`` made anew by DCP's own staging (``BlockingAsyncStager``): where this
+    torch's buffer-making helper changed (``unison doctor``)."""
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    return BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(dict(states))
 
 
 def _read_back_not_finite(tmp: Path, states: Mapping[str, Any]) -> str | None:
