@@ -234,7 +234,11 @@ def sharded_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         if get_rank() == 0:
             probes.append(probe_ways(root / "disk", size))
         barrier()
-    async_stalls = async_sharded_stalls(model, optimizer, data, root / "sharded_async", cfg["repeats"])
+    # one save an iteration: twice the rounds and one, for a median that a rank's late arrival
+    # at the save's gather (a few ms here, on 2 shared cores) moves less
+    async_stalls = async_sharded_stalls(
+        model, optimizer, data, root / "sharded_async", 2 * cfg["repeats"] + 1
+    )
     return {
         "stall_s": stalls,
         "resume_s": resumes,
