@@ -165,19 +165,19 @@ def save_sharded(
         if error is not None:
             raise error
 
-    writer.in_background(
-        in_background
-    )  # started before the copy's threads, which would contend for its start
+    # The writer's thread starts before the copy's threads, which would contend for its start; it
+    # waits for what this thread hands it, None where the copy failed here.
+    writer.in_background(in_background)
+    handoff = None
     try:
         staged = (
             stager.stage(dict(states), later if defer else None) if stager is not None else dcp_copy(states)
         )
-    except BaseException:
-        handed.put(None)
-        raise
-    left = stager.deferred() if stager is not None else None
-    later_copy = (left, writer.copy_later(left, final)) if left is not None else None
-    handed.put((staged, to_cpu_copy(rest) if rest is not None else None, later_copy))
+        rest = to_cpu_copy(rest) if rest is not None else None  # training goes on changing the originals
+        left = stager.deferred() if stager is not None else None
+        handoff = (staged, rest, (left, writer.copy_later(left, final)) if left is not None else None)
+    finally:
+        handed.put(handoff)
     return final if get_rank() == 0 else None
 
 
