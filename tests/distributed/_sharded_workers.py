@@ -152,6 +152,7 @@ def files_checked_and_loaded(folder: str) -> dict[str, Any]:
     """:func:`job`'s objects resumed from ``folder``: the files this rank checksummed while choosing
     the checkpoint, and what its load read from each file: each item's key and whether it is a
     tensor's piece (DCP's description of each item)."""
+    import unison.checkpoint.archive as archive_module
     import unison.checkpoint.safe_dcp as safe_dcp
     import unison.checkpoint.sharded_files as files_module
 
@@ -175,12 +176,32 @@ def files_checked_and_loaded(folder: str) -> dict[str, Any]:
             loaded.setdefault(storage_data[item.storage_index].relative_path, []).append(piece)
         return real_read(folder, storage_data, plan, planner)
 
+    rest_reads: list[str] = []  # each read of a folder's rest.pt: its records loaded, or checked only
+    real_archive, real_complete = archive_module.read_archive, archive_module.archive_complete
+
+    def read_archive(path: Any, **options: Any) -> Any:
+        rest_reads.extend(
+            ["loaded" + (", checked" if options.get("verify", True) else "")] * (Path(path).name == "rest.pt")
+        )
+        return real_archive(path, **options)
+
+    def archive_complete(path: Any) -> bool:
+        rest_reads.extend(["checked"] * (Path(path).name == "rest.pt"))
+        return real_complete(path)
+
     files_module.file_checksum, safe_dcp.read_in_place = checksum, read_in_place
+    archive_module.read_archive, archive_module.archive_complete = read_archive, archive_complete
     try:
         resumed = checkpoint.resume("auto")
     finally:
         files_module.file_checksum, safe_dcp.read_in_place = real_checksum, real_read
-    return {"resumed": None if resumed is None else resumed.name, "checked": checked, "loaded": loaded}
+        archive_module.read_archive, archive_module.archive_complete = real_archive, real_complete
+    return {
+        "resumed": None if resumed is None else resumed.name,
+        "checked": checked,
+        "loaded": loaded,
+        "rest_reads": rest_reads,
+    }
 
 
 def save_collectives(folder: str, background: bool) -> dict[str, Any]:

@@ -196,6 +196,8 @@ def test_each_rank_checks_the_files_its_load_then_reads(tmp_path):
     assert sorted(n for seen in ranks for n in seen["checked"]) == [
         n for n in written if n != "checksums.json"
     ]
+    # rest.pt's records: loaded once on each rank, and checked by rank 0 as it loads them
+    assert [seen["rest_reads"] for seen in ranks] == [["loaded, checked"], ["loaded"]]
 
 
 @pytest.mark.distributed

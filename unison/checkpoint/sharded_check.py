@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from unison.checkpoint.archive import archive_complete, file_whole
+from unison.checkpoint.archive import file_whole
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.entry import file_in
 from unison.checkpoint.sharded_files import CHECKSUMS, REST, files_checksums
@@ -125,7 +125,8 @@ def sharded_verdict(
         return problem
     if not file_in(folder, REST).is_file():
         return Problem(f"it holds no {REST} (the meta record and the objects not stored sharded)")
-    return None if archive_complete(folder / REST) else Problem(f"its {REST} is truncated or corrupt")
+    # inside a resume's keep_checked, by loading it: its load then reads it no more
+    return None if file_whole(folder / REST) else Problem(f"its {REST} is truncated or corrupt")
 
 
 _WRITTEN_BY = re.compile(r"__(\d+)_\d+\.distcp")
