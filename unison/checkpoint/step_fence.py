@@ -36,8 +36,8 @@ class StepFence:
 
     def later(self, objects: Mapping[str, Any]) -> Callable[[torch.Tensor], bool] | None:
         """Which tensors only an optimizer's step changes: the CPU parameters and state of the
-        optimizers among ``objects``, a sharded one's by their local shards (None when there are none). Each of these optimizers gets,
-        once, a step pre-hook that waits for the copy."""
+        optimizers among ``objects``, a sharded one's by their local shards (None when there are
+        none). Each of these optimizers gets, once, a step pre-hook that waits for the copy."""
         storages: set[int] = set()
         for optimizer in (o for o in objects.values() if isinstance(o, torch.optim.Optimizer)):
             if id(optimizer) not in self._hooks:
