@@ -120,3 +120,31 @@ def test_a_staging_leaves_what_later_names_to_its_deferred_copy():
     assert not torch.equal(staged["model"]["w"], weight)  # not yet copied
     _assert_equal(staged["optimizer"], source["optimizer"])
     assert pending.fill() == [] and torch.equal(staged["model"]["w"], weight)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failing", ["stage", "to_cpu_copy"])
+def test_a_copy_that_fails_in_the_caller_leaves_no_writer_thread_waiting(tmp_path, monkeypatch, failing):
+    """The save's writer thread starts before the copy and waits for its hand-off: a copy (of the
+    shards, or of the rest) that raises hands it nothing, the error reaches the caller, and the
+    writer's wait returns."""
+    import threading
+
+    import unison.checkpoint.sharded_save as sharded_save
+    from unison.checkpoint.manifest import Manifest
+    from unison.checkpoint.writer import CheckpointWriter
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"{failing} failed")
+
+    target = KeptStaging if failing == "stage" else sharded_save
+    monkeypatch.setattr(target, failing, broken)
+    monkeypatch.setattr(dcp_staging, "staging_problem", lambda: None)  # its probe would stage too
+    writer = CheckpointWriter(Manifest(tmp_path), keep_last=None, async_save=True)
+    with pytest.raises(RuntimeError, match=f"{failing} failed"):
+        sharded_save.save_sharded(writer, "ckpt-x.dcp", {"meta": {}}, _state(), None, async_group=object())
+    waiting = threading.Thread(target=writer.wait, daemon=True)
+    waiting.start()
+    waiting.join(20)
+    assert not waiting.is_alive(), "the writer's thread still waits for its hand-off"
+    assert not (tmp_path / "ckpt-x.dcp").exists()
