@@ -32,7 +32,7 @@ import torch
 
 from unison.checkpoint.keypaths import tensors_with_paths
 from unison.checkpoint.snapshot import Pending, copy_pairs, default_threads
-from unison.distributed.fsdp import is_dtensor
+from unison.distributed.fsdp import stored_shard
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -68,7 +68,7 @@ class KeptStaging:
             try:
                 layout, buffers = layout_of(state_dict), _buffers(state_dict)
                 for _, buffer in tensors_with_paths(buffers):
-                    _local(buffer).zero_()  # the pages fault in here, not in the save's copy
+                    stored_shard(buffer).zero_()  # the pages fault in here, not in the save's copy
                 self.buffers, self._layout = buffers, layout
             except (RuntimeError, MemoryError) as err:  # the first save makes its buffers itself
                 _log.warning("Could not reserve the CPU copy of an asynchronous sharded checkpoint: %s", err)
@@ -124,11 +124,6 @@ def _buffers(state_dict: dict[str, Any]) -> dict[str, Any]:
     return _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor a copy reads or writes: a DTensor's local shard, any other tensor detached."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor.detach()  # type: ignore[attr-defined]
-
-
 def _into(
     source: Any,
     kept: Any,
@@ -141,7 +136,7 @@ def _into(
     the state holds it (a DTensor, whose version counter moves with its in-place changes), with
     its key path, to ``sources``; other values are copied."""
     if isinstance(source, torch.Tensor):
-        pairs.append((_local(kept), _local(source)))
+        pairs.append((stored_shard(kept), stored_shard(source)))
         sources.append((where, source))
         return kept
     if isinstance(source, Mapping):
@@ -166,7 +161,7 @@ def layout_of(obj: Any) -> Any:
         False
     """
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if is_dtensor(obj) else obj  # type: ignore[attr-defined]
+        local = stored_shard(obj)
         placements = tuple(getattr(obj, "placements", ()))
         return (
             type(obj),

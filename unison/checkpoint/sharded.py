@@ -115,17 +115,6 @@ def dcp_states(to_save: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
     return states
 
 
-def local_view(state: Any) -> Any:
-    """``state`` with every DTensor replaced by this rank's shard (checks that issue no collective)."""
-    if isinstance(state, torch.Tensor):
-        return state.to_local() if is_dtensor(state) else state  # type: ignore[attr-defined]
-    if isinstance(state, Mapping):
-        return {k: local_view(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return [local_view(v) for v in state]
-    return state
-
-
 def load_dcp_states(folder: Path, to_save: Mapping[str, Any], names: list[str]) -> None:
     """Collective: loads the DCP of ``folder`` into the objects ``names`` of ``to_save``, on every rank.
 

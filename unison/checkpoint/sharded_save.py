@@ -50,9 +50,10 @@ def background_group(writer: Any) -> Any:
 
 def staging(writer: Any) -> Any:
     """The staging of ``writer``'s asynchronous sharded saves: CPU buffers kept from save to save
-    (:class:`~unison.checkpoint.dcp_staging.KeptStaging`), made at its first; None, and DCP's own
-    staging (a new copy at each save), where this torch's copying helpers changed (``unison doctor``)."""
-    from unison.checkpoint.dcp_staging import KeptStaging, staging_problem  # imports DCP: only when saving
+    (:class:`~unison.checkpoint.dcp_staging.KeptStaging`), made at its first use; None where this
+    torch's buffer-making helper changed (``unison doctor``): each save then copies anew
+    (:func:`dcp_copy`)."""
+    from unison.checkpoint.dcp_staging import KeptStaging, staging_problem
 
     if staging_problem():
         return None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from unison.checkpoint.writer import CheckpointWriter
-from unison.distributed.fsdp import is_dtensor
+from unison.distributed.fsdp import stored_shard
 
 __all__ = ["StepFence"]
 
@@ -61,8 +61,7 @@ def _cpu_storage(tensor: torch.Tensor) -> int | None:
     """Where a CPU tensor's (or parameter's) memory starts, a DTensor's being its local shard's;
     None for any other tensor (on another device, empty, or another subclass, whose storage is
     not its own)."""
-    if is_dtensor(tensor):
-        tensor = tensor._local_tensor  # type: ignore[attr-defined]
+    tensor = stored_shard(tensor)
     if tensor.device.type != "cpu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return None
     return tensor.untyped_storage().data_ptr() or None

@@ -353,6 +353,12 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def stored_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds this rank's shard of a DTensor (its local tensor, no autograd op on
+    the way: what a copy into it or out of it reads and writes); any other tensor detached."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor.detach()  # type: ignore[attr-defined]
+
+
 def is_dtensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a DTensor (a sharded parameter, gradient or state)."""
     from torch.distributed.tensor import DTensor

@@ -228,7 +228,7 @@ class Checkpoint:
         engine.remove_event_handler(self._reserve_copy, Events.ITERATION_COMPLETED)
         objects = self._objects(engine)
         names = sharded_names(objects)  # the same on every rank
-        if names and not self.writer.in_flight:  # every rank alike: no save has been made yet
+        if names:  # every rank (dcp_states may be a collective): a reservation is made once
             reserve_staging(self.writer, dcp_states(objects, names))
         elif get_rank() == 0 and not names and not self.writer.in_flight:
             rng = [capture_rng()] * get_world_size()  # every rank's generators: the same shapes
@@ -364,6 +364,8 @@ class Checkpoint:
         if not write:
             return None
         self.writer.wait()  # at most one write in flight; the manifest is up to date after it
+        # with async_save: what only an optimizer's step changes is copied beside the next iteration
+        later = self._step_fence.later(self._objects(engine)) if self.writer.async_save else None
         entry = None
         if state is not None:
             state["meta"]["sequence"] = self.manifest.next_sequence()
@@ -377,7 +379,7 @@ class Checkpoint:
                 shards,
                 entry,
                 async_group=background_group(self.writer),
-                later=self._step_fence.later(self._objects(engine)) if self.writer.async_save else None,
+                later=later,
             )
         elif state is None or entry is None:
             return None
@@ -388,7 +390,7 @@ class Checkpoint:
                 path,
                 entry,
                 check=finite_check(self.manifest, iteration),
-                later=self._step_fence.later(self._objects(engine)) if self.writer.async_save else None,
+                later=later,
             )
             if not written:  # a synchronous save whose weights are not finite (the writer warned)
                 return None
