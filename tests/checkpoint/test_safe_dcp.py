@@ -61,6 +61,29 @@ def test_a_plain_folder_loads_through_the_safe_reader(tmp_path):
     assert full_objects(folder, ["optimizer"])["optimizer"]["param_groups"][0]["lr"] == 0.25
 
 
+def test_each_ranks_load_plan_is_its_own_in_this_torch(tmp_path):
+    """``safe_load`` plans and reads on each rank alone, without DCP's gather of the plans to rank 0
+    and their scatter back: it relies on DCP's load planner (and the file reader) leaving every
+    rank's plan as that rank made it. A torch whose global step changes the plans fails here."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from unison.checkpoint.safe_dcp import _planner
+    from unison.checkpoint.sharded_check import read_metadata
+
+    folder = _write(tmp_path / "c.dcp")
+    metadata = read_metadata(folder)
+    plans = []
+    for names in (["model"], ["model", "optimizer"]):
+        planner = _planner(None)
+        planner.set_up_planner(dcp_states(_objects(), names), metadata, False)
+        plans.append(planner.create_local_plan())
+    assert len(plans[0].items) < len(plans[1].items)
+    reader = FileSystemReader(folder)
+    reader.set_up_storage_reader(metadata, True)
+    for step in (_planner(None).create_global_plan, reader.prepare_global_plan):
+        assert step(list(plans)) == plans
+
+
 def test_resume_refuses_a_stored_value_that_would_run_code(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     folder = _write(tmp_path / "c.dcp", lr=Payload())

@@ -32,6 +32,7 @@ from unison.distributed import (
     split_dataset,
     sync_bool,
 )
+from unison.distributed.primitives import first_rank
 from unison.engine import Engine, Events
 
 
@@ -137,6 +138,9 @@ def exercise_primitives(flag_patterns: list[list[bool]]) -> dict:
             src: broadcast_object({"from": rank, "payload": [rank] * 3}, src=src) for src in range(world_size)
         },
     }
+    with count_collectives() as counted:
+        out["first_rank"] = [first_rank(pattern[rank]) for pattern in flag_patterns]
+    out["first_rank_calls"] = {name: n for name, n in counted.items() if n}
 
     calls: list[int] = []
 

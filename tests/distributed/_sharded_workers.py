@@ -231,3 +231,51 @@ def save_collectives(folder: str, background: bool) -> dict[str, Any]:
         saved = checkpoint.save(trainer)
         checkpoint.wait()
     return {"calls": {k: v for k, v in calls.items() if v}, "saved": None if saved is None else saved.name}
+
+
+def load_collectives(folder: str, fail_on: int | None) -> dict[str, Any]:
+    """An FSDP model and AdamW saved once, their weights and state then put aside and the folder
+    loaded back with ``load_dcp_states`` with its collectives counted (every ``torch.distributed``
+    call on this rank, DCP's included). ``fail_on``: that rank's read of its shards fails (an
+    ``OSError``); every rank reports the error it raised instead."""
+    from _collective_probe import count_collectives
+
+    import unison.checkpoint.safe_dcp as safe_dcp
+    from unison.checkpoint.checkpoint_error import CheckpointError
+    from unison.checkpoint.sharded import load_dcp_states
+    from unison.distributed import broadcast_object
+
+    model = prepare_model(make_mlp(), strategy="fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    loader, _ = prepare_loaders(dataset(), None, batch_size=BATCH, seed=5)
+    trainer = create_trainer(model, optimizer, nn.functional.cross_entropy)
+    objects = {"model": model, "optimizer": optimizer}
+    checkpoint = Checkpoint(folder, objects, trainer, at_end=False)
+    trainer.run(loader, max_epochs=1, epoch_length=2)
+    saved = broadcast_object(checkpoint.save(trainer))  # rank 0 records the save
+    assert saved is not None
+    shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    moments = [s["exp_avg"].to_local().clone() for s in optimizer.state.values()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for s in optimizer.state.values():
+            s["exp_avg"].zero_()
+    if fail_on == get_rank():
+
+        def unreadable(*_: Any) -> Any:
+            raise OSError("the shard's disk went away")
+
+        safe_dcp.read_in_place = unreadable  # type: ignore[assignment]
+    error = None
+    with count_collectives() as calls:
+        try:
+            load_dcp_states(saved, objects, ["model", "optimizer"])
+        except CheckpointError as err:
+            error = (type(err).__name__, str(err))
+    restored = all(torch.equal(p.to_local(), shards[n]) for n, p in model.named_parameters()) and all(
+        torch.equal(s["exp_avg"].to_local(), m)
+        for s, m in zip(optimizer.state.values(), moments, strict=True)
+    )
+    barrier()
+    return {"calls": {k: v for k, v in calls.items() if v}, "error": error, "restored": restored}

@@ -1,4 +1,4 @@
-"""sync_bool, broadcast_object, rank_zero_only and all_reduce_sum on 2 and 3 ranks."""
+"""sync_bool, first_rank, broadcast_object, rank_zero_only and all_reduce_sum on 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from unison.distributed import (
     rank_zero_only,
     sync_bool,
 )
+from unison.distributed.primitives import first_rank
 from unison.testing import run_distributed
 
 
@@ -42,6 +43,11 @@ def test_primitives_on_several_ranks(nproc):
         # sync_bool: the same, agreed value on every rank, by the rule of each mode.
         for pattern, agreed in zip(patterns, result["sync_bool"], strict=True):
             assert agreed == {"any": any(pattern), "all": all(pattern), "rank_zero": pattern[0]}, pattern
+
+        # first_rank: the lowest rank whose flag is set (None for none), in one all-reduce a pattern.
+        lowest = [next((r for r, flag in enumerate(pattern) if flag), None) for pattern in patterns]
+        assert result["first_rank"] == lowest
+        assert result["first_rank_calls"] == {"all_reduce": len(patterns)}
 
         # broadcast_object: every rank holds the source's object.
         for src in range(nproc):
@@ -76,6 +82,7 @@ def test_primitives_without_process_group():
     for flag in (True, False):
         for mode in ("any", "all", "rank_zero"):
             assert sync_bool(flag, mode) is flag
+    assert (first_rank(True), first_rank(False)) == (0, None)
     obj = {"a": [1, 2]}
     assert broadcast_object(obj) is obj
 

@@ -60,6 +60,41 @@ def test_a_sharded_save_gathers_its_checks_and_checksums_with_what_it_gathers_an
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_each_rank_loads_its_own_shards_and_the_ranks_agree_in_one_all_reduce(tmp_path):
+    """DCP's load gathers every rank's plan to rank 0 and sends it back, then gathers every rank's
+    result: three collectives whose bytes grow with the world size and the model, for plans its
+    default planner leaves as each rank made them. A sharded load now reads each rank's pieces on
+    its own and issues one all-reduce of one number; every shard and optimizer moment comes back."""
+    from _sharded_workers import load_collectives
+
+    ranks = run_distributed(load_collectives, str(tmp_path), None, nproc=2, timeout=90)
+    for rank in ranks:
+        assert rank["error"] is None, rank
+        assert rank["restored"], rank
+        assert rank["calls"] == {"all_reduce": 1}, (
+            rank
+        )  # DCP's: gather_object, scatter_object_list, all_gather_object
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_load_that_fails_on_one_rank_raises_its_error_on_every_rank(tmp_path):
+    """Rank 1's read of its shards fails: rank 1 raises its own error, rank 0 the same words naming
+    rank 1, and neither waits for the other in a later collective (the failing rank's words reach
+    the others in one broadcast, after the all-reduce that told them some rank failed)."""
+    from _sharded_workers import load_collectives
+
+    ranks = run_distributed(load_collectives, str(tmp_path), 1, nproc=2, timeout=90)
+    kind, text = ranks[1]["error"]
+    assert kind == "CheckpointError"
+    assert "its shards do not read (OSError: the shard's disk went away)" in text
+    assert ranks[0]["error"] == ("CheckpointError", f"{text} (rank 1's load failed; every rank stops)")
+    for rank in ranks:
+        assert rank["calls"] == {"all_reduce": 1, "broadcast_object_list": 1}, rank
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("in_place", [False, True], ids=["as-found", "every-record-into-its-shard"])

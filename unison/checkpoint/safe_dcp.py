@@ -35,6 +35,7 @@ import torch
 from unison.checkpoint.checkpoint_error import CheckpointError
 from unison.checkpoint.dcp_reads import read_in_place
 from unison.checkpoint.sharded_check import read_metadata
+from unison.distributed.primitives import broadcast_object, first_rank, get_rank, is_distributed
 
 _NO_GROUP_WARNING = r"torch\.distributed is (disabled, )?(unavailable|uninitialized)"
 
@@ -180,6 +181,15 @@ def safe_load(
 ) -> None:
     """Loads a DCP folder into ``state`` through the safe hooks; raises :class:`CheckpointError` naming it.
 
+    At several ranks (``no_dist=False``, a collective) each rank plans and reads its own
+    pieces, as DCP's load would without its two rounds of collectives: DCP gathers every
+    rank's plan to rank 0 and sends it back, and its default planner's global step changes
+    nothing (each rank reads what its own tensors need), then gathers every rank's result to
+    learn whether one failed. Here one all-reduce of one number tells every rank whether any
+    failed (:func:`~unison.distributed.primitives.first_rank`), and only then does the first rank
+    that failed send what went wrong: every rank raises it, none is left waiting in a later
+    collective. Nothing a rank sends grows with the world size or the model.
+
     Args:
         state: the states to fill in (their tensors receive the stored pieces); with ``keys``,
             an empty dict that receives the full values of those top-level keys.
@@ -187,35 +197,64 @@ def safe_load(
         keys: build the values from the metadata (one process, no model needed) for these keys.
         no_dist: read in this process alone; otherwise a collective on every rank.
     """
+    check_hooks()
+    folder = Path(folder)
+    failure = _load_here(state, folder, keys)
+    if not no_dist and is_distributed():
+        failure = _agreed(failure)
+    if failure is not None:
+        raise failure
+
+
+def _load_here(state: dict[str, Any], folder: Path, keys: set[str] | None) -> CheckpointError | None:
+    """This process's pieces of ``folder`` loaded into ``state``; the error to raise, or None."""
     from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict, load
 
-    check_hooks()
-    folder = Path(folder)
     planner = _planner(keys)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_GROUP_WARNING)
             if keys is None:
-                load(state, storage_reader=_reader(folder), planner=planner, no_dist=no_dist)
+                load(state, storage_reader=_reader(folder), planner=planner, no_dist=True)
             else:  # what torch's own dcp_to_torch_save calls: a state built from the metadata
-                _load_state_dict(state, storage_reader=_reader(folder), planner=planner, no_dist=no_dist)
-    except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps a rank's error
+                _load_state_dict(state, storage_reader=_reader(folder), planner=planner, no_dist=True)
+    except (Exception, CheckpointException) as err:  # the latter (a BaseException) wraps the error
         inner = _first_failure(err)
         if isinstance(inner, CheckpointError):
-            raise type(inner)(
+            error: CheckpointError = type(inner)(
                 f"Sharded checkpoint {folder}: {inner}. The folder was written or altered by other code; unison "
                 "never loads it. Resume or export another checkpoint, or restore this one from a trusted copy."
-            ) from err
-        raise CheckpointError(
-            f"Sharded checkpoint {folder}: its shards do not read ({type(inner).__name__}: {inner}). The folder is "
-            "damaged or was written by other code; use another checkpoint."
-        ) from err
+            )
+        else:
+            error = CheckpointError(
+                f"Sharded checkpoint {folder}: its shards do not read ({type(inner).__name__}: {inner}). The "
+                "folder is damaged or was written by other code; use another checkpoint."
+            )
+        error.__cause__ = err
+        return error
     unread = sorted(planner.unread())
     if unread:
         named = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
-        raise HookError(
+        return HookError(
             f"Sharded checkpoint {folder}: torch {torch.__version__} loaded {named} without "
             "the safe LoadPlanner.load_bytes hook, so unison cannot vouch that loading them ran no code. Use the "
             "torch version unison supports (see `unison doctor`)."
         )
+    return None
+
+
+_ERRORS = {cls.__name__: cls for cls in (CheckpointError, UnsafeValueError, HookError)}
+
+
+def _agreed(failure: CheckpointError | None) -> CheckpointError | None:
+    """Collective: None when no rank's load failed; else the first failing rank's error, on every
+    rank (that rank's own; elsewhere one of its kind and words, naming the rank)."""
+    first = first_rank(failure is not None)
+    if first is None:
+        return None
+    sent = broadcast_object(None if failure is None else (type(failure).__name__, str(failure)), src=first)
+    if get_rank() == first and failure is not None:
+        return failure
+    kind, text = sent
+    return _ERRORS.get(kind, CheckpointError)(f"{text} (rank {first}'s load failed; every rank stops)")

@@ -100,6 +100,21 @@ def sync_bool(flag: bool, mode: SyncMode = "any") -> bool:
     return count > 0 if mode == "any" else count == dist.get_world_size()
 
 
+def first_rank(flag: bool) -> int | None:
+    """Collective: call on every rank. The lowest rank whose ``flag`` is True, the same on every
+    rank; None when no rank's is. One all-reduce of one number, whatever the world size.
+
+    Outside a process group: 0 when ``flag`` is True, else None.
+    """
+    if not is_distributed():
+        return 0 if flag else None
+    world = dist.get_world_size()
+    lowest = torch.tensor([get_rank() if flag else world], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    found = int(lowest.item())
+    return found if found < world else None
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Collective: call on every rank. Returns rank ``src``'s ``obj`` on every rank.
 
