@@ -81,3 +81,32 @@ def ema_evaluated(strategy: str, iterations: int) -> tuple[float, float, float, 
         with torch.no_grad():
             losses.append(float(nn.functional.cross_entropy(plain(data.tensors[0]), data.tensors[1])))
     return loss, losses[0], losses[1], moved
+
+
+class TwoLists(nn.Module):
+    """Layers held in two ``ModuleList``s, as a graph network holds its convolutions and norms, or a
+    transformer its encoder's and decoder's layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encode = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.decode = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in [*self.encode, *self.decode][:-1]:
+            x = torch.tanh(layer(x))
+        return self.decode[-1](x)
+
+
+def two_lists_trained(strategy: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Two steps of :class:`TwoLists` under ``strategy``; its whole weights after, and the classes of
+    the modules FSDP2 made units (the root left out)."""
+    from unison.distributed.fsdp import fsdp_units
+
+    model = prepare_model(TwoLists(), strategy=strategy)
+    units = [type(u).__name__ for u in fsdp_units(model)][1:] if strategy == "fsdp" else []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    trainer = create_trainer(model, optimizer, nn.functional.cross_entropy)
+    trainer.run([batch(i, get_rank()) for i in range(2)], max_epochs=1)
+    return {k: v.detach().clone() for k, v in full_model_state(model).items()}, units

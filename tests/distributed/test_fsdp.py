@@ -72,12 +72,15 @@ def test_the_ema_of_a_sharded_model_is_what_the_evaluator_runs():
 def test_the_auto_rule_shards_the_repeated_blocks_outermost_first():
     from torch import nn
 
-    from unison.distributed.fsdp import auto_units, named_units
+    from unison.distributed.units import auto_units, named_units
 
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
 
     model = nn.Sequential(nn.Linear(2, 4), Block(), Block(), nn.LayerNorm(4), nn.Linear(4, 1))
     units = auto_units(model)
@@ -86,6 +89,47 @@ def test_the_auto_rule_shards_the_repeated_blocks_outermost_first():
     assert named_units(model, ["Block"]) == [model[1], model[2]]
     with pytest.raises(ValueError, match=r"\['Bogus'\].*Block"):
         named_units(model, ["Bogus"])
+
+
+def test_a_container_without_a_forward_is_never_a_unit():
+    """``nn.Transformer`` holds two ``ModuleList``s of layers: the auto rule took ModuleList for a
+    block class (two instances holding parameters) and ``fully_shard`` refused it. The layers inside
+    are the units now; naming the container fails, naming them."""
+    from torch import nn
+
+    from unison.distributed.units import auto_units, named_units
+
+    model = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16)
+    units = auto_units(model)
+    assert [type(u).__name__ for u in units] == [
+        "TransformerEncoderLayer",
+        "TransformerEncoderLayer",
+        "LayerNorm",
+        "TransformerDecoderLayer",
+        "TransformerDecoderLayer",
+        "LayerNorm",
+    ]
+    assert units[0] is model.encoder.layers[0] and units[4] is model.decoder.layers[1]
+    with pytest.raises(
+        ValueError, match=r"\['ModuleList'\], which only hold modules.*TransformerEncoderLayer"
+    ):
+        named_units(model, ["ModuleList", "LayerNorm"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_model_of_two_module_lists_trains_sharded_as_under_ddp():
+    """Two ``ModuleList``s of layers (a graph network's convolutions and norms, a transformer's
+    encoder and decoder): sharded with the auto rule, two steps leave the weights DDP's leave."""
+    from _fsdp_workers import two_lists_trained
+
+    (ddp, _), (ddp_other, _) = run_distributed(two_lists_trained, "ddp", nproc=2, timeout=90)
+    (fsdp, units), (fsdp_other, _) = run_distributed(two_lists_trained, "fsdp", nproc=2, timeout=90)
+    assert units == ["FSDPLinear"] * 6  # every layer of both lists, none of the lists
+    assert ddp.keys() == fsdp.keys()
+    for name in ddp:
+        torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-5, atol=1e-6)
+        assert torch.equal(fsdp[name], fsdp_other[name]) and torch.equal(ddp[name], ddp_other[name])
 
 
 def test_a_shard_rule_naming_no_class_of_the_model_fails_before_spawning(tmp_path):

@@ -12,7 +12,7 @@ import torch
 from _fsdp_tied_workers import TiedLM, job
 from torch import nn
 
-from unison.distributed.fsdp import auto_units
+from unison.distributed.units import auto_units
 from unison.testing import run_distributed
 
 EPOCHS = 2  # 8 iterations at 2 ranks
@@ -24,7 +24,7 @@ def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_units_that_share_a_parameter_with_another_unit_or_the_root_are_left_to_the_root():
-    from unison.distributed.fsdp import untied_units
+    from unison.distributed.units import untied_units
 
     lm = TiedLM()
     units = auto_units(lm)  # the blocks, and the head and decoder (Linears outside them)

@@ -52,7 +52,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from unison.distributed.fsdp import FSDPOptions, _outermost, auto_units
+from unison.distributed.fsdp import FSDPOptions
+from unison.distributed.units import auto_units, outermost
 
 ActivationCheckpointing = bool | str | Sequence[str]
 """``False`` (none), ``"auto"`` (or True), one class name or a list of class names."""
@@ -91,7 +92,7 @@ def checkpointed_blocks(
     """The submodules ``rule`` chooses in ``model``, outermost first (never the model itself).
 
     ``"auto"``: with ``fsdp`` given, the units of its ``shard`` rule; otherwise the repeated
-    blocks (:func:`~unison.distributed.fsdp.auto_units`); of these, the ones made of layers
+    blocks (:func:`~unison.distributed.units.auto_units`); of these, the ones made of layers
     (with submodules): a lone layer such as a ``Linear`` keeps only its input and weight for
     the backward pass, which a recomputation would need as well, so it gains nothing.
 
@@ -101,7 +102,7 @@ def checkpointed_blocks(
     """
     if rule == "auto":
         if fsdp is not None and fsdp.shard != "auto":
-            units = _outermost(model, lambda m: type(m).__name__ in set(fsdp.shard))
+            units = outermost(model, lambda m: type(m).__name__ in set(fsdp.shard))
         else:
             units = auto_units(model)
         blocks = [unit for unit in units if any(True for _ in unit.children())]
@@ -121,7 +122,7 @@ def checkpointed_blocks(
             f"{who} names {missing}, which the model ({type(model).__name__}) does not contain; the classes that "
             f"could be meant (they hold parameters) are {_candidates(model)}. Use some of those, or 'auto'."
         )
-    blocks = _outermost(model, lambda m: type(m).__name__ in wanted)
+    blocks = outermost(model, lambda m: type(m).__name__ in wanted)
     if not blocks:
         raise ValueError(
             f"{who}={sorted(wanted)}: no instance of these classes holds parameters, so there is nothing to "

@@ -2,15 +2,9 @@
 
 Each rank holds a 1/N shard of every parameter, gradient and optimizer state; a unit's
 parameters are all-gathered for its forward and backward and freed after. Which
-submodules become units is the ``shard`` rule: ``"auto"`` takes the repeated blocks
-(every class with two or more instances holding parameters, outermost first: transformer
-layers, residual blocks, the layers of an MLP), or a list of class names. The root is
-always a unit, holding what no unit took.
-
-Tied weights (a language model's output projection that is its embedding, blocks sharing
-a layer): FSDP2 shards a parameter within one unit only, so a chosen unit holding a
-parameter that a module outside it uses too is not made a unit; its parameters stay with
-the root, the unit that holds every module using them (:func:`untied_units`).
+submodules become units is the ``shard`` rule (:mod:`unison.distributed.units`): ``"auto"``
+takes the repeated blocks, or a list of class names. The root is always a unit, holding what
+no unit took, and what a unit shares with a module outside it (tied weights).
 
 The helpers here keep unison's guarantees under sharding:
 
@@ -33,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unison.distributed.units import auto_units, named_units, untied_units
 from unison.utils.logging import get_logger
 
 _log = get_logger(__name__)
@@ -113,112 +108,6 @@ class FSDPOptions:
     def dtype(self, key: str) -> torch.dtype | None:
         name = getattr(self, key)
         return None if name is None else _DTYPES[_DTYPE_ALIASES.get(name, name)]
-
-
-def auto_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules the ``"auto"`` rule shards as units, outermost first (the root excluded).
-
-    Every class with two or more instances that hold parameters is a block class; an
-    instance becomes a unit unless it sits inside another unit.
-
-    Example:
-        >>> m = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1))
-        >>> [type(u).__name__ for u in auto_units(m)]
-        ['Linear', 'Linear']
-    """
-    counts: dict[type, int] = {}
-    for module in model.modules():
-        if module is not model and any(True for _ in module.parameters()):
-            counts[type(module)] = counts.get(type(module), 0) + 1
-    blocks = {cls for cls, n in counts.items() if n >= 2}
-    return _outermost(model, lambda m: type(m) in blocks)
-
-
-def named_units(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
-    """The submodules whose class name is in ``names``, outermost first.
-
-    Raises:
-        ValueError: a name matches no submodule; the message lists the classes the model has.
-    """
-    wanted = set(names)
-    present = {type(m).__name__ for m in model.modules() if m is not model}
-    missing = sorted(wanted - present)
-    if missing:
-        raise ValueError(
-            f"parallel.fsdp.shard names {missing}, which the model does not contain; its submodule classes are "
-            f"{sorted(present)}. Use some of those, or 'auto'."
-        )
-    return _outermost(model, lambda m: type(m).__name__ in wanted)
-
-
-def _outermost(model: nn.Module, chosen: Any) -> list[nn.Module]:
-    units: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if chosen(child) and any(True for _ in child.parameters()):
-                units.append(child)
-            else:
-                visit(child)
-
-    visit(model)
-    return units
-
-
-def untied_units(
-    model: nn.Module, units: Sequence[nn.Module]
-) -> tuple[list[nn.Module], dict[str, list[str]]]:
-    """``units`` without those that share a parameter with a module outside them, and the ties.
-
-    A unit whose parameter is also used by another unit or by the root's own modules is
-    left to the root; so is, in turn, any unit that shares a parameter with what the root
-    took. ``units`` are disjoint (outermost). Returns the units kept, in order, and each
-    tied parameter that crosses a unit's border: its first name -> its other names.
-
-    Example:
-        >>> m = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.Linear(4, 5, bias=False))
-        >>> m[2].weight = m[0].weight
-        >>> kept, ties = untied_units(m, [m[1], m[2]])
-        >>> kept == [m[1]], ties
-        (True, {'0.weight': ['2.weight']})
-    """
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    tied = {key: found for key, found in names.items() if len(found) > 1}
-    kept = list(units)
-    crossing: set[int] = set()
-    while True:
-        owners: dict[int, set[int]] = {}  # a tied parameter -> the units using it (-1: the root)
-        for i, unit in enumerate(kept):
-            for param in unit.parameters():
-                owners.setdefault(id(param), set()).add(i)
-        for param in _root_parameters(model, {id(unit) for unit in kept}):
-            owners.setdefault(id(param), set()).add(-1)
-        shared = {key for key, users in owners.items() if key in tied and len(users) > 1}
-        dropped = {i for key in shared for i in owners[key] if i >= 0}
-        crossing |= shared
-        if not dropped:
-            return kept, {
-                names[key][0]: names[key][1:] for key in sorted(crossing, key=lambda k: names[k][0])
-            }
-        kept = [unit for i, unit in enumerate(kept) if i not in dropped]
-
-
-def _root_parameters(model: nn.Module, units: set[int]) -> list[nn.Parameter]:
-    """The parameters of the modules reached from ``model`` without entering one of ``units``."""
-    found: list[nn.Parameter] = []
-    seen: set[int] = set()
-
-    def visit(module: nn.Module) -> None:
-        seen.add(id(module))
-        found.extend(p for p in module._parameters.values() if p is not None)
-        for child in module.children():
-            if id(child) not in units and id(child) not in seen:
-                visit(child)
-
-    visit(model)
-    return found
 
 
 def shard_model(model: nn.Module, options: FSDPOptions, device: torch.device, world_size: int) -> nn.Module:

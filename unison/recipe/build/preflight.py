@@ -19,8 +19,8 @@ from torch import nn
 from unison.config import ConfigError
 from unison.config.usercode import describe
 from unison.distributed.env import port_is_free
-from unison.distributed.fsdp import named_units
 from unison.distributed.model import find_unused_from_env
+from unison.distributed.units import named_units
 from unison.recipe.planning.ac_check import check_activation_checkpointing
 from unison.recipe.planning.references import _References
 from unison.recipe.planning.resolved import Resolved
