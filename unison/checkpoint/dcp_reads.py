@@ -8,9 +8,10 @@ shard whole (the request starts at the item's origin and spans the shard's size)
 shard's memory where the two are the same bytes (:mod:`unison.checkpoint.in_place`), each
 record's CRC-32 checked where it has one (unison's saves leave them out: the whole file's CRC-32,
 checked before any load, covers them; :mod:`unison.checkpoint.record_crcs`); the shard is then
-committed as DCP would commit it. Every other item (a
-value, an item under 1 MiB, a piece of a larger item, an item DCP transformed when it wrote it, a
-shard that is not one plain contiguous CPU tensor) is left to DCP's own loop.
+committed as DCP would commit it. A tensor item under 1 MiB is decoded without a ``torch.load``
+of its own where it is one plain tensor (:mod:`unison.checkpoint.dcp_small`). Every other item
+(a value, a piece of a larger item, an item DCP transformed when it wrote it, a shard that is
+not one plain contiguous CPU tensor) is left to DCP's own loop.
 
 It reads DCP's description of where each item lies (``storage_data``: a file, an offset and a
 length per item), which is not DCP's public interface: where that description is not there, or
@@ -29,6 +30,7 @@ import torch
 import unison.checkpoint.archive_load as archive_load  # its IN_PLACE_FROM looked up at each call
 from unison.checkpoint.archive_load import read_window
 from unison.checkpoint.archive_reader import reading_pool
+from unison.checkpoint.dcp_small import read_small
 from unison.checkpoint.in_place import Into
 from unison.utils.run_files import open_fd
 
@@ -44,19 +46,23 @@ def read_in_place(folder: Path, storage_data: Any, plan: Any, planner: Any) -> l
         return list(plan.items)
     mine: dict[str, list[tuple[Any, Any, torch.Tensor]]] = {}
     left: list[Any] = []
+    small: list[Any] = []
     for item in plan.items:
         where = storage_data.get(item.storage_index)
         target = planner.resolve_tensor(item).detach() if item.type == LoadItemType.TENSOR else None
-        if (
-            where is None
-            or target is None
-            or not _plain_item(where)
-            or where.length < archive_load.IN_PLACE_FROM  # nothing to read in place: as DCP reads it
-            or not _fills(item, target)
-        ):
+        if where is None or target is None or not _plain_item(where):
             left.append(item)
-            continue
-        mine.setdefault(where.relative_path, []).append((item, where, target))
+        elif where.length < archive_load.IN_PLACE_FROM:  # decoded without torch.load where it can be
+            small.append(item)
+        elif not _fills(item, target):
+            left.append(item)
+        else:
+            mine.setdefault(where.relative_path, []).append((item, where, target))
+    if small:  # the items DCP still reads, in the plan's order
+        kept = {id(item) for item in left} | {
+            id(item) for item in read_small(folder, storage_data, small, planner)
+        }
+        left = [item for item in plan.items if id(item) in kept]
     if not mine:
         return left
     with reading_pool() as pool:  # one set of threads for every item of every file
