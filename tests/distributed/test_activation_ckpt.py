@@ -69,6 +69,21 @@ def test_a_deep_copy_recomputes_its_own_blocks():
     assert torch.equal(twin(x), torch.zeros(4, 3))
 
 
+def test_a_container_without_a_forward_is_never_a_block_to_recompute():
+    """``nn.Transformer``'s layers sit in two ``ModuleList``s, whose own forward never runs: the auto
+    rule chose the lists (wrapped, they recomputed nothing); it chooses the layers now, and naming a
+    list fails, naming the layers."""
+    model = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16)
+    blocks = checkpointed_blocks(model, "auto")
+    assert blocks == [*model.encoder.layers, *model.decoder.layers]
+    with pytest.raises(
+        ValueError,
+        match=r"activation_checkpointing names \['ModuleList'\], which only hold modules.*DecoderLayer",
+    ):
+        checkpoint_blocks(model, ["ModuleList"])
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
 def test_the_rules_choose_the_blocks_and_name_what_the_model_has():
     net = make_net()
     assert checkpointed_blocks(net, "auto") == list(net.blocks)

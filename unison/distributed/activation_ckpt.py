@@ -53,7 +53,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from unison.distributed.fsdp import FSDPOptions
-from unison.distributed.units import auto_units, outermost
+from unison.distributed.units import auto_units, candidates, check_named, outermost
 
 ActivationCheckpointing = bool | str | Sequence[str]
 """``False`` (none), ``"auto"`` (or True), one class name or a list of class names."""
@@ -110,31 +110,19 @@ def checkpointed_blocks(
             raise ValueError(
                 f"{who}='auto': the model ({type(model).__name__}) has no repeated blocks to recompute (no class "
                 "with two or more instances holding parameters and made of layers; a lone layer such as a Linear "
-                f"keeps nothing a recomputation would save). Name the classes instead, from {_candidates(model)}, "
+                f"keeps nothing a recomputation would save). Name the classes instead, from {candidates(model)}, "
                 "or leave it off."
             )
         return blocks
     wanted = set(rule)
-    present = {type(m).__name__ for m in model.modules() if m is not model}
-    missing = sorted(wanted - present)
-    if missing:
-        raise ValueError(
-            f"{who} names {missing}, which the model ({type(model).__name__}) does not contain; the classes that "
-            f"could be meant (they hold parameters) are {_candidates(model)}. Use some of those, or 'auto'."
-        )
+    check_named(model, wanted, who)
     blocks = outermost(model, lambda m: type(m).__name__ in wanted)
     if not blocks:
         raise ValueError(
             f"{who}={sorted(wanted)}: no instance of these classes holds parameters, so there is nothing to "
-            f"recompute; choose from {_candidates(model)}."
+            f"recompute; choose from {candidates(model)}."
         )
     return blocks
-
-
-def _candidates(model: nn.Module) -> list[str]:
-    return sorted(
-        {type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters())}
-    )
 
 
 def checkpoint_blocks(

@@ -19,7 +19,15 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["auto_units", "named_units", "outermost", "runs_forward", "untied_units"]
+__all__ = [
+    "auto_units",
+    "candidates",
+    "check_named",
+    "named_units",
+    "outermost",
+    "runs_forward",
+    "untied_units",
+]
 
 
 def auto_units(model: nn.Module) -> list[nn.Module]:
@@ -60,32 +68,45 @@ def named_units(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
         ValueError: a name matches no submodule; the message lists the classes the model has.
     """
     wanted = set(names)
-    present = {type(m).__name__ for m in model.modules() if m is not model}
-    missing = sorted(wanted - present)
+    check_named(model, wanted, "parallel.fsdp.shard")
+    return outermost(model, lambda m: type(m).__name__ in wanted)
+
+
+def candidates(model: nn.Module) -> list[str]:
+    """The classes of ``model``'s submodules that hold parameters: what a rule may name."""
+    return sorted(
+        {type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters())}
+    )
+
+
+def check_named(model: nn.Module, names: set[str], who: str) -> None:
+    """Raises ``ValueError`` when ``names`` (the class names a rule names, ``who`` its key) name a class
+    ``model`` does not hold, or one that only holds modules: its ``forward`` never runs, so it can
+    be neither an FSDP2 unit nor a block to recompute. Each message names what to use instead."""
+    missing = sorted(names - {type(m).__name__ for m in model.modules() if m is not model})
     if missing:
         raise ValueError(
-            f"parallel.fsdp.shard names {missing}, which the model does not contain; its submodule classes are "
-            f"{sorted(present)}. Use some of those, or 'auto'."
+            f"{who} names {missing}, which the model ({type(model).__name__}) does not contain; the classes that "
+            f"could be meant (they hold parameters) are {candidates(model)}. Use some of those, or 'auto'."
         )
     holders = sorted(
-        {type(m).__name__ for m in model.modules() if m is not model and not runs_forward(m)} & wanted
+        {type(m).__name__ for m in model.modules() if m is not model and not runs_forward(m)} & names
     )
-    if holders:
-        inside = sorted(
-            {
-                type(child).__name__
-                for m in model.modules()
-                if type(m).__name__ in holders
-                for child in m.children()
-                if runs_forward(child)
-            }
-        )
-        raise ValueError(
-            f"parallel.fsdp.shard names {holders}, which only hold modules (no forward of their own runs, and FSDP2 "
-            f"gathers a unit's parameters as its forward starts); name the classes inside them instead: {inside}, "
-            "or use 'auto'."
-        )
-    return outermost(model, lambda m: type(m).__name__ in wanted)
+    if not holders:
+        return
+    inside = sorted(
+        {
+            type(child).__name__
+            for m in model.modules()
+            if type(m).__name__ in holders
+            for child in m.children()
+            if runs_forward(child)
+        }
+    )
+    raise ValueError(
+        f"{who} names {holders}, which only hold modules (no forward of their own runs, and a unit's work "
+        f"starts in its forward); name the classes inside them instead: {inside}, or use 'auto'."
+    )
 
 
 def outermost(model: nn.Module, chosen: Callable[[nn.Module], bool]) -> list[nn.Module]:
