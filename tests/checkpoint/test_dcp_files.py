@@ -57,6 +57,50 @@ def test_dcp_files_are_written_around_the_page_cache_and_checksummed_as_they_are
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
+@pytest.mark.usefixtures("direct_folder")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_small_writes_reach_the_file_gathered_and_every_item_where_its_record_says(tmp_path, monkeypatch):
+    """``torch.save`` writes each tensor's archive in dozens of small calls; they reach the
+    ``DirectFile`` gathered in blocks of about 4 KiB, and every item still lies at the offset and
+    length DCP recorded for it (its ``tell()`` counts what is gathered): each reads back alone."""
+    from unison.checkpoint.dcp_small import decode
+
+    calls = []
+    real = direct_module.DirectFile.write
+
+    def counted(self, data):
+        calls.append(len(memoryview(data)))
+        return real(self, data)
+
+    monkeypatch.setattr(direct_module.DirectFile, "write", counted)
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        f"layer{i}.{kind}": torch.randn(8, 8 if kind == "weight" else 1, generator=gen)
+        for i in range(24)
+        for kind in ("weight", "bias")
+    }
+    state["big"] = torch.randn(2048 + 3, generator=gen)  # a record past SMALL, between small ones
+    writer = DirectWriter(tmp_path)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+
+    (shard,) = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    size = (tmp_path / shard).stat().st_size
+    written = size + (tmp_path / ".metadata").stat().st_size  # the metadata goes through a DirectFile too
+    assert sum(calls) == written and writer.checksums[shard] == file_checksum(tmp_path / shard)
+    small = [n for n in calls if n < 4096]
+    assert len(calls) < 2 * len(state) + size // 4096  # 39 a tensor before
+    assert len(small) <= 2 * len(state)  # each a remainder before a big write, or the file's last
+
+    from unison.checkpoint.sharded_check import read_metadata
+
+    metadata = read_metadata(tmp_path)
+    data = (tmp_path / shard).read_bytes()
+    for index, where in metadata.storage_data.items():
+        assert where.relative_path == shard
+        got = decode(data[where.offset : where.offset + where.length])
+        assert got is not None and torch.equal(got, state[index.fqn]), index.fqn
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_where_no_checksums_came_the_folder_is_read_back_and_every_file_recorded(tmp_path, monkeypatch):
     """The files of a rank whose checksums did not reach rank 0 are read back: ``checksums.json``
