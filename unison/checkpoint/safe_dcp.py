@@ -151,7 +151,7 @@ def _reader(folder: Path) -> Any:
                 raise CheckpointError(
                     f"{folder}: unison reads only the folder's one .metadata, not a rank's own."
                 )
-            metadata = read_metadata(folder)
+            metadata = read_metadata(folder, checked=True)  # the copy the folder's check read, where it did
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
