@@ -36,6 +36,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from unison.utils.run_files import open_fd
+
 __all__ = ["decode", "read_small"]
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -187,8 +189,7 @@ def decode(archive: bytes) -> torch.Tensor | None:
         if bytes(reader.get_record("byteorder")) != sys.byteorder.encode():
             return None
         spec = _spec(bytes(reader.get_record("data.pkl")))
-        record = None if spec is None else f"data/{spec.storage.key}"
-        if spec is None or record is None or record not in reader.get_all_records():
+        if spec is None or (record := f"data/{spec.storage.key}") not in reader.get_all_records():
             return None
         # the record's bytes where they lie in the archive: get_record would copy them once more
         start = reader.get_record_offset(record)  # type: ignore[attr-defined]  # torch's stubs leave it out
@@ -196,8 +197,7 @@ def decode(archive: bytes) -> torch.Tensor | None:
     except Exception:  # noqa: BLE001 - torch's reader refused it: torch.load says why, later
         return None
     dtype = _DTYPES[spec.storage.kind]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if length != spec.storage.numel * itemsize or not 0 <= start <= len(archive) - length:
+    if length != spec.storage.numel * dtype.itemsize or not 0 <= start <= len(archive) - length:
         return None
     data = memoryview(archive)[start : start + length]
     if any(n == 0 for n in spec.size):
@@ -214,8 +214,6 @@ def read_small(folder: Path, storage_data: Mapping[Any, Any], items: list[Any], 
     """Reads ``items`` (tensor items of one load's plan, each ``storage_data`` entry a plain one: a
     file of the folder, an offset, a length, no transform) with :func:`decode`, in file order, and
     commits each into its target as DCP's reader does; returns those it left to DCP, in their order."""
-    from unison.utils.run_files import open_fd
-
     by_file: dict[str, list[Any]] = {}
     for item in items:
         by_file.setdefault(storage_data[item.storage_index].relative_path, []).append(item)

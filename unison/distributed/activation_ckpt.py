@@ -53,7 +53,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from unison.distributed.fsdp import FSDPOptions
-from unison.distributed.units import auto_units, candidates, check_named, outermost
+from unison.distributed.units import auto_units, candidates, named_units, outermost
 
 ActivationCheckpointing = bool | str | Sequence[str]
 """``False`` (none), ``"auto"`` (or True), one class name or a list of class names."""
@@ -114,12 +114,10 @@ def checkpointed_blocks(
                 "or leave it off."
             )
         return blocks
-    wanted = set(rule)
-    check_named(model, wanted, who)
-    blocks = outermost(model, lambda m: type(m).__name__ in wanted)
+    blocks = named_units(model, rule, who)
     if not blocks:
         raise ValueError(
-            f"{who}={sorted(wanted)}: no instance of these classes holds parameters, so there is nothing to "
+            f"{who}={sorted(set(rule))}: no instance of these classes holds parameters, so there is nothing to "
             f"recompute; choose from {candidates(model)}."
         )
     return blocks

@@ -61,14 +61,15 @@ def runs_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def named_units(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+def named_units(model: nn.Module, names: Sequence[str], who: str = "parallel.fsdp.shard") -> list[nn.Module]:
     """The submodules whose class name is in ``names``, outermost first.
 
     Raises:
-        ValueError: a name matches no submodule; the message lists the classes the model has.
+        ValueError: naming ``who`` (the rule's key), for a name that matches no submodule or one
+            of a container without a forward (:func:`check_named`).
     """
     wanted = set(names)
-    check_named(model, wanted, "parallel.fsdp.shard")
+    check_named(model, wanted, who)
     return outermost(model, lambda m: type(m).__name__ in wanted)
 
 
